@@ -2,7 +2,7 @@
 
 The pieces a training script needs::
 
-    from isthmus import Session, SessionConfig, DDP, DiLoCo
+    from isthmus import Session, SessionConfig, DDP, DiLoCo, StreamingDiLoCo
 
 See the README for a quickstart and docs/ for the protocol.
 """
@@ -20,13 +20,31 @@ from isthmus.coordinator.client import AuthError, CoordinatorError, CoordinatorU
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.faults import Fault, FaultInjector
-from isthmus.strategies import DDP, DiLoCo, DiLoCoConfig, Strategy
+from isthmus.strategies import (
+    CO2,
+    DDP,
+    CO2Config,
+    DiLoCo,
+    DiLoCoConfig,
+    EagerConfig,
+    EagerDiLoCo,
+    Gossip,
+    GossipConfig,
+    LocalSGD,
+    LocalSGDConfig,
+    Strategy,
+    StreamingConfig,
+    StreamingDiLoCo,
+    make_strategy,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CO2",
     "DDP",
     "AuthError",
+    "CO2Config",
     "CollectiveError",
     "Coordinator",
     "CoordinatorConfig",
@@ -34,8 +52,14 @@ __all__ = [
     "CoordinatorUnreachable",
     "DiLoCo",
     "DiLoCoConfig",
+    "EagerConfig",
+    "EagerDiLoCo",
     "Fault",
     "FaultInjector",
+    "Gossip",
+    "GossipConfig",
+    "LocalSGD",
+    "LocalSGDConfig",
     "MembershipConfig",
     "Round",
     "RoundFailed",
@@ -44,4 +68,7 @@ __all__ = [
     "SessionConfig",
     "StateMismatch",
     "Strategy",
+    "StreamingConfig",
+    "StreamingDiLoCo",
+    "make_strategy",
 ]
