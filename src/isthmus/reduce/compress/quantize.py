@@ -535,7 +535,7 @@ def quantized_all_reduce(
 
 
 #: values of one peer's row per pipeline chunk (see quantized_all_reduce_many)
-CHUNK_VALUES = 1 << 18
+CHUNK_VALUES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -668,9 +668,11 @@ def quantized_all_reduce_many(
     while gathering:
         unpack()
 
-    results = [flat.clone() for flat in flats]  # empty tensors stay as they are
-    for pos, _, _, n in layouts:
-        results[pos] = outs[pos].reshape(-1)[:n]
+    # empty tensors come back as (cloned) empty tensors; the rest are views of the outputs
+    results = [
+        outs[pos].reshape(-1)[: flat.numel()] if pos in outs else flat.clone()
+        for pos, flat in enumerate(flats)
+    ]
     return results
 
 
