@@ -17,7 +17,7 @@ A baseline run trains the honest peers alone (``n - k`` peers, plain mean).
 round (all ranks released together by a barrier) on fixed random updates of the tiny GPT's size
 and of the default GPT's size, median over repetitions, with the bytes each peer sent.
 
-Usage (the figures in docs/benchmarks/byzantine.md)::
+Usage (the figures in docs/BENCHMARKS.md)::
 
     .venv/bin/python benchmarks/byzantine.py train --settings 5:1,7:2 --steps 60 --json OUT.json
     .venv/bin/python benchmarks/byzantine.py cost --peers 5,7 --json COST.json

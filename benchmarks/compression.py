@@ -1,4 +1,4 @@
-"""Compression benchmarks; the figures in docs/benchmarks/compression.md.
+"""Compression benchmarks; the figures in docs/BENCHMARKS.md.
 
 Two experiments:
 

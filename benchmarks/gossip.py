@@ -22,7 +22,7 @@ Experiments:
   each. At ``--drop-at`` a quarter of the peers is SIGKILLed: either the connectivity-only peers
   or as many data-holding peers (the best-connected ones among them); plus a run without drops.
 
-Usage (the figures in docs/benchmarks/gossip.md)::
+Usage (the figures in docs/BENCHMARKS.md)::
 
     .venv/bin/python benchmarks/gossip.py all --steps 240 --out /tmp/gossip-bench \\
         --json docs/benchmarks/gossip.json

@@ -1,4 +1,4 @@
-"""Reproduce the lab figures in docs/benchmarks/lab.md (needs root and iproute2; see docs/LAB.md).
+"""Reproduce the lab figures in docs/BENCHMARKS.md (needs root and iproute2; see docs/LAB.md).
 
     python benchmarks/lab.py allreduce [--out DIR]     # isthmus vs raw Gloo, 4 peers, 100 Mbit/s, 32 MB
     python benchmarks/lab.py targets [--out DIR]       # DDP, DiLoCo, Streaming DiLoCo: 4 peers, 10 Mbit/s

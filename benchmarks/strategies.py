@@ -1,4 +1,4 @@
-"""Low-communication strategies side by side; the figures in docs/benchmarks/strategies.md.
+"""Low-communication strategies side by side; the figures in docs/BENCHMARKS.md.
 
 The tiny (or default) GPT trained by ``--peers`` local peer processes (``isthmus demo`` without
 faults) once per strategy, every strategy with the same token budget (the same number of steps,
@@ -11,7 +11,7 @@ two times it compares:
 the mean communication time of one reduction (issue to completion) and the compute it overlaps
 (the inner steps between issue and wait times the median step time).
 
-Example (the command behind docs/benchmarks/strategies.md)::
+Example (the command behind docs/BENCHMARKS.md)::
 
     python benchmarks/strategies.py --peers 4 --model tiny --steps 300 --sync-every 20 \
         --fragments 2 --overlap 2 --alpha 0.5 --json runs/bench-strategies/fp32.json

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from isthmus.comm.state import tensor_bytes
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.job import TrainJob
+from isthmus.lab.netns import cleanup_stale, list_namespaces, unavailable_reason
 
 TOKEN = "integration-test-token"
 
@@ -132,3 +134,20 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     yield make
     for c in made:
         c.close()
+
+
+NETNS_REASON = unavailable_reason()
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A fresh name prefix for a test's network namespaces; everything under it is removed after
+    the test, and the test fails if anything was left. Skips (with the reason) without root."""
+    if NETNS_REASON is not None:
+        pytest.skip(f"needs root and iproute2: {NETNS_REASON}")
+    p = "t" + secrets.token_hex(4)
+    try:
+        yield p
+    finally:
+        cleanup_stale(p, include_live=True)
+        assert not [n for n in list_namespaces() if n.startswith(p + "-")]

@@ -122,3 +122,28 @@ def test_below_min_peers_a_round_waits_then_fails_with_the_reason(cluster):
             s.begin()
     finally:
         s.close()
+
+
+def test_a_peer_id_from_before_a_coordinator_restart_cannot_speak_for_a_new_peer(cluster):
+    # A restarted coordinator hands out ids from 0 again: a surviving peer's old id 0 must not be
+    # taken for the new peer 0 (its schema-less begin would get that peer refused).
+    c = cluster(start_peers=1)
+    addr = c.coord.address
+    code, reg = _post(addr, "/v1/register", json.dumps({"name": "new"}).encode())
+    assert code == 200
+    pid, run = reg["peer_id"], reg["run_id"]
+    old = {"peer": pid, "run": "0ld0ld00"}
+    begin = {**old, "nonce": "n1", "revision": 12}
+    code, d = _post(addr, "/v1/begin", json.dumps(begin).encode())
+    assert code == 200 and d["kind"] == "evicted", d
+    assert run in d["reason"] and "0ld0ld00" in d["reason"] and "restarted" in d["reason"]
+    commit = {**old, "epoch": 1, "round": 12, "ok": False, "error": "x"}
+    code, d = _post(addr, "/v1/commit", json.dumps(commit).encode())
+    assert code == 200 and d["kind"] == "evicted", d
+    code, _ = _post(addr, "/v1/leave", json.dumps(old).encode())
+    assert code == 200
+    # none of it touched the peer that really holds the id
+    st = c.coord.status()
+    (peer,) = [p for p in st["peers"] if p["id"] == pid]
+    assert peer["state"] == "active" and peer["name"] == "new", peer
+    assert st["counters"].get("rounds_aborted", 0) == 0

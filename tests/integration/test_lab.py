@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from isthmus.cli import main as cli_main
 from isthmus.lab import run as run_mod
-from isthmus.lab.netns import LabUnavailable, cleanup_stale, list_namespaces, unavailable_reason
+from isthmus.lab.netns import LabUnavailable, list_namespaces, unavailable_reason
 from isthmus.lab.run import LabOptions, NamespaceLauncher, run_lab, scenario_steps
 from isthmus.lab.scenario import load_scenario, parse_scenario
 
@@ -34,18 +32,6 @@ FAST = {
     "collective_timeout": 20.0,
     "timeout_s": 240.0,
 }
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    if REASON is not None:
-        pytest.skip(f"needs root and iproute2: {REASON}")
-    p = "l" + secrets.token_hex(4)
-    try:
-        yield p
-    finally:
-        cleanup_stale(p, include_live=True)
-        assert not [n for n in list_namespaces() if n.startswith(p + "-")]
 
 
 def _ours(prefix: str) -> list[str]:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -32,18 +30,6 @@ from isthmus.lab.netns import (
 from isthmus.lab.scenario import parse_scenario
 
 REASON = unavailable_reason()
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    if REASON is not None:
-        pytest.skip(f"needs root and iproute2: {REASON}")
-    p = "t" + secrets.token_hex(4)
-    try:
-        yield p
-    finally:
-        cleanup_stale(p, include_live=True)
-        assert not [n for n in list_namespaces() if n.startswith(p + "-")]
 
 
 def _ours(prefix: str) -> list[str]:

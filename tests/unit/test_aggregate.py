@@ -35,8 +35,9 @@ def honest_vectors(n: int, d: int, seed: int, center: float = 1.0) -> list[torch
 # -- coordinate-wise rules ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("forge", [attacks.sign_flip, attacks.inner_product_manipulation,
-                                   attacks.a_little_is_enough])
+@pytest.mark.parametrize(
+    "forge", [attacks.sign_flip, attacks.inner_product_manipulation, attacks.a_little_is_enough]
+)
 def test_median_stays_within_honest_range_per_coordinate(forge):
     honest = honest_vectors(5, 300, seed=1)
     byz = [v * 1e6 for v in forge(honest, 2)]  # scaled up so any leak would show
@@ -49,22 +50,36 @@ def test_median_stays_within_honest_range_per_coordinate(forge):
 
 
 def test_median_of_even_count_is_the_midpoint():
-    vs = [torch.tensor([1.0, -4.0]), torch.tensor([4.0, 0.0]), torch.tensor([2.0, 8.0]),
-          torch.tensor([3.0, 2.0])]
+    vs = [
+        torch.tensor([1.0, -4.0]),
+        torch.tensor([4.0, 0.0]),
+        torch.tensor([2.0, 8.0]),
+        torch.tensor([3.0, 2.0]),
+    ]
     assert agg.median(vs, 1).tolist() == [2.5, 1.0]
 
 
 def test_trimmed_mean_drops_exactly_the_f_extremes_per_coordinate():
-    vs = [torch.tensor([1.0, 100.0]), torch.tensor([2.0, -50.0]), torch.tensor([3.0, 7.0]),
-          torch.tensor([1e9, 5.0]), torch.tensor([-1e9, 6.0])]
+    vs = [
+        torch.tensor([1.0, 100.0]),
+        torch.tensor([2.0, -50.0]),
+        torch.tensor([3.0, 7.0]),
+        torch.tensor([1e9, 5.0]),
+        torch.tensor([-1e9, 6.0]),
+    ]
     # coordinate 0: drop -1e9 and 1e9 -> mean(1, 2, 3); coordinate 1: drop -50 and 100 -> mean(5, 6, 7)
     assert agg.trimmed_mean(vs, 1).tolist() == [2.0, 6.0]
     assert agg.trimmed_mean(vs, 0).tolist() == pytest.approx(agg.mean(vs).tolist())
 
 
 def test_meamed_averages_the_values_closest_to_the_median():
-    vs = [torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([10.0]),
-          torch.tensor([2.5])]
+    vs = [
+        torch.tensor([0.0]),
+        torch.tensor([1.0]),
+        torch.tensor([2.0]),
+        torch.tensor([10.0]),
+        torch.tensor([2.5]),
+    ]
     # median 2; the 3 closest are 2, 2.5, 1
     assert agg.meamed(vs, 2).tolist() == [pytest.approx(5.5 / 3)]
 
@@ -72,8 +87,9 @@ def test_meamed_averages_the_values_closest_to_the_median():
 # -- Krum --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("forge", [attacks.sign_flip, attacks.inner_product_manipulation,
-                                   attacks.a_little_is_enough])
+@pytest.mark.parametrize(
+    "forge", [attacks.sign_flip, attacks.inner_product_manipulation, attacks.a_little_is_enough]
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_krum_picks_an_honest_vector_n7_f2(forge, seed):
     # ALIE with tau=1.5 sits ~sqrt(3) sigma from each honest vector against sqrt(2) sigma between
@@ -133,10 +149,13 @@ def test_centered_clipping_bounds_one_vectors_influence(iterations):
     honest = honest_vectors(6, 40, seed=5)
     start = torch.stack(honest).mean(dim=0) + 0.1
     tau, n = 2.0, 7
-    clean = agg.centered_clipping([*honest, honest[0]], 1, start=start, tau=tau, iterations=iterations)
+    clean = agg.centered_clipping(
+        [*honest, honest[0]], 1, start=start, tau=tau, iterations=iterations
+    )
     for scale in (1e3, 1e9):
-        evil = agg.centered_clipping([*honest, torch.full((40,), scale)], 1, start=start, tau=tau,
-                                     iterations=iterations)
+        evil = agg.centered_clipping(
+            [*honest, torch.full((40,), scale)], 1, start=start, tau=tau, iterations=iterations
+        )
         # v -> mean_i proj_{B(v, tau)}(x_i) is 1-Lipschitz in v and swapping one input moves the
         # mean of projections by at most 2 tau / n, so L iterations differ by at most 2 L tau / n
         assert torch.linalg.vector_norm(evil - clean) <= 2 * tau / n * iterations + 1e-4
@@ -235,7 +254,9 @@ def test_one_non_finite_vector_is_excluded_by_every_rule(spec, bad, caplog):
 
 def test_all_non_finite_raises_and_names_the_reasons():
     vs = [torch.full((3,), math.nan), torch.tensor([1.0, math.inf, 0.0])]
-    with pytest.raises(AggregationError, match=r"all 2 vectors were excluded.*0: contains NaN.*1: contains Inf"):
+    with pytest.raises(
+        AggregationError, match=r"all 2 vectors were excluded.*0: contains NaN.*1: contains Inf"
+    ):
         agg.mean(vs)
 
 
@@ -246,7 +267,9 @@ def test_exclusions_count_against_f_and_too_few_left_raises():
     assert res.report.f_effective == 1 and torch.isfinite(res.vector).all()
     vs[1] = vs[2] = torch.full((4,), math.inf)
     # krum with n=5, f=1 is fine, but 3 exclusions leave 2 vectors where f_effective=0 needs 3
-    with pytest.raises(AggregationError, match=r"only 2 of 5 remain after excluding.*0: contains NaN"):
+    with pytest.raises(
+        AggregationError, match=r"only 2 of 5 remain after excluding.*0: contains NaN"
+    ):
         agg.krum(vs, 1)
 
 
@@ -257,8 +280,11 @@ def test_overflowing_aggregate_raises_instead_of_returning_inf():
 
 
 def test_huge_float64_vector_whose_norm_overflows_is_excluded():
-    vs = [torch.ones(3, dtype=torch.float64), torch.full((3,), 1e300, dtype=torch.float64),
-          2 * torch.ones(3, dtype=torch.float64)]
+    vs = [
+        torch.ones(3, dtype=torch.float64),
+        torch.full((3,), 1e300, dtype=torch.float64),
+        2 * torch.ones(3, dtype=torch.float64),
+    ]
     res = agg.make_aggregator("mean").aggregate(vs, 1)
     assert res.report.excluded == {1: "squared norm overflows float64"}
     assert res.vector.tolist() == [1.5, 1.5, 1.5]
@@ -298,7 +324,10 @@ def test_bad_f_and_bad_start_are_rejected():
     [
         (lambda: agg.geometric_median([torch.ones(2)], 0, nu=-1), "nu must be a finite number > 0"),
         (lambda: agg.centered_clipping([torch.ones(2)], 0, tau=0), "tau must be"),
-        (lambda: agg.centered_clipping([torch.ones(2)], 0, iterations=0), "iterations must be an int >= 1"),
+        (
+            lambda: agg.centered_clipping([torch.ones(2)], 0, iterations=0),
+            "iterations must be an int >= 1",
+        ),
         (lambda: agg.multi_krum([torch.ones(2)], 0, m=0), "m must be an int >= 1"),
         (lambda: agg.flag([torch.ones(2)], 0, r=0), "r must be an int >= 1"),
         (lambda: agg.bucketing([torch.ones(2)], 0, s=0), "s must be an int >= 1"),

@@ -49,7 +49,9 @@ def groups():
 
 def attacked_inputs(world: int, case: int, d: int = D, dtype=torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + case)
-    honest = [(torch.randn(d, generator=g, dtype=torch.float64) + 0.5).to(dtype) for _ in range(world - 1)]
+    honest = [
+        (torch.randn(d, generator=g, dtype=torch.float64) + 0.5).to(dtype) for _ in range(world - 1)
+    ]
     byz = FORGERS[case % len(FORGERS)].forge(honest, 1)
     return attacks.inject(honest, byz, positions=[case % world])
 
@@ -114,7 +116,9 @@ def test_bulk_bytes_are_one_all_reduce(groups):
     for g, b in zip(groups[4], before, strict=True):
         sent = {op: g.stats.by_op.get(op, 0) - b.get(op, 0) for op in ("all_to_all", "all_gather")}
         n, p = 4, 4
-        small = wire_bytes("all_gather", 5 * 8, n) + wire_bytes("all_gather", (2 * n + p * p) * 8, n)
+        small = wire_bytes("all_gather", 5 * 8, n) + wire_bytes(
+            "all_gather", (2 * n + p * p) * 8, n
+        )
         bulk = sent["all_to_all"] + sent["all_gather"] - small
         assert bulk == wire_bytes("all_reduce", d * 4, n)  # 1000 divides by 4: no padding
         assert small == 3 * 40 + 3 * 24 * 8
@@ -169,7 +173,10 @@ def test_disagreeing_peers_all_raise_instead_of_hanging_or_crashing():
     expectations = [
         (lengths, ["disagree on the vector length"] * 3),
         (specs, ["disagree on the aggregator spec"] * 3),
-        (shapes, ["peer(s) [1] passed an invalid", "shape (2, 2)", "peer(s) [1] passed an invalid"]),
+        (
+            shapes,
+            ["peer(s) [1] passed an invalid", "shape (2, 2)", "peer(s) [1] passed an invalid"],
+        ),
         (starts, ["disagree on the use of a start vector"] * 3),
         (all_nan, ["all 3 vectors were excluded"] * 3),
     ]
@@ -187,8 +194,12 @@ def test_disagreeing_peers_all_raise_instead_of_hanging_or_crashing():
 def test_too_few_after_exclusion_raises_on_every_peer(groups):
     vs = attacked_inputs(3, 4)
     vs[2] = torch.full((D,), math.inf)
-    errors = run_parallel(groups[3], catching(lambda g: agg.make_aggregator("krum").distributed(g, vs[g.rank], 0)))
-    assert all(isinstance(e, AggregationError) and "remain after excluding" in str(e) for e in errors)
+    errors = run_parallel(
+        groups[3], catching(lambda g: agg.make_aggregator("krum").distributed(g, vs[g.rank], 0))
+    )
+    assert all(
+        isinstance(e, AggregationError) and "remain after excluding" in str(e) for e in errors
+    )
 
 
 def test_chunked_float64_work_matches_reference(groups, monkeypatch):
@@ -196,7 +207,14 @@ def test_chunked_float64_work_matches_reference(groups, monkeypatch):
     monkeypatch.setattr(sharded, "_CHUNK", 4)
     vs = attacked_inputs(4, 6)
     start = torch.linspace(0, 1, D)
-    for spec, f in (("krum", 0), ("geometric_median", 1), ("nnm+median", 1), ("cc:tau=0.3", 1),
-                    ("clip+flag:r=2", 1)):
+    for spec, f in (
+        ("krum", 0),
+        ("geometric_median", 1),
+        ("nnm+median", 1),
+        ("cc:tau=0.3", 1),
+        ("clip+flag:r=2", 1),
+    ):
         a = agg.make_aggregator(spec)
-        assert_matches_reference(run_all(groups[4], vs, a, f, start), a.aggregate(vs, f, start=start))
+        assert_matches_reference(
+            run_all(groups[4], vs, a, f, start), a.aggregate(vs, f, start=start)
+        )

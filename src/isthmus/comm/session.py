@@ -231,7 +231,11 @@ class Session:
             timeout=datetime.timedelta(seconds=self.config.collective_timeout),
         )
         self._client.start_heartbeat(
-            self.peer_id, float(reply["heartbeat_interval"]), self._heartbeat_info, self._on_push
+            self.peer_id,
+            float(reply["heartbeat_interval"]),
+            self._heartbeat_info,
+            self._on_push,
+            run_id=self.run_id,
         )
         log.info("%s registered as peer %d of run %s", self.name, self.peer_id, self.run_id)
 
@@ -361,7 +365,12 @@ class Session:
 
     def _ask_for_round(self, deadline: float) -> RoundPlan | None:
         nonce = uuid.uuid4().hex
-        body: dict[str, Any] = {"peer": self.peer_id, "nonce": nonce, "revision": self.revision}
+        body: dict[str, Any] = {
+            "peer": self.peer_id,
+            "run": self.run_id,
+            "nonce": nonce,
+            "revision": self.revision,
+        }
         if self._fresh:
             body["schema"] = [s.to_json() for s in self.state.schema()]
         if self._fresh or self.revision % self.parity_every == 0:
@@ -418,6 +427,7 @@ class Session:
         deadline = time.monotonic() + self.config.round_timeout
         body = {
             "peer": self.peer_id,
+            "run": self.run_id,
             "epoch": plan.epoch,
             "round": plan.round,
             "ok": ok,
@@ -500,7 +510,9 @@ class Session:
         if leave and self.peer_id is not None:
             with contextlib.suppress(Exception):
                 self._client.connect_timeout = min(self._client.connect_timeout, 5.0)
-                self._client.post("/v1/leave", {"peer": self.peer_id}, read_timeout=5.0)
+                self._client.post(
+                    "/v1/leave", {"peer": self.peer_id, "run": self.run_id}, read_timeout=5.0
+                )
         self._client.close()
         self._set_group(None)
         self._builder.shutdown(wait=False)

@@ -150,6 +150,7 @@ class CoordinatorClient:
         interval: float,
         info: Callable[[], dict[str, Any]],
         on_push: Callable[[dict[str, Any]], None],
+        run_id: str = "",
     ) -> None:
         """Keep a websocket to the coordinator and send ``info()`` every ``interval`` seconds.
 
@@ -159,7 +160,7 @@ class CoordinatorClient:
         """
         self.stop_heartbeat()
         self._hb_task = asyncio.run_coroutine_threadsafe(
-            self._heartbeat(peer_id, interval, info, on_push), self._loop
+            self._heartbeat(peer_id, interval, info, on_push, run_id), self._loop
         )
 
     def stop_heartbeat(self) -> None:
@@ -173,10 +174,13 @@ class CoordinatorClient:
         interval: float,
         info: Callable[[], dict[str, Any]],
         on_push: Callable[[dict[str, Any]], None],
+        run_id: str,
     ) -> None:
         s = await self._sess()
+        # the run id keeps an id from before a coordinator restart from naming a new peer
+        url = f"{self.base}/v1/ws?peer={peer_id}" + (f"&run={run_id}" if run_id else "")
         try:
-            async with s.ws_connect(f"{self.base}/v1/ws?peer={peer_id}", heartbeat=None) as ws:
+            async with s.ws_connect(url, heartbeat=None) as ws:
 
                 async def reader() -> None:
                     async for msg in ws:

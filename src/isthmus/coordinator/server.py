@@ -3,12 +3,14 @@
 Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``):
 
 * ``POST /v1/register`` ``{name, info}`` -> ``{peer_id, run_id, store_port, ...}``
-* ``GET  /v1/ws?peer=<id>`` websocket: the peer sends heartbeats, the coordinator pushes
+* ``GET  /v1/ws?peer=<id>&run=<run_id>`` websocket: the peer sends heartbeats, the coordinator pushes
   ``{"type": "abort", ...}`` when a round the peer is in aborts. A closed websocket evicts the peer
   at once (the kernel closes a crashed process's sockets), so a SIGKILL is noticed in
   milliseconds; a stopped or partitioned peer is noticed after ``heartbeat_timeout``.
 * ``POST /v1/begin`` and ``POST /v1/commit``: long-polls (held up to ``poll_s``, then answered
   ``wait``; the client asks again). See :mod:`isthmus.coordinator.membership` for the rules.
+  Requests from peers also carry ``run`` (the run id from ``register``); one naming another
+  run, from before a coordinator restart, is answered ``evicted``.
 * ``POST /v1/leave``, ``GET /v1/status`` (members, epoch, revision, heartbeats, counters, recent
   events; try ``curl -H "Authorization: Bearer $TOKEN" http://host:port/v1/status``).
 
@@ -306,6 +308,17 @@ class Coordinator:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
+    def _stale_run(self, run: object) -> str | None:
+        """Why a request that names run ``run`` belongs to another incarnation of this coordinator,
+        or None. Peer ids start again at 0 after a coordinator restart, so an old id alone could
+        name a different, newly registered peer; the run id tells them apart. Requests that name
+        no run (curl) are taken at their word."""
+        if run is None or run == self.run_id:
+            return None
+        return (
+            f"this coordinator runs run {self.run_id}, not {run} (it was restarted); register again"
+        )
+
     # -- handlers -------------------------------------------------------------------------------
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -337,6 +350,11 @@ class Coordinator:
             raise _BadRequest("query parameter 'peer' must be the peer id") from None
         ws = web.WebSocketResponse(heartbeat=None)
         await ws.prepare(request)
+        stale = self._stale_run(request.query.get("run"))
+        if stale is not None:
+            await ws.send_json({"type": "evicted", "reason": stale})
+            await ws.close()
+            return ws
         with self._lock:
             alive = self.membership.heartbeat(pid, self._now())
         if not alive:
@@ -379,6 +397,9 @@ class Coordinator:
         body = await self._json(request)
         pid = _field(body, "peer", int)
         nonce = _field(body, "nonce", str)
+        stale = self._stale_run(body.get("run"))
+        if stale is not None:
+            return web.json_response(Decision("evicted", stale).to_json())
         revision = _field(body, "revision", int)
         hashes = body.get("hashes")
         if hashes is not None and not (
@@ -408,6 +429,9 @@ class Coordinator:
         rnd = _field(body, "round", int)
         ok = _field(body, "ok", bool)
         error = str(body.get("error") or "")[:2000]
+        stale = self._stale_run(body.get("run"))
+        if stale is not None:
+            return web.json_response(Decision("evicted", stale).to_json())
         with self._lock:
             d = self.membership.commit(pid, self._now(), epoch=epoch, round=rnd, ok=ok, error=error)
         self._mutated()
@@ -418,6 +442,8 @@ class Coordinator:
     async def _leave(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         pid = _field(body, "peer", int)
+        if self._stale_run(body.get("run")) is not None:
+            return web.json_response({"ok": True})  # that peer id is someone else's here
         with self._lock:
             self.membership.leave(pid, self._now())
         self._mutated()

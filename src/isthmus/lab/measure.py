@@ -5,7 +5,7 @@
 ``*.jsonl``) and extracts the simulator's inputs (compute per step, payload bytes per round, link
 rate, strategy shape) and the figures to check it against (wall-clock per step, round latency,
 bytes per step). :func:`validate_runs` predicts each run with those inputs and returns the
-relative errors, which docs/benchmarks/lab.md reports for 2 to 6 peers.
+relative errors, which docs/BENCHMARKS.md reports for 2 to 6 peers.
 
 How each number is taken:
 

@@ -102,6 +102,20 @@ def register_optimizer(session: Session, prefix: str, opt: torch.optim.Optimizer
             i += 1
 
 
+def register_globals(session: Session, names: list[str], tensors: list[torch.Tensor]) -> None:
+    """Register the global (outer) parameters as ``global/<name>``: the copy every peer agrees on."""
+    for n, g in zip(names, tensors, strict=True):
+        session.register(f"global/{n}", g)
+
+
+def outer_sgd(
+    params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool
+) -> torch.optim.SGD:
+    """The DiLoCo family's outer optimizer: SGD on the global parameters, Nesterov only with
+    momentum (torch refuses Nesterov without it)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
 def config_from(cls: type[C], options: dict[str, Any]) -> C:
     """Build a strategy's config dataclass from flat options, naming unknown ones."""
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]

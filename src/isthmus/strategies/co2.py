@@ -28,7 +28,7 @@ Per boundary (every tau local steps), on every peer, with ``x_old`` the shared g
 Defaults follow the public code: ``outer_lr`` 1.0, a constant ``gap_penalty`` of 1.0, and
 ``outer_momentum`` (beta) 0.2, the low end of the code's 0.2-0.6 ("less for fewer workers"): on
 the tiny GPT with 4 peers (tau = 20, 300 steps) beta 0.5 reached an eval loss of 3.32 and 0.2
-reached 2.95 (docs/benchmarks/strategies.md). The paper's penalty is an adaptive,
+reached 2.95 (docs/BENCHMARKS.md). The paper's penalty is an adaptive,
 layer-wise measure of the staleness gap; that rule is not confirmed and not implemented here: the
 constant is what the public code applies. ``clip`` defaults to 1.0 (the public code's threshold);
 ``clip=None`` disables it.
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
-from isthmus.strategies.base import config_from
+from isthmus.strategies.base import config_from, register_globals
 from isthmus.strategies.overlap import DelayedOuter
 from isthmus.strategies.reducer import Reduced, Reducer
 
@@ -118,8 +118,7 @@ class CO2(DelayedOuter):
         self.momentum = [torch.zeros_like(g) for g in self.global_params]
         self.clipped = 0  # elements clamped so far (this peer's count; identical on all peers)
         if session is not None:
-            for n, g in zip(self.names, self.global_params, strict=True):
-                session.register(f"global/{n}", g)
+            register_globals(session, self.names, self.global_params)
             for n, m in zip(self.names, self.momentum, strict=True):
                 session.register(f"co2/momentum/{n}", m)
             self._register_counter()

@@ -33,7 +33,13 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round, Session
-from isthmus.strategies.base import Strategy, config_from, register_optimizer
+from isthmus.strategies.base import (
+    Strategy,
+    config_from,
+    outer_sgd,
+    register_globals,
+    register_optimizer,
+)
 from isthmus.strategies.reducer import Reduced, Reducer
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
@@ -84,18 +90,17 @@ class DiLoCo(Strategy):
         self.inner = inner_optimizer
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer = torch.optim.SGD(
+        self.outer = outer_sgd(
             self.global_params,
-            lr=self.config.outer_lr,
-            momentum=self.config.outer_momentum,
-            nesterov=self.config.nesterov and self.config.outer_momentum > 0,
+            self.config.outer_lr,
+            self.config.outer_momentum,
+            self.config.nesterov,
         )
         self.since_sync = 0
         self.outer_rounds = 0
         self.joined = session is None
         if session is not None:
-            for n, g in zip(self.names, self.global_params, strict=True):
-                session.register(f"global/{n}", g)
+            register_globals(session, self.names, self.global_params)
             register_optimizer(session, "outer", self.outer)
             self._register_counter()
 

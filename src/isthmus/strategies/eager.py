@@ -31,7 +31,7 @@ approximation (the paper's formula is marked unconfirmed in ALGORITHMS.md).
 Defaults: DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9) is unstable once its update
 arrives one phase late: its momentum amplifies each outer gradient about 7 times, and with the
 delay the amplified steps overshoot. On the tiny GPT with 4 peers (H = 20, 300 steps; see
-docs/benchmarks/strategies.md) the final eval loss was 3.43 with (0.7, 0.9), 2.74 with momentum
+docs/BENCHMARKS.md) the final eval loss was 3.43 with (0.7, 0.9), 2.74 with momentum
 0.5, 2.67 with (0.5, 0.5) and 2.64 with (1.0, 0): the defaults are lr 1.0 without momentum. The
 eager update matters: the naive delayed scheme with the same (1.0, 0) reached 2.86.
 
@@ -59,7 +59,13 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
-from isthmus.strategies.base import config_from, materialize_optimizer_state, register_optimizer
+from isthmus.strategies.base import (
+    config_from,
+    materialize_optimizer_state,
+    outer_sgd,
+    register_globals,
+    register_optimizer,
+)
 from isthmus.strategies.overlap import DelayedOuter
 from isthmus.strategies.reducer import Reduced, Reducer
 
@@ -124,18 +130,17 @@ class EagerDiLoCo(DelayedOuter):
             reducer=reducer
             or Reducer(compression=compression, aggregator=aggregator, byzantine_f=byzantine_f),
         )
-        self.outer = torch.optim.SGD(
+        self.outer = outer_sgd(
             self.global_params,
-            lr=self.config.outer_lr,
-            momentum=self.config.outer_momentum,
-            nesterov=self.config.nesterov and self.config.outer_momentum > 0,
+            self.config.outer_lr,
+            self.config.outer_momentum,
+            self.config.nesterov,
         )
         # Momentum buffers exist (zeros) from the start, with or without a session, so that a
         # one-peer run does the same arithmetic either way.
         materialize_optimizer_state(self.outer)
         if session is not None:
-            for n, g in zip(self.names, self.global_params, strict=True):
-                session.register(f"global/{n}", g)
+            register_globals(session, self.names, self.global_params)
             register_optimizer(session, "outer", self.outer)
             self._register_counter()
 

@@ -65,7 +65,13 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round, Session
-from isthmus.strategies.base import Strategy, config_from, register_optimizer
+from isthmus.strategies.base import (
+    Strategy,
+    config_from,
+    outer_sgd,
+    register_globals,
+    register_optimizer,
+)
 from isthmus.strategies.overlap import Planned, RoundPipeline, SteadyOverlap
 from isthmus.strategies.reducer import Reducer
 
@@ -271,12 +277,7 @@ class StreamingDiLoCo(Strategy):
             sizes=[p.numel() for p in self.params],
         )
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer = torch.optim.SGD(
-            self.global_params,
-            lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov and cfg.outer_momentum > 0,
-        )
+        self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.since = 0
         self.outer_rounds = 0
         # (step, fragment) of every applied round, in order: the schedule as it happened
@@ -286,8 +287,7 @@ class StreamingDiLoCo(Strategy):
         self.steady = SteadyOverlap(self.reducer.timing)
         if session is not None:
             # The same names as DiLoCo: with P=1, tau=0 the two share state bit for bit.
-            for n, g in zip(self.names, self.global_params, strict=True):
-                session.register(f"global/{n}", g)
+            register_globals(session, self.names, self.global_params)
             register_optimizer(session, "outer", self.outer)
             self._register_counter()
 
