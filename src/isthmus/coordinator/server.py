@@ -3,9 +3,9 @@
 Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``):
 
 * ``POST /v1/register`` ``{name, info}`` -> ``{peer_id, run_id, store_port, ...}``
-* ``GET  /v1/ws?peer=<id>&run=<run_id>`` websocket: the peer sends heartbeats, the coordinator pushes
-  ``{"type": "abort", ...}`` when a round the peer is in aborts. A closed websocket evicts the peer
-  at once (the kernel closes a crashed process's sockets), so a SIGKILL is noticed in
+* ``GET  /v1/ws?peer=<id>&run=<run_id>`` websocket: the peer sends heartbeats, the coordinator
+  pushes ``{"type": "abort", ...}`` when a round the peer is in aborts. A closed websocket evicts
+  the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL is noticed in
   milliseconds; a stopped or partitioned peer is noticed after ``heartbeat_timeout``.
 * ``POST /v1/begin`` and ``POST /v1/commit``: long-polls (held up to ``poll_s``, then answered
   ``wait``; the client asks again). See :mod:`isthmus.coordinator.membership` for the rules.
