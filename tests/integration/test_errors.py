@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import TOKEN, assert_bitwise_equal
 
+from conftest import TOKEN, assert_bitwise_equal
 from isthmus import AuthError, CoordinatorUnreachable, RoundTimeout, Session, SessionConfig
 
 
