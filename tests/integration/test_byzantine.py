@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 import torch
-from conftest import Cluster, assert_bitwise_equal
 
+from conftest import Cluster, assert_bitwise_equal
 from isthmus.models import GPT, GPTConfig
 
 STEPS = 24

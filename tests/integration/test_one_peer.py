@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-from conftest import TOKEN, Cluster
 
+from conftest import TOKEN, Cluster
 from isthmus import DDP, DiLoCo, DiLoCoConfig, Session, SessionConfig
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig

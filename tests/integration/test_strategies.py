@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOKEN, Cluster, assert_bitwise_equal
 
+from conftest import TOKEN, Cluster, assert_bitwise_equal
 from isthmus import Fault, FaultInjector, Session, SessionConfig
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
