@@ -386,6 +386,7 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             compression=args.compression,
             network=args.network,
+            collectives=args.collectives,
         )
         result = run_bench(cfg)
     except (argparse.ArgumentTypeError, ValueError, BenchError, LabError) as e:
@@ -512,6 +513,11 @@ def _add_lab_parsers(sub: Any) -> None:
         "--compression", default=None, help="also time this compressor (int8, int4, ...)"
     )
     a.add_argument("--network", default="auto", choices=["auto", "netns", "loopback"])
+    a.add_argument(
+        "--collectives",
+        action="store_true",
+        help="also time raw Gloo all_to_all and all_gather moving one int8 stage's bytes",
+    )
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.set_defaults(func=_cmd_bench_allreduce)
 

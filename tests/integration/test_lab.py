@@ -254,7 +254,7 @@ def test_bench_allreduce_json_has_the_promised_keys(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["bench", "allreduce", "--peers", "2", "--rate", "50mbit", "--size-mb", "0.25"]
-    argv += ["--reps", "1", "--warmup", "0", "--compression", "int8", "--json"]
+    argv += ["--reps", "1", "--warmup", "0", "--compression", "int8", "--collectives", "--json"]
     assert cli_main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     for key in ("isthmus_busbw_mbit", "gloo_busbw_mbit", "ratio_vs_gloo", "fp32_time_s"):
@@ -266,6 +266,14 @@ def test_bench_allreduce_json_has_the_promised_keys(
     assert r["fp32_time_s"] / r["time_s"] == pytest.approx(r["speedup_vs_fp32"], rel=1e-2)
     # int8 sends about a quarter of the fp32 bytes (plus one scale per block)
     assert r["wire_bytes_per_peer"] < 0.3 * r["fp32_wire_bytes_per_peer"]
+    # --collectives: raw all_to_all and all_gather, each sending one int8 stage (2 peers: half
+    # of the 62,500 one-byte values)
+    assert r["stage_bytes_per_peer"] == 31_250
+    for key in ("all_to_all", "all_gather"):
+        t = r[f"{key}_time_s"]
+        assert t > 0
+        # times are rounded to 0.1 ms, the rates computed before rounding
+        assert r[f"{key}_mbit"] == pytest.approx(8 * 31_250 / t / 1e6, rel=1e-2 + 1e-4 / t)
     if REASON is None:
         assert r["network"] == "netns" and r["link_mbit"] == 50
         assert r["link_utilization"] == pytest.approx(r["isthmus_busbw_mbit"] / 50, rel=1e-2)

@@ -85,6 +85,10 @@ class BenchConfig:
     """Also time the Reducer path with this compressor spec (e.g. ``int8``, ``int4``)."""
     network: str = "auto"
     """``auto`` (namespaces if possible, else loopback), ``netns`` (or fail), ``loopback``."""
+    collectives: bool = False
+    """Also time raw Gloo ``all_to_all`` and ``all_gather`` that each send what one stage of the
+    int8 quantized all-reduce sends (a quarter of the fp32 bytes, times (n-1)/n, per peer): the
+    two collectives that all-reduce is made of, to see which one falls short of the link."""
     prefix: str = "isthb"
     """Prefix of the namespace names."""
     timeout_s: float = 900.0
@@ -160,8 +164,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     ``size_mb`` and, for that (the last) size, ``gloo_time_s``, ``isthmus_time_s``,
     ``gloo_busbw_mbit``, ``isthmus_busbw_mbit``, ``ratio_vs_gloo``, ``link_utilization``
     (isthmus bus bandwidth / link rate; ``None`` on loopback), and with a compressor
-    ``compression``, ``fp32_time_s``, ``time_s``, ``speedup_vs_fp32``; ``results`` holds the
-    same per size. Raises :class:`BenchError` if a worker fails.
+    ``compression``, ``fp32_time_s``, ``time_s``, ``speedup_vs_fp32``; with ``collectives``
+    ``stage_bytes_per_peer``, ``all_to_all_time_s``, ``all_to_all_mbit``, ``all_gather_time_s``,
+    ``all_gather_mbit`` (payload Mbit/s sent per peer); ``results`` holds the same per size. Raises :class:`BenchError` if a worker fails.
     """
     from isthmus.coordinator.membership import MembershipConfig
     from isthmus.coordinator.server import Coordinator, CoordinatorConfig
@@ -200,6 +205,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 "reps": cfg.reps,
                 "warmup": cfg.warmup,
                 "compression": cfg.compression,
+                "collectives": cfg.collectives,
                 "op_timeout_s": cfg.op_timeout_s(),
                 "out": tmp,
             }
@@ -289,6 +295,13 @@ def _combine(
                     "fp32_wire_bytes_per_peer": per_rank[0]["sizes"][i]["fp32_bytes"],
                 }
             )
+        if cfg.collectives:
+            stage = per_rank[0]["sizes"][i]["stage_bytes"]
+            for key in ("all_to_all", "all_gather"):
+                t = median_of_max(key)
+                row[f"{key}_time_s"] = round(t, 4)
+                row[f"{key}_mbit"] = round(8 * stage / t / 1e6, 2)
+            row["stage_bytes_per_peer"] = stage
         results.append(row)
     out: dict[str, Any] = {
         "peers": n,
@@ -322,6 +335,12 @@ def format_bench(r: dict[str, Any]) -> str:
             f"isthmus {x['isthmus_busbw_mbit']:.1f} Mbit/s ({x['isthmus_time_s']:.3f} s), "
             f"ratio {x['ratio_vs_gloo']:.3f}{util}"
         )
+        if "all_to_all_time_s" in x:
+            lines.append(
+                f"    raw Gloo, {x['stage_bytes_per_peer']:,} bytes sent per peer: all_to_all "
+                f"{x['all_to_all_time_s']:.3f} s ({x['all_to_all_mbit']:.1f} Mbit/s), all_gather "
+                f"{x['all_gather_time_s']:.3f} s ({x['all_gather_mbit']:.1f} Mbit/s)"
+            )
         if "compression" in x:
             lines.append(
                 f"    {x['compression']}: {x['time_s']:.3f} s vs fp32 {x['fp32_time_s']:.3f} s, "
@@ -374,7 +393,16 @@ def _worker(job_path: str, rank: int) -> None:
     try:
         for size_mb in job["sizes_mb"]:
             out["sizes"].append(
-                _measure(pg, session, reducer, size_mb, rank, job["warmup"], job["reps"])
+                _measure(
+                    pg,
+                    session,
+                    reducer,
+                    size_mb,
+                    rank,
+                    job["warmup"],
+                    job["reps"],
+                    collectives=bool(job.get("collectives")),
+                )
             )
     finally:
         session.close()
@@ -382,10 +410,19 @@ def _worker(job_path: str, rank: int) -> None:
 
 
 def _measure(
-    pg: Any, session: Any, reducer: Any, size_mb: float, rank: int, warmup: int, reps: int
+    pg: Any,
+    session: Any,
+    reducer: Any,
+    size_mb: float,
+    rank: int,
+    warmup: int,
+    reps: int,
+    *,
+    collectives: bool = False,
 ) -> dict[str, Any]:
-    """Time one size: per repetition a raw Gloo all-reduce, an isthmus round and (with a
-    reducer) a compressed round, each after a barrier, from the same data."""
+    """Time one size: per repetition a raw Gloo all-reduce, an isthmus round, (with a reducer)
+    a compressed round and (with ``collectives``) a raw all_to_all and all_gather, each after a
+    barrier, from the same data."""
     import torch
 
     numel = max(1, int(size_mb * 1e6 / 4))
@@ -393,6 +430,14 @@ def _measure(
     buf = torch.empty_like(base)
     tiny = torch.zeros(1)
     rec: dict[str, Any] = {"nbytes": numel * 4, "gloo": [], "isthmus": [], "compressed": []}
+    n = pg.size()
+    # one int8 byte per value, cut into n equal slices: all_to_all sends n-1 of them, and so
+    # does the ring all_gather of one slice
+    slice_n = max(1, numel // n)
+    u8 = torch.randint(0, 256, (slice_n * n,), dtype=torch.uint8)
+    u8_out = torch.empty_like(u8)
+    rec["stage_bytes"] = (n - 1) * slice_n
+    rec["all_to_all"], rec["all_gather"] = [], []
 
     def timed(fn: Any) -> tuple[float, int]:
         pg.allreduce([tiny]).wait()  # barrier: every peer starts together
@@ -412,11 +457,20 @@ def _measure(
         session.run_round(lambda rnd: reducer.mean(rnd, [("x", buf)], contribute=True))
         reducer.commit()
 
+    def all_to_all() -> None:
+        pg.alltoall_base(u8_out, u8, [], []).wait()
+
+    def all_gather() -> None:
+        pg._allgather_base(u8_out, u8[:slice_n]).wait()
+
     for i in range(warmup + reps):
         times = {"gloo": timed(gloo)[0]}
         times["isthmus"], rec["fp32_bytes"] = timed(isthmus)
         if reducer is not None:
             times["compressed"], rec["compressed_bytes"] = timed(compressed)
+        if collectives:
+            times["all_to_all"] = timed(all_to_all)[0]
+            times["all_gather"] = timed(all_gather)[0]
         if i >= warmup:
             for k, v in times.items():
                 rec[k].append(v)
