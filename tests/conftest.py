@@ -13,7 +13,7 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("ISTHMUS_SLOW"):
+    if os.environ.get("ISTHMUS_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow test: run `make test-slow` (ISTHMUS_SLOW=1) to include it")
     for item in items:

@@ -58,7 +58,10 @@ def _option(text: str) -> tuple[str, Any]:
 def _token(args: argparse.Namespace) -> str:
     if args.token and args.token_file:
         raise SystemExit("give --token or --token-file, not both")
-    token = Path(args.token_file).read_text().strip() if args.token_file else (args.token or "")
+    try:
+        token = Path(args.token_file).read_text().strip() if args.token_file else args.token or ""
+    except OSError as e:
+        raise SystemExit(f"cannot read --token-file: {e}") from None
     if not token:
         raise SystemExit("a token is required: --token SECRET or --token-file PATH")
     return token
@@ -108,6 +111,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     for key in ("sync_every", "topology", "schedule"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    everyone = args.peers + len(args.join)
+    for flag, peer in [("--byzantine", p) for p, _ in args.byzantine] + [
+        ("--fault", p) for p, _ in args.fault
+    ]:
+        if not 0 <= peer < everyone:
+            print(
+                f"isthmus demo: {flag} names peer {peer}, but there are peers 0..{everyone - 1} "
+                f"({args.peers} start and {len(args.join)} join)",
+                file=sys.stderr,
+            )
+            return 2
     try:
         cfg = DemoConfig(
             peers=args.peers,
@@ -279,7 +293,10 @@ def _cmd_lab_sim(args: argparse.Namespace) -> int:
         for flag, value in (
             ("--compute-s", args.compute_s),
             ("--bandwidth", args.bandwidth),
-            ("--model-bytes or --params", args.model_bytes or args.params),
+            (
+                "--model-bytes or --params",
+                args.model_bytes if args.model_bytes is not None else args.params,
+            ),
         )
         if value is None
     ]
@@ -329,7 +346,9 @@ def _lab_sim_validate(args: argparse.Namespace) -> int:
 
     try:
         measured = [measure_run(r) for r in args.validate]
-        compute = {m.peers: args.compute_s for m in measured} if args.compute_s else None
+        compute = (
+            {m.peers: args.compute_s for m in measured} if args.compute_s is not None else None
+        )
         checked = validate_runs(
             measured,
             compute_by_peers=compute,
@@ -674,7 +693,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        # the commands tear down what they started (peers, namespaces) before this arrives
+        print(f"isthmus {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        # a port in use, a run directory we may not write, a missing file: say which, no trace
+        print(f"isthmus {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

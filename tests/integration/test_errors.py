@@ -147,3 +147,17 @@ def test_a_peer_id_from_before_a_coordinator_restart_cannot_speak_for_a_new_peer
     (peer,) = [p for p in st["peers"] if p["id"] == pid]
     assert peer["state"] == "active" and peer["name"] == "new", peer
     assert st["counters"].get("rounds_aborted", 0) == 0
+
+
+def test_demo_refuses_bad_strategy_options_and_peers_before_starting_anything(capsys, tmp_path):
+    from isthmus.cli import main as cli_main
+
+    base = ["demo", "--model", "tiny", "--no-progress", "--run-dir", str(tmp_path / "run")]
+    assert cli_main([*base, "--option", "bogus=1"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    # H = 20 cannot be cut into 3 fragments
+    assert cli_main([*base, "--strategy", "streaming", "--option", "fragments=3"]) == 2
+    assert "fragments" in capsys.readouterr().err
+    assert cli_main([*base, "--byzantine", "7:sign_flip"]) == 2
+    assert "peer 7" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "nothing may be started for a refused run"

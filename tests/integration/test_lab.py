@@ -8,6 +8,7 @@ that prefix is left afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -355,3 +356,26 @@ def test_churn_plan_gives_each_process_the_faults_of_its_lifetime(tmp_path: Path
     ]
     assert rnd and all(p.clock == "seconds" and not p.by_fault for p in rnd)
     runner._churn_file.close()
+
+
+def test_a_gossip_scenario_needs_no_total_steps() -> None:
+    # the lab checks the strategy as every peer builds it: with the run's length filled in
+    sc = parse_scenario(
+        """
+[run]
+name = "g"
+steps = 40
+model = "tiny"
+[strategy]
+name = "gossip"
+[strategy.options]
+topology = "ring"
+[network]
+peers = 3
+rate = "10mbit"
+"""
+    )
+    run_mod._check_strategy(sc, scenario_steps(sc, batch_size=16))
+    with pytest.raises(ValueError, match="bogus"):
+        bad = dataclasses.replace(sc.strategy, options={"bogus": 1})
+        run_mod._check_strategy(dataclasses.replace(sc, strategy=bad), 40)

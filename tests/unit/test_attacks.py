@@ -199,6 +199,15 @@ def test_peer_attack_seeded_attacks_draw_afresh_each_round_and_nan_is_non_finite
     assert torch.isposinf(attacks.PeerAttack("inf").forge(OWN, round=0, world=4, f=1)).all()
     sparse = attacks.PeerAttack("nan:coordinates=1").forge(OWN, round=5, world=4, f=1)
     assert int(torch.isnan(sparse).sum()) == 1
+    # specs without a seed draw afresh each round too (a fixed draw is a much weaker attack)
+    plain = attacks.PeerAttack("gaussian:sigma=2")
+    z = torch.zeros(1000)
+    assert not torch.equal(
+        plain.forge(z, round=0, world=4, f=1), plain.forge(z, round=1, world=4, f=1)
+    )
+    where = attacks.PeerAttack("nan:coordinates=1")
+    hit = {int(torch.isnan(where.forge(z, round=r, world=4, f=1)).nonzero()) for r in range(8)}
+    assert len(hit) > 1, "the same coordinate every round"
 
 
 def test_peer_attack_stays_honest_while_inactive_but_keeps_learning():

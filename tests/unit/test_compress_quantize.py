@@ -101,6 +101,16 @@ def test_quantize_rejects_non_finite():
     y = fmt8.dequantize(fmt8.quantize(x))
     assert bool(torch.isfinite(y).all())
     assert bool(((y - x).abs() <= fmt8.error_bound(x) * (1 + 1e-5)).all())
+    # values inside such a block too, not only its ends
+    fmt4 = make_format("uint8", block=4)
+    x = torch.tensor([-3e38, 3e38, 2e38, -1e38])
+    y = fmt4.dequantize(fmt4.quantize(x))
+    assert bool(((y - x).abs() <= fmt4.error_bound(x) * (1 + 1e-5)).all())
+    # and a block gets the same bits whether or not such a block shares its call
+    normal = torch.tensor([0.1, -2.5, 3.75, 1e-3])
+    alone = fmt4.dequantize(fmt4.quantize(normal))
+    together = fmt4.dequantize(fmt4.quantize(torch.cat([normal, x])))[:4]
+    assert torch.equal(alone.view(torch.int32), together.view(torch.int32))
 
 
 def test_shard_layout_shrinks_blocks_for_small_tensors():

@@ -147,3 +147,32 @@ def test_modest_keeps_the_previous_aggregate_when_too_few_trainers_arrived():
             fallback=fallback,
             exchange=0,
         )
+
+
+def test_an_overflowing_aggregate_fails_every_rank_alike_not_by_timeout():
+    # two finite models whose sum overflows: the aggregator refuses the aggregate, and the
+    # ranks it serves must learn that from it (a ValueError) instead of waiting for a send that
+    # never comes and reading the timeout as a dead peer
+    xs = _models(4)
+    xs[1] = torch.full_like(xs[1], 3e38)
+    xs[2] = torch.full_like(xs[2], 3e38)
+
+    def one(g):
+        try:
+            modest_aggregate(
+                g,
+                xs[g.rank],
+                trainers=[1, 2],
+                aggregators=[0],
+                expected=2,
+                success_fraction=1.0,
+                fallback=torch.zeros(300),
+                exchange=1,
+            )
+        except Exception as e:  # collected per rank, not raised (that would abort the others)
+            return e
+        return None
+
+    out = run_parallel(local_groups(4, timeout_s=20.0), one)
+    assert all(isinstance(e, ValueError) for e in out), out
+    assert "not finite" in str(out[0]) and "NaN" in str(out[3])

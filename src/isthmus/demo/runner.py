@@ -29,7 +29,7 @@ from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.job import TrainJob, build_corpus, model_config
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "check_strategy", "run_demo"]
 
 log = logging.getLogger("isthmus.demo")
 
@@ -37,6 +37,51 @@ DEFAULT_STEPS = {"ddp": 150, "diloco": 200}
 # Strategies that sync every H inner steps; the demo's short runs use H = 20 (their library
 # defaults, 48-50, suit long runs). Streaming DiLoCo then syncs one of 2 fragments every 10 steps.
 PERIODIC = ("diloco", "localsgd", "streaming", "eager", "co2")
+
+
+def demo_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the demo's (and the lab's) short-run default H = 20 for the periodic
+    strategies when they do not name ``sync_every``."""
+    if strategy in PERIODIC and "sync_every" not in options:
+        return {**options, "sync_every": 20}
+    return dict(options)
+
+
+def check_strategy(
+    name: str,
+    model: str,
+    steps: int,
+    options: dict[str, Any],
+    *,
+    compression: str | None = None,
+    aggregator: str | None = None,
+    byzantine_f: int = 0,
+) -> None:
+    """Build the strategy once, without a network, exactly as every peer will (the run's length
+    added for gossip, as :func:`isthmus.job._strategy_options` does), so a bad option, a bad
+    compressor or aggregator spec or an impossible fragment count fails here with the factory's
+    message instead of crashing every peer process. Raises ``ValueError``."""
+    import torch
+
+    from isthmus.models import GPT
+    from isthmus.strategies import make_strategy
+
+    opts = dict(options)
+    if name == "gossip":
+        opts.setdefault("total_steps", steps)
+    net = GPT(model_config(model), seed=0)
+    s = make_strategy(
+        name,
+        None,
+        net,
+        torch.optim.AdamW(net.parameters(), lr=1e-3),
+        compression=compression,
+        aggregator=aggregator,
+        byzantine_f=byzantine_f,
+        **opts,
+    )
+    with contextlib.suppress(Exception):  # nothing to settle without a session
+        s.finish()
 
 
 @dataclass(kw_only=True)
@@ -91,19 +136,26 @@ class DemoConfig:
             raise ValueError(
                 f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
             )
-        if self.strategy in PERIODIC and "sync_every" not in self.strategy_options:
-            self.strategy_options["sync_every"] = 20
-        # Fail here, not in every peer process, on a bad compressor or aggregator spec.
-        from isthmus.strategies.reducer import Reducer
-
-        Reducer(
-            compression=self.compression, aggregator=self.aggregator, byzantine_f=self.byzantine_f
+        self.strategy_options = demo_options(self.strategy, self.strategy_options)
+        # Fail here, not in every peer process, on bad options or specs.
+        check_strategy(
+            self.strategy,
+            self.model,
+            self.steps,
+            self.strategy_options,
+            compression=self.compression,
+            aggregator=self.aggregator,
+            byzantine_f=self.byzantine_f,
         )
-        if self.strategy == "gossip":
-            from isthmus.strategies.base import config_from
-            from isthmus.strategies.gossip import GossipConfig
+        from isthmus.faults import Fault
+        from isthmus.reduce.aggregate.attacks import make_attack
 
-            config_from(GossipConfig, {"total_steps": self.steps, **self.strategy_options})
+        # (which peers exist is the caller's to check: the lab numbers peers that join later)
+        for spec in self.byzantine.values():
+            make_attack(spec)
+        for specs in self.extra_faults.values():
+            for spec in specs:
+                Fault.parse(spec)
         for peer, step in self.kills:
             if not 0 <= peer < self.peers + len(self.joins):
                 raise ValueError(
@@ -282,7 +334,9 @@ def run_demo(cfg: DemoConfig, *, launcher: LocalLauncher | None = None) -> dict[
         for p in peers:
             if p.proc.poll() is None:
                 launcher.kill(p.proc)
-                p.proc.wait(10)
+                # bounded, and never stops the teardown of the others and the coordinator
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.proc.wait(10)
         events = coordinator.events()
         status = coordinator.status()
         coordinator.stop()

@@ -248,7 +248,8 @@ def _run_workers(
         for p, _ in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(10)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
     return [json.loads((tmp / f"result{r}.json").read_text()) for r in range(cfg.peers)]
 
 

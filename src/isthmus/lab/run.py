@@ -68,6 +68,8 @@ from isthmus.demo.runner import (
     _spawn,
     _summarize,
     _write_outputs,
+    check_strategy,
+    demo_options,
 )
 from isthmus.lab.counters import read_all_counters
 from isthmus.lab.netns import (
@@ -387,13 +389,9 @@ def _network(
 
 
 def _check_strategy(scenario: Scenario, steps: int) -> None:
-    """Build the strategy once without a network, so a bad option fails here and not in every
-    peer process."""
-    import torch
-
-    from isthmus.job import model_config
-    from isthmus.models import GPT
-    from isthmus.strategies import STRATEGIES, make_strategy
+    """Build the strategy once without a network, so a bad option fails here, before anything
+    is created, and not in every peer process (see :func:`~isthmus.demo.runner.check_strategy`)."""
+    from isthmus.strategies import STRATEGIES
 
     name = scenario.strategy.name
     if name not in STRATEGIES:
@@ -401,20 +399,15 @@ def _check_strategy(scenario: Scenario, steps: int) -> None:
             f"{scenario.source}: strategy {name!r} is not available in this build of isthmus "
             f"(available: {', '.join(STRATEGIES)})"
         )
-    model = GPT(model_config(scenario.run.model), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    s = make_strategy(
+    check_strategy(
         name,
-        None,
-        model,
-        opt,
+        scenario.run.model,
+        steps,
+        demo_options(name, _options(scenario)),
         compression=scenario.strategy.compression,
         aggregator=scenario.strategy.aggregator,
         byzantine_f=len(scenario.byzantine) if scenario.strategy.aggregator else 0,
-        **_options(scenario),
     )
-    with contextlib.suppress(Exception):
-        s.finish()
 
 
 def _options(scenario: Scenario) -> dict[str, Any]:

@@ -159,7 +159,7 @@ class DiLoCo(Strategy):
         means nobody contributed and theta is unchanged."""
         if result is not None:
             for g, d in zip(self.global_params, result.tensors, strict=True):
-                g.grad = d
+                g.grad = d.to(g.dtype)  # the reduction is fp32; the model may not be
             self.outer.step()
             assert result.exact is not None
             self.global_step += round(float(result.exact[0]))

@@ -159,7 +159,7 @@ class EagerDiLoCo(DelayedOuter):
         if result is None:
             return
         for g, d in zip(self.global_params, result.tensors, strict=True):
-            g.grad = d
+            g.grad = d.to(g.dtype)  # the reduction is fp32; the model may not be
         self.outer.step()
 
     def restart(self, delta: list[torch.Tensor] | None, contributors: int) -> None:

@@ -280,9 +280,12 @@ class Reducer:
 
         return PendingMean(handles=handles, finish=finish, timing=self.timing)
 
-    def _exact(self, rnd: Round, contribute: bool, exact: torch.Tensor | None) -> Handle:
+    def _exact(
+        self, rnd: Round, contribute: bool, exact: torch.Tensor | None, device: torch.device
+    ) -> Handle:
         extra = [] if exact is None else [exact]
-        return rnd.group.all_reduce(_flat(extra, contribute), async_op=True)
+        # on the items' device: NCCL groups refuse CPU tensors
+        return rnd.group.all_reduce(_flat(extra, contribute, device), async_op=True)
 
     def _finish_exact(
         self, buf: torch.Tensor, exact: torch.Tensor | None
@@ -300,7 +303,7 @@ class Reducer:
         # The exact all-reduce is issued before the compressor's collectives and all of them
         # from this one worker thread, so every peer issues the same sequence (Gloo matches
         # concurrent collectives by issue order; NCCL runs them in stream order).
-        h = self._exact(rnd, contribute, exact)
+        h = self._exact(rnd, contribute, exact, _device_of(items))
         try:
             sums = self.compressor.reduce_sum_many(rnd.group, items, contribute=contribute)
         except NonFiniteError as e:
@@ -341,12 +344,14 @@ class Reducer:
     ) -> Reduced | None:
         from isthmus.reduce.aggregate import AggregationError
 
-        h = self._exact(rnd, contribute, exact)
+        h = self._exact(rnd, contribute, exact, _device_of(items))
         tensors = [t for _, t in items]
         if contribute:
             vec = _flat(tensors, True)[:-1]
         else:
-            vec = torch.full((sum(t.numel() for t in tensors),), float("nan"))
+            vec = torch.full(
+                (sum(t.numel() for t in tensors),), float("nan"), device=_device_of(items)
+            )
         n, ex = self._finish_exact(h.wait(), exact)
         if n <= 0:
             return None  # nobody contributed (the same count on every peer): nothing to aggregate
@@ -379,11 +384,18 @@ class Reducer:
             self._worker.shutdown(wait=False)
 
 
-def _flat(tensors: list[torch.Tensor], contribute: bool) -> torch.Tensor:
+def _device_of(items: Items) -> torch.device:
+    return items[0][1].device if items else torch.device("cpu")
+
+
+def _flat(
+    tensors: list[torch.Tensor], contribute: bool, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """A fresh fp32 buffer: the tensors back to back plus the count element (all zeros when not
-    contributing). Fresh on purpose: an abandoned collective may still write into its buffer."""
+    contributing), on the tensors' device (``device`` when there are none). Fresh on purpose: an
+    abandoned collective may still write into its buffer."""
     n = sum(t.numel() for t in tensors)
-    out = torch.zeros(n + 1, dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
+    out = torch.zeros(n + 1, dtype=torch.float32, device=tensors[0].device if tensors else device)
     if contribute:
         off = 0
         for t in tensors:

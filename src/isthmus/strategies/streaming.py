@@ -361,7 +361,7 @@ class StreamingDiLoCo(Strategy):
             for g in self.global_params:
                 g.grad = None
             for i, d in zip(idx, result.tensors, strict=True):
-                self.global_params[i].grad = d
+                self.global_params[i].grad = d.to(self.global_params[i].dtype)
             self.outer.step()
             if result.exact is not None:
                 # the contributors' apply step: what a joiner needs to continue in step

@@ -422,8 +422,9 @@ class PeerAttack:
         half = sigma / math.sqrt(2.0)
         view = [mu + half, mu - half]
         attack = self.attack
-        if "seed" in attack.options:
-            attack = attack.with_options(seed=int(attack.options["seed"]) + int(round))
+        if "seed" in _ATTACKS[attack.name][3]:
+            # a fresh draw every round, also for specs that name no seed (the functions' is 0)
+            attack = attack.with_options(seed=int(attack.options.get("seed", 0)) + int(round))
         if attack.name == "alie" and attack.options.get("tau", 1.5) is None:
             attack = attack.with_options(tau=alie_z_max(max(world, 2), max(1, min(f, world))))
         return attack.forge(view, 1)[0].reshape(own.shape)

@@ -306,19 +306,30 @@ class Uint8MinMax(QuantFormat):
         # fp32 limit overflows, and an encode that raised on one peer only would leave the others
         # waiting in the all-to-all
         step = hi / 255.0 - lo / 255.0
-        y = xb - lo
-        y.div_(torch.where(step != 0, step, torch.ones_like(step)))
+        safe = torch.where(step != 0, step, torch.ones_like(step))
+        y = (xb - lo).div_(safe)
+        big = step.abs() > _UINT8_STEP_LIMIT
+        if bool(big.any()):
+            # a block spanning most of the fp32 range: x - lo overflows in fp32; those blocks
+            # (only those, so a block's codes never depend on its neighbours) are done in fp64
+            wide = (xb.double() - lo.double()).div_(safe.double()).float()
+            y = torch.where(big, wide, y)
         codes.copy_(y.round_().clamp_(0, 255))
         return torch.cat((lo, step), dim=-1)
 
     def _decode_blocks(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         lo, step = scales[..., 0:1], scales[..., 1:2]
-        if bool((step.abs() > _UINT8_STEP_LIMIT).any()):
+        out = (codes * step).add_(lo)
+        big = step.abs() > _UINT8_STEP_LIMIT
+        if bool(big.any()):
             # a block spanning most of the fp32 range: code * step overflows in fp32 but the value
-            # itself (at most hi) does not; fp64 gets it right. The branch depends only on the
-            # payload's bits, so every peer decoding the same payload takes it alike.
-            return (lo.double() + codes.double() * step.double()).float()
-        return (codes * step).add_(lo)
+            # itself (at most hi) does not; fp64 gets it right. Per block, so that a block decodes
+            # to the same bits whichever blocks share the call (the pipelined all-reduce and its
+            # reference cut the work differently); it depends only on the payload's bits, so
+            # every peer decoding the same payload gets the same values.
+            wide = (lo.double() + codes.double() * step.double()).float()
+            out = torch.where(big, wide, out)
+        return out
 
     def _bound_blocks(self, xb: torch.Tensor) -> torch.Tensor:
         step = xb.amax(1, keepdim=True) / 255.0 - xb.amin(1, keepdim=True) / 255.0

@@ -200,23 +200,35 @@ def modest_aggregate(
     server = {r: aggs[k % len(aggs)] for k, r in enumerate(others)}
     handles = []
     if me in aggs:
-        for t in ts:
-            _check_received(got[t], t)
-        result, used = modest_aggregate_reference(
-            [got.get(r, vec) for r in range(world)],
-            ts,
-            expected=expected,
-            success_fraction=success_fraction,
-            fallback=fallback,
-        )
-        if not bool(torch.isfinite(result).all()):
-            raise ValueError("MoDeST aggregate is not finite (the fallback or a sum overflowed)")
+        error: ValueError | None = None
+        try:
+            for t in ts:
+                _check_received(got[t], t)
+            result, used = modest_aggregate_reference(
+                [got.get(r, vec) for r in range(world)],
+                ts,
+                expected=expected,
+                success_fraction=success_fraction,
+                fallback=fallback,
+            )
+            if not bool(torch.isfinite(result).all()):
+                raise ValueError(
+                    "MoDeST aggregate is not finite (the fallback or a sum overflowed)"
+                )
+        except ValueError as e:
+            # The ranks this aggregator serves are waiting for its send: hand them NaN, which
+            # they reject with the same kind of error at once, rather than leave them to time
+            # out as if this peer had died.
+            error = e
+            result, used = torch.full((numel,), float("nan"), dtype=vec.dtype), 0
         for r, a in server.items():
             if a == me:
                 handles.append(
                     group.send(result, r, edge_tag(exchange, me, r, world, 1), async_op=True)
                 )
         _wait(handles)
+        if error is not None:
+            raise error
         return result, used
     result = torch.empty(numel, dtype=vec.dtype)
     src = server[me]
