@@ -533,3 +533,83 @@ def test_steady_overlap_leaves_out_the_blocking_start_and_end():
     t.add(comm=2.0, blocked=2.0)  # the final flush
     assert steady.fraction == pytest.approx(0.9)
     assert t.overlap_fraction == pytest.approx(1 - 3.2 / 5.0)
+
+
+def test_a_peer_resynced_by_the_last_retry_takes_part_in_the_final_round_contributing_nothing(
+    corpus,
+):
+    """finish(): if settling the round in flight resynced this peer (a retry repaired it), its
+    partial last phase started from a stale state. Every member issues the final round (their
+    step counters agree), so this peer must issue it too, but with nothing of its own in it."""
+    import dataclasses
+
+    model = GPT(TINY, seed=8)
+    opt = adamw(model)
+    st = EagerDiLoCo(None, model, opt, EagerConfig(sync_every=4))
+    pipeline = st.pipeline
+    settle, issue = pipeline.settle, pipeline.issue
+    contributed: list[bool] = []
+
+    def settle_resynced():
+        s = settle()
+        return dataclasses.replace(s, resynced_late=True, retried=True)
+
+    def issue_spy(build):
+        flight = issue(build)
+        contributed.append(flight.plan.contribute)
+        return flight
+
+    for step in range(10):  # boundaries at 4 and 8 (a round in flight), then 2 steps
+        inner_x, inner_y = corpus.batch(
+            step=step, rank=0, world=1, batch_size=4, block_size=TINY.block_size
+        )
+        model(inner_x, inner_y)[1].backward()
+        st.step()
+        opt.zero_grad()
+    pipeline.settle = settle_resynced  # type: ignore[method-assign]
+    pipeline.issue = issue_spy  # type: ignore[method-assign]
+    st.finish()
+    assert contributed == [False]  # issued (the members do), but not contributed
+    assert st.step_count == 10
+    assert_same(params(model), st.global_params)
+
+
+def test_streaming_step_counter_is_exact_beyond_float32_integers(corpus):
+    """The apply step rides in the reduction's exact values, which are float32: it must travel
+    as a small offset from the shared counter, or a run past 2**24 steps loses count."""
+    model = GPT(TINY, seed=9)
+    opt = adamw(model)
+    st = StreamingDiLoCo(
+        None, model, opt, StreamingConfig(sync_every=4, fragments=2, overlap=1, alpha=0.5)
+    )
+    start = 2**25 + 1  # odd: float32 cannot hold it
+    st.global_step.fill_(start)
+    for step in range(9):  # without a session the first step trains; syncs at 2, 4, 6, 8
+        x, y = corpus.batch(step=step, rank=0, world=1, batch_size=4, block_size=TINY.block_size)
+        model(x, y)[1].backward()
+        st.step()
+        opt.zero_grad()
+    assert st.step_count == start + 9
+    st.finish()
+    assert st.step_count == start + 9
+    assert all(at - start in range(0, 10) for at, _ in st.sync_log), st.sync_log
+
+
+def test_one_peer_diloco_drops_a_non_finite_outer_gradient(corpus):
+    """The reducer's policy (a non-finite update contributes nothing) also holds without a
+    session: theta stays finite and the peer restarts from it."""
+    model = GPT(TINY, seed=10)
+    opt = adamw(model)
+    st = DiLoCo(None, model, opt, DiLoCoConfig(sync_every=3))
+    before = [g.clone() for g in st.global_params]
+    for step in range(3):
+        x, y = corpus.batch(step=step, rank=0, world=1, batch_size=4, block_size=TINY.block_size)
+        model(x, y)[1].backward()
+        if step == 2:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("inf")
+        st.step()
+        opt.zero_grad()
+    assert st.reducer is not None and st.reducer.nonfinite_skips == 1
+    assert_same(st.global_params, before)
+    assert_same(params(model), st.global_params)

@@ -27,12 +27,14 @@ same all-reduce, so every peer agrees on it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from isthmus.comm.session import Round, Session
+from isthmus.reduce.compress.base import all_finite
 from isthmus.strategies.base import (
     Strategy,
     config_from,
@@ -43,6 +45,8 @@ from isthmus.strategies.base import (
 from isthmus.strategies.reducer import Reduced, Reducer
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
+
+log = logging.getLogger("isthmus.diloco")
 
 
 @dataclass(kw_only=True)
@@ -139,7 +143,15 @@ class DiLoCo(Strategy):
         """One outer round: average the outer gradients, apply the outer step, restart from theta."""
         steps = torch.tensor([float(self.since_sync)])
         if self.session is None:
-            result: Reduced | None = Reduced(self.outer_gradient(), steps, 1)
+            delta = self.outer_gradient()
+            result: Reduced | None = Reduced(delta, steps, 1)
+            if not all(map(all_finite, delta)):
+                # the reducer's policy, applied to the peer alone: a non-finite update is
+                # dropped (theta stays as it was) and the peer restarts from theta
+                assert self.reducer is not None
+                self.reducer.nonfinite_skips += 1
+                log.warning("non-finite values in this peer's outer gradient: not applying it")
+                result = None
         else:
             reducer = self.reducer
             assert reducer is not None

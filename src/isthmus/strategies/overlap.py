@@ -50,6 +50,7 @@ import torch
 
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import Round, Session
+from isthmus.reduce.compress.base import all_finite
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.reducer import PendingMean, Reduced, Reducer
 
@@ -58,10 +59,6 @@ __all__ = ["Build", "DelayedOuter", "Flight", "Planned", "RoundPipeline", "Settl
 log = logging.getLogger("isthmus.overlap")
 
 Items = list[tuple[str, torch.Tensor]]
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 @dataclass(kw_only=True)
@@ -145,7 +142,7 @@ class RoundPipeline:
         if self.session is None:
             plan = build(None)
             local = None
-            if plan.contribute and not all_finite([t for _, t in plan.items]):
+            if plan.contribute and not all(all_finite(t) for _, t in plan.items):
                 # the reducer's policy, applied to the peer alone: a non-finite update is dropped
                 self.reducer.nonfinite_skips += 1
                 log.warning("non-finite values in this peer's update: not applying it")
@@ -341,10 +338,12 @@ class DelayedOuter(Strategy):
         s = self.pipeline.settle()
         self.apply_outer(s.result)
         self.outer_rounds += 1
-        if s.resynced_late and not final:
-            # Our state was replaced by the retry: continue at the members' step.
+        if s.resynced_late:
+            # Our state was replaced by the retry: the local progress since it is void (the next
+            # round we issue contributes nothing), and we continue at the members' step.
             self.stale = True
-            target = int(s.tag)
+            if not final:
+                target = int(s.tag)
         self.global_step.fill_(target)
         self.since = 0
 
@@ -367,7 +366,7 @@ class DelayedOuter(Strategy):
         contributors = flight.rnd.contributors if flight.rnd is not None else 1
         # A non-finite outer gradient is not sent (the reducer's policy); it must not steer this
         # peer's next start either: restart from the shared state instead.
-        own = delta if flight.plan.contribute and all_finite(delta) else None
+        own = delta if flight.plan.contribute and all(map(all_finite, delta)) else None
         with torch.no_grad():
             self.restart(own, max(1, contributors))
             for p, s in zip(self.params, self.start, strict=True):
@@ -384,7 +383,9 @@ class DelayedOuter(Strategy):
         delta = self._phase_delta()
         if self.pipeline.in_flight:
             self._settle(target, final=True)
-        if progressed and not self.stale:
+        if progressed:
+            # Every member progressed alike (same step counter), so every member issues this
+            # last round; one resynced by the settle above takes part without contributing.
             self._issue(delta)
             self._settle(target, final=True)
         with torch.no_grad():

@@ -240,6 +240,9 @@ class StreamingConfig:
 class _Sync:
     fragment: int
     apply_step: int
+    base: int
+    """The shared step counter when the round was built: the exact values carry
+    ``apply_step - base`` (a few steps), which float32 holds exactly however long the run."""
 
 
 class StreamingDiLoCo(Strategy):
@@ -340,13 +343,14 @@ class StreamingDiLoCo(Strategy):
             number = rnd.number if rnd is not None else self.pipeline.next_number()
             frag = fragment_for_round(number, self.config.fragments)
             idx = self.fragments[frag]
+            base = int(self.global_step)  # read after begin: a joiner's was just received
             return Planned(
                 items=[
                     (self.names[i], self.global_params[i] - self.params[i].detach()) for i in idx
                 ],
                 contribute=rnd is None or not rnd.resynced,
-                exact=torch.tensor([float(apply_step)]),
-                tag=_Sync(frag, apply_step),
+                exact=torch.tensor([float(apply_step - base)]),
+                tag=_Sync(frag, apply_step, base),
             )
 
         self.pipeline.issue(build)
@@ -365,7 +369,7 @@ class StreamingDiLoCo(Strategy):
             self.outer.step()
             if result.exact is not None:
                 # the contributors' apply step: what a joiner needs to continue in step
-                step_at = round(float(result.exact[0]))
+                step_at = tag.base + round(float(result.exact[0]))
         if final_step is not None:
             step_at = final_step
         self.global_step.fill_(step_at)
