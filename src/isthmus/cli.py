@@ -406,6 +406,7 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
             compression=args.compression,
             network=args.network,
             collectives=args.collectives,
+            congestion_control=args.congestion_control,
         )
         result = run_bench(cfg)
     except (argparse.ArgumentTypeError, ValueError, BenchError, LabError) as e:
@@ -535,7 +536,14 @@ def _add_lab_parsers(sub: Any) -> None:
     a.add_argument(
         "--collectives",
         action="store_true",
-        help="also time raw Gloo all_to_all and all_gather moving one int8 stage's bytes",
+        help="also time raw Gloo all_to_all and all_gather, and isthmus's exchange, each moving "
+        "one int8 stage's bytes",
+    )
+    a.add_argument(
+        "--congestion-control",
+        default=None,
+        metavar="NAME",
+        help="TCP congestion control in the namespaces (e.g. reno, bbr; default: the host's)",
     )
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.set_defaults(func=_cmd_bench_allreduce)

@@ -7,6 +7,7 @@ handling (kills, stops, joins) use real processes instead; see tests/integration
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from collections.abc import Callable
@@ -33,7 +34,23 @@ def local_groups(world: int, *, timeout_s: float = 30.0) -> list[Group]:
 
     def build(rank: int) -> Group:
         pg = build_process_group(store, rank, world, timeout_s=timeout_s, hostname="127.0.0.1")
-        return Group(pg, rank, world, timeout_s=timeout_s, stats=CommStats(), name=f"local{rank}")
+        reverse = functools.partial(
+            build_process_group,
+            dist.PrefixStore("reverse/", store),
+            rank,
+            world,
+            timeout_s=timeout_s,
+            hostname="127.0.0.1",
+        )
+        return Group(
+            pg,
+            rank,
+            world,
+            timeout_s=timeout_s,
+            stats=CommStats(),
+            name=f"local{rank}",
+            connect_reverse=reverse,
+        )
 
     with ThreadPoolExecutor(max_workers=world) as ex:
         return list(ex.map(build, range(world)))

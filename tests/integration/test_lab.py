@@ -270,16 +270,18 @@ def test_bench_allreduce_json_has_the_promised_keys(
     # --collectives: raw all_to_all and all_gather, each sending one int8 stage (2 peers: half
     # of the 62,500 one-byte values)
     assert r["stage_bytes_per_peer"] == 31_250
-    for key in ("all_to_all", "all_gather"):
+    for key in ("all_to_all", "all_gather", "exchange"):
         t = r[f"{key}_time_s"]
         assert t > 0
         # times are rounded to 0.1 ms, the rates computed before rounding
         assert r[f"{key}_mbit"] == pytest.approx(8 * 31_250 / t / 1e6, rel=1e-2 + 1e-4 / t)
     if REASON is None:
         assert r["network"] == "netns" and r["link_mbit"] == 50
+        assert r["tcp_congestion_control"]  # the host's, read inside the namespaces
         assert r["link_utilization"] == pytest.approx(r["isthmus_busbw_mbit"] / 50, rel=1e-2)
     else:
         assert r["network"] == "loopback" and r["link_mbit"] is None
+        assert r["tcp_congestion_control"] is None
         assert r["link_utilization"] is None and REASON in r["network_note"]
 
 

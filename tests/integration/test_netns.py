@@ -168,6 +168,20 @@ def test_read_counters_in_our_own_namespace_needs_no_root() -> None:
 
 
 @pytest.mark.root
+def test_congestion_control_is_set_in_every_namespace_or_refused_by_name(prefix: str) -> None:
+    with WanNetwork(2, rates_mbit=10, prefix=prefix, congestion_control="reno") as net:
+        assert net.tcp_congestion_control() == "reno"
+        key = "net.ipv4.tcp_congestion_control"
+        for ns in (net.peers[1].netns, net.coordinator.netns):
+            assert _sh("ip", "netns", "exec", ns, "sysctl", "-n", key).strip() == "reno"
+    with pytest.raises(netns_mod.LabError, match=r"'nosuchcc' cannot be used.*allowed: "):
+        WanNetwork(2, prefix=prefix, congestion_control="nosuchcc").start()
+    assert _ours(prefix) == []
+    with pytest.raises(ValueError, match="congestion control name"):
+        WanNetwork(2, prefix=prefix, congestion_control="reno bbr")
+
+
+@pytest.mark.root
 def test_everything_exists_while_active_and_is_gone_after(prefix: str) -> None:
     with WanNetwork(2, rates_mbit=[50, None], prefix=prefix) as net:
         assert sorted(_ours(prefix)) == sorted(net.namespaces)

@@ -86,3 +86,64 @@ def test_send_recv_point_to_point():
     sent, _, got = run_parallel(groups, body)
     assert sent == 10
     assert got == list(range(10))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_exchange_is_all_to_all_bit_for_bit_with_one_way_connections(world):
+    """Group.exchange moves each slice where all_to_all does (several in flight at once, as the
+    quantized all-reduce's pipeline issues them), sends the same bytes, and builds the reverse
+    connection set it needs on first use."""
+    from isthmus.comm.group import forward
+
+    groups = local_groups(world, timeout_s=20)
+
+    def body(g):
+        x = torch.randint(0, 256, (world * 1000,), dtype=torch.uint8)
+        x[:world] = g.rank  # distinct per rank
+        ref = g.all_to_all(x.clone())
+        after_ref = g.stats.bytes_sent
+        handles = [g.exchange(x.roll(i), async_op=True) for i in range(3)]
+        outs = [h.wait() for h in handles]
+        same_bytes = g.stats.bytes_sent - after_ref == 3 * after_ref
+        refs = [ref] + [g.all_to_all(x.roll(i)) for i in (1, 2)]
+        return (
+            all(torch.equal(o, r) for o, r in zip(outs, refs, strict=True)),
+            same_bytes,
+            g._reverse is not None,
+        )
+
+    assert run_parallel(groups, body) == [(True, True, True)] * world
+    for a in range(world):
+        assert forward(a, (a + 1) % world, world) or world == 2  # a ring's direction is forward
+        for b in range(world):
+            if a != b:  # every pair's connection in each set carries data one way only
+                assert forward(a, b, world) != forward(b, a, world)
+
+
+def test_exchange_without_a_reverse_set_is_all_to_all_and_an_aborted_group_refuses_it():
+    from isthmus.comm.group import Group
+
+    groups = local_groups(2, timeout_s=10)
+    plain = [
+        Group(g.pg, g.rank, g.world, timeout_s=10, name=f"plain{g.rank}") for g in groups
+    ]  # built without connect_reverse: exchange falls back to Gloo's all_to_all
+
+    def body(g):
+        return g.exchange(torch.arange(6, dtype=torch.float32) + 10 * g.rank).tolist()
+
+    assert run_parallel(plain, body) == [
+        [0.0, 1.0, 2.0, 10.0, 11.0, 12.0],
+        [3.0, 4.0, 5.0, 13.0, 14.0, 15.0],
+    ]
+    assert all(g._reverse is None for g in plain)
+    groups[0].abort("test abort")
+    with pytest.raises(CollectiveError, match="test abort"):
+        groups[0].exchange(torch.ones(4))
+
+
+def test_exchange_with_a_silent_peer_fails_within_the_timeout():
+    groups = local_groups(3, timeout_s=3)
+    # rank 0 exchanges; ranks 1 and 2 never do (the reverse set cannot even be built)
+    with pytest.raises(CollectiveError):
+        groups[0].exchange(torch.ones(6))
+    assert groups[0].aborted

@@ -219,6 +219,15 @@ def test_coordinator_rate_is_checked() -> None:
     assert "network.coordinator_rate" in _err(_with("network", 'coordinator_rate = "quick"'))
 
 
+def test_congestion_control_is_a_name_or_absent() -> None:
+    assert parse_scenario(BASE).network.congestion_control is None
+    s = parse_scenario(_with("network", 'congestion_control = "reno"'))
+    assert s.network.congestion_control == "reno"
+    for bad in ('"Reno; rm"', "3", '""'):
+        msg = _err(_with("network", f"congestion_control = {bad}"))
+        assert "network.congestion_control" in msg, msg
+
+
 @pytest.mark.parametrize(
     ("peers", "match"),
     [

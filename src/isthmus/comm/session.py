@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -320,7 +321,27 @@ class Session:
             raise CollectiveError(
                 f"building the process group of epoch {plan.epoch} failed: {e}"
             ) from e
-        g = Group(pg, rank, world, timeout_s=cfg.collective_timeout, stats=self.stats, name=name)
+        reverse = None
+        if self._backend() == "gloo":
+            # a second connection set, built on first use by Group.exchange
+            reverse = functools.partial(
+                build_process_group,
+                dist.PrefixStore("reverse/", store),
+                rank,
+                world,
+                timeout_s=cfg.collective_timeout,
+                interface=cfg.interface,
+                hostname=cfg.hostname,
+            )
+        g = Group(
+            pg,
+            rank,
+            world,
+            timeout_s=cfg.collective_timeout,
+            stats=self.stats,
+            name=name,
+            connect_reverse=reverse,
+        )
         self._set_group(g)
         if plan.epoch in self._aborted_epochs:
             g.abort(f"epoch {plan.epoch} was aborted")

@@ -89,6 +89,9 @@ class BenchConfig:
     """Also time raw Gloo ``all_to_all`` and ``all_gather`` that each send what one stage of the
     int8 quantized all-reduce sends (a quarter of the fp32 bytes, times (n-1)/n, per peer): the
     two collectives that all-reduce is made of, to see which one falls short of the link."""
+    congestion_control: str | None = None
+    """TCP congestion control in the namespaces (e.g. ``reno``, ``bbr``); ``None``: the host's.
+    Reported back as ``tcp_congestion_control`` (what the namespaces used)."""
     prefix: str = "isthb"
     """Prefix of the namespace names."""
     timeout_s: float = 900.0
@@ -133,7 +136,12 @@ def _network(cfg: BenchConfig) -> Iterator[tuple[WanNetwork | None, str | None]]
         return
     reason = unavailable_reason()
     if reason is None:
-        net = WanNetwork(cfg.peers, rates_mbit=cfg.rate_mbit, prefix=cfg.prefix)
+        net = WanNetwork(
+            cfg.peers,
+            rates_mbit=cfg.rate_mbit,
+            prefix=cfg.prefix,
+            congestion_control=cfg.congestion_control,
+        )
         try:
             net.start()
         except LabUnavailable as e:
@@ -166,7 +174,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     (isthmus bus bandwidth / link rate; ``None`` on loopback), and with a compressor
     ``compression``, ``fp32_time_s``, ``time_s``, ``speedup_vs_fp32``; with ``collectives``
     ``stage_bytes_per_peer``, ``all_to_all_time_s``, ``all_to_all_mbit``, ``all_gather_time_s``,
-    ``all_gather_mbit`` (payload Mbit/s sent per peer); ``results`` holds the same per size. Raises :class:`BenchError` if a worker fails.
+    ``all_gather_mbit``, ``exchange_time_s``, ``exchange_mbit`` (payload Mbit/s sent per peer;
+    ``exchange`` is isthmus's :meth:`~isthmus.comm.group.Group.exchange`, the all-to-all the
+    quantized all-reduce uses); ``results`` holds the same per size; ``tcp_congestion_control``:
+    what the namespaces used (``None`` on loopback). Raises :class:`BenchError` if a worker fails.
     """
     from isthmus.coordinator.membership import MembershipConfig
     from isthmus.coordinator.server import Coordinator, CoordinatorConfig
@@ -214,7 +225,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             per_rank = _run_workers(cfg, net, job_path, Path(tmp))
         finally:
             coordinator.stop()
-    return _combine(cfg, per_rank, "netns" if net else "loopback", fallback)
+        cc = net.tcp_congestion_control() if net else None
+    out = _combine(cfg, per_rank, "netns" if net else "loopback", fallback)
+    out["tcp_congestion_control"] = cc
+    return out
 
 
 def _run_workers(
@@ -298,7 +312,7 @@ def _combine(
             )
         if cfg.collectives:
             stage = per_rank[0]["sizes"][i]["stage_bytes"]
-            for key in ("all_to_all", "all_gather"):
+            for key in ("all_to_all", "all_gather", "exchange"):
                 t = median_of_max(key)
                 row[f"{key}_time_s"] = round(t, 4)
                 row[f"{key}_mbit"] = round(8 * stage / t / 1e6, 2)
@@ -321,7 +335,9 @@ def _combine(
 def format_bench(r: dict[str, Any]) -> str:
     """The result of :func:`run_bench` as a few readable lines."""
     link = f"{r['link_mbit']:g} Mbit/s links" if r["link_mbit"] else "loopback, unshaped"
-    lines = [f"all-reduce, {r['peers']} peers, {link} ({r['network']}, median of {r['reps']})"]
+    cc = r.get("tcp_congestion_control")
+    tcp = f", TCP {cc}" if cc else ""
+    lines = [f"all-reduce, {r['peers']} peers, {link} ({r['network']}{tcp}, median of {r['reps']})"]
     if r["network_note"]:
         lines.append(f"NOTE: {r['network_note']}")
     for x in r["results"]:
@@ -340,7 +356,8 @@ def format_bench(r: dict[str, Any]) -> str:
             lines.append(
                 f"    raw Gloo, {x['stage_bytes_per_peer']:,} bytes sent per peer: all_to_all "
                 f"{x['all_to_all_time_s']:.3f} s ({x['all_to_all_mbit']:.1f} Mbit/s), all_gather "
-                f"{x['all_gather_time_s']:.3f} s ({x['all_gather_mbit']:.1f} Mbit/s)"
+                f"{x['all_gather_time_s']:.3f} s ({x['all_gather_mbit']:.1f} Mbit/s); isthmus "
+                f"exchange {x['exchange_time_s']:.3f} s ({x['exchange_mbit']:.1f} Mbit/s)"
             )
         if "compression" in x:
             lines.append(
@@ -438,7 +455,7 @@ def _measure(
     u8 = torch.randint(0, 256, (slice_n * n,), dtype=torch.uint8)
     u8_out = torch.empty_like(u8)
     rec["stage_bytes"] = (n - 1) * slice_n
-    rec["all_to_all"], rec["all_gather"] = [], []
+    rec["all_to_all"], rec["all_gather"], rec["exchange"] = [], [], []
 
     def timed(fn: Any) -> tuple[float, int]:
         pg.allreduce([tiny]).wait()  # barrier: every peer starts together
@@ -464,6 +481,9 @@ def _measure(
     def all_gather() -> None:
         pg._allgather_base(u8_out, u8[:slice_n]).wait()
 
+    def exchange() -> None:
+        session.run_round(lambda rnd: rnd.group.exchange(u8))
+
     for i in range(warmup + reps):
         times = {"gloo": timed(gloo)[0]}
         times["isthmus"], rec["fp32_bytes"] = timed(isthmus)
@@ -472,6 +492,7 @@ def _measure(
         if collectives:
             times["all_to_all"] = timed(all_to_all)[0]
             times["all_gather"] = timed(all_gather)[0]
+            times["exchange"] = timed(exchange)[0]
         if i >= warmup:
             for k, v in times.items():
                 rec[k].append(v)

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
@@ -91,6 +92,13 @@ def unavailable_reason() -> str | None:
     if missing:
         return f"{' and '.join(missing)} not found on PATH (install iproute2)"
     return None
+
+
+def _allowed_congestion_controls() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
+    except OSError:
+        return ""
 
 
 def tbf_parameters(rate_bps: float) -> tuple[int, int]:
@@ -301,6 +309,11 @@ class WanNetwork:
     shaped, so membership traffic never waits behind tensors in the emulation). Addresses come
     from ``subnet``: the coordinator gets the first host address, peer i the (i+2)-th. Every run
     lives in its own namespaces, so concurrent runs may use the same subnet.
+    ``congestion_control`` (e.g. ``"reno"``, ``"bbr"``) sets TCP's congestion control in every
+    node's namespace (default: the host's); it matters on shaped links: loss-based TCP (reno,
+    cubic) and BBR share a tbf queue differently. The host's
+    ``net.ipv4.tcp_allowed_congestion_control`` lists what a namespace may use; another name
+    fails the build with :class:`LabError` naming those.
 
     Entering builds everything or nothing: if any step fails, what was built is removed and
     :class:`LabError` (or :class:`LabUnavailable` when the machine cannot do it at all) is raised.
@@ -319,9 +332,17 @@ class WanNetwork:
         prefix: str = "isth",
         subnet: str = "10.77.0.0/24",
         handle_signals: bool = True,
+        congestion_control: str | None = None,
     ) -> None:
         if not isinstance(n_peers, int) or isinstance(n_peers, bool) or n_peers < 1:
             raise ValueError(f"n_peers must be a positive int, got {n_peers!r}")
+        if congestion_control is not None and not (
+            isinstance(congestion_control, str) and re.fullmatch(r"[a-z0-9_]+", congestion_control)
+        ):
+            raise ValueError(
+                f"congestion_control must be a TCP congestion control name such as 'reno' or "
+                f"'bbr', got {congestion_control!r}"
+            )
         _check_prefix(prefix)
         try:
             net = ipaddress.ip_network(subnet)
@@ -359,6 +380,7 @@ class WanNetwork:
                 raise ValueError(f"{who} must be a positive number of Mbit/s or None, got {r!r}")
 
         self.prefix = prefix
+        self.congestion_control = congestion_control
         self.run_id = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
         self.bridge_netns = f"{self.run_id}-br"
         self.handle_signals = handle_signals
@@ -409,6 +431,7 @@ class WanNetwork:
             network.peers,
             rates_mbit=[mbit(r) for r in network.rates_bps],
             coordinator_rate_mbit=mbit(network.coordinator_rate_bps),
+            congestion_control=network.congestion_control,
             **kwargs,
         )
 
@@ -519,6 +542,38 @@ class WanNetwork:
             if node.rate_bps is not None:
                 self._shape(node.netns, node.ifname, node.rate_bps)  # the node's upload
                 self._shape(br, node.bridge_port, node.rate_bps)  # the node's download
+            if self.congestion_control is not None:
+                self._set_congestion_control(n, self.congestion_control)
+
+    def _set_congestion_control(self, netns: str, name: str) -> None:
+        # A namespace starts with the host's default; only the host's allowed list may be set.
+        try:
+            _run(
+                [
+                    *("ip", "netns", "exec", netns, "sysctl", "-q", "-w"),
+                    f"net.ipv4.tcp_congestion_control={name}",
+                ]
+            )
+        except LabError as e:
+            raise LabError(
+                f"TCP congestion control {name!r} cannot be used in a namespace here (allowed: "
+                f"{_allowed_congestion_controls() or 'unknown'}; the host's "
+                "net.ipv4.tcp_allowed_congestion_control decides): " + str(e)
+            ) from e
+
+    def tcp_congestion_control(self) -> str | None:
+        """The TCP congestion control the peers' namespaces use (read in peer 0's), or None if
+        it cannot be read."""
+        try:
+            out = _run(
+                [
+                    *("ip", "netns", "exec", self.peers[0].netns, "sysctl", "-n"),
+                    "net.ipv4.tcp_congestion_control",
+                ]
+            )
+        except LabError:
+            return None
+        return out.strip() or None
 
     def close(self) -> None:
         """Tear everything down; safe to call any number of times, from any exit path.

@@ -351,6 +351,7 @@ def _network(
         "coordinator_rate_mbit": None
         if scenario.network.coordinator_rate_bps is None
         else scenario.network.coordinator_rate_bps / 1e6,
+        "congestion_control": scenario.network.congestion_control,
     }
     if opts.network == "loopback":
         yield None, {**info, "mode": "loopback", "reason": "asked for (--network loopback)"}

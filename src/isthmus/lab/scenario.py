@@ -300,6 +300,8 @@ class NetworkSpec:
     """Per-peer link rate in bits/s, one entry per peer; ``None``: unshaped."""
     coordinator_rate_bps: float | None = None
     """The coordinator's link rate; ``None`` (default): unshaped."""
+    congestion_control: str | None = None
+    """TCP congestion control in every namespace (e.g. ``reno``, ``bbr``); ``None``: the host's."""
 
     def __post_init__(self) -> None:
         _check_int(self.peers, "peers", minimum=1)
@@ -319,6 +321,12 @@ class NetworkSpec:
             if r is not None:
                 name = "coordinator_rate" if i == len(rates) else f"rate[{i}]"
                 _check_float(r, name, positive=True)
+        cc = self.congestion_control
+        if cc is not None and not (isinstance(cc, str) and re.fullmatch(r"[a-z0-9_]+", cc)):
+            raise ScenarioError(
+                f"must be a TCP congestion control name such as 'reno' or 'bbr', got {cc!r}",
+                key="congestion_control",
+            )
         object.__setattr__(self, "rates_bps", rates)
 
 
@@ -659,7 +667,12 @@ def _section_strategy(raw: Any) -> StrategySpec:
 
 
 def _section_network(raw: Any) -> NetworkSpec:
-    t = _keys(raw, "network", ["peers", "rate", "coordinator_rate"], ["peers", "rate"])
+    t = _keys(
+        raw,
+        "network",
+        ["peers", "rate", "coordinator_rate", "congestion_control"],
+        ["peers", "rate"],
+    )
     peers = _check_int(t["peers"], "network.peers", minimum=1)
     rate = t["rate"]
     if isinstance(rate, list):
@@ -669,7 +682,12 @@ def _section_network(raw: Any) -> NetworkSpec:
     coord = t.get("coordinator_rate", "unlimited")
     coord_bps = _rate_or_unlimited(coord, "network.coordinator_rate")
     return _build(
-        NetworkSpec, "network", peers=peers, rates_bps=rates, coordinator_rate_bps=coord_bps
+        NetworkSpec,
+        "network",
+        peers=peers,
+        rates_bps=rates,
+        coordinator_rate_bps=coord_bps,
+        congestion_control=t.get("congestion_control"),
     )
 
 

@@ -194,7 +194,9 @@ class StreamingConfig:
     """tau: inner steps between starting a fragment's all-reduce and applying it (< H/P)."""
     alpha: float = 0.5
     """Mixing: local fragment <- (1 - alpha) theta_f + alpha x_f after its sync (0: DiLoCo's
-    restart from theta_f)."""
+    restart from theta_f). The paper uses 0 and 0.5. On the tiny GPT (docs/BENCHMARKS.md) 0.5
+    was better for short runs (300 steps) and 0 for long ones (3000 steps: -0.9% against +3.5%
+    of DDP's loss): mixing keeps part of each replica's drift, which costs once they should agree."""
     nonlayer_fragment: int = 0
     """The fragment that holds every parameter outside numbered layers (embeddings, norms)."""
     outer_lr: float = 0.7

@@ -37,6 +37,9 @@ the owner dequantizes the ``world`` copies, sums them in fp32 in rank order, qua
 once, and an all-gather of those bytes gives every peer the same bytes, which all dequantize
 (owner included, so the owner's copy is the dequantized value too). The result therefore has
 identical bits everywhere; it carries two quantization errors (the inputs' and the sum's).
+On Gloo the all-to-all is :meth:`~isthmus.comm.group.Group.exchange`: the same slices to the
+same peers, sent one shift at a time with one connection per direction, which moves the bytes at
+about a ring's rate on shaped links where Gloo's own all_to_all falls well short.
 Everything is elementwise or a fixed-order reduction, so CUDA tensors take the same path;
 that path is untested here (no GPU).
 
@@ -637,7 +640,7 @@ def quantized_all_reduce_many(
     def send(chunk: list[_Segment]) -> None:
         parts = [seg.f.encode(rows_of(seg)) for seg in chunk]
         payload = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        h = group.all_to_all(payload.reshape(-1), async_op=True)
+        h = group.exchange(payload.reshape(-1), async_op=True)
         sent.append((chunk, payload.shape[1], h))
 
     def sum_owned() -> None:
