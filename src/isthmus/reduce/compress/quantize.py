@@ -40,8 +40,9 @@ identical bits everywhere; it carries two quantization errors (the inputs' and t
 On Gloo the all-to-all is :meth:`~isthmus.comm.group.Group.exchange`: the same slices to the
 same peers, sent one shift at a time with one connection per direction, which moves the bytes at
 about a ring's rate on shaped links where Gloo's own all_to_all falls well short.
-Everything is elementwise or a fixed-order reduction, so CUDA tensors take the same path;
-that path is untested here (no GPU).
+Everything is elementwise or a fixed-order reduction, so CUDA tensors take the same path, and
+give the CPU's bits: the scales divide by tensors, never by Python numbers (see
+:func:`_div_const`); tests/unit/test_cuda.py checks it where a GPU exists (it ran on an H100).
 
 Several tensors (a model's parameters) go through the same two collectives: each tensor keeps
 its own shard layout and blocks (so every value is quantized exactly as if the tensor were
@@ -112,6 +113,14 @@ def _safe_div(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     block (or one so tiny that its scale underflowed), whose values then quantize to 0 as they
     should, not to NaN."""
     return x / torch.where(s != 0, s, torch.ones_like(s))
+
+
+def _div_const(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c`` correctly rounded on every device. CUDA divides by a Python number as a
+    multiplication by its reciprocal, which can differ from the CPU's true division in the last
+    bit; dividing by a tensor takes the true division on both, so a CPU peer and a CUDA peer
+    quantize alike. Used on the per-block scales only (small tensors)."""
+    return x / torch.full_like(x, c)
 
 
 def _absmax(xb: torch.Tensor) -> torch.Tensor:
@@ -308,7 +317,7 @@ class Uint8MinMax(QuantFormat):
         # hi/255 - lo/255 rather than (hi - lo)/255: the difference of two finite values near the
         # fp32 limit overflows, and an encode that raised on one peer only would leave the others
         # waiting in the all-to-all
-        step = hi / 255.0 - lo / 255.0
+        step = _div_const(hi, 255.0) - _div_const(lo, 255.0)
         safe = torch.where(step != 0, step, torch.ones_like(step))
         y = (xb - lo).div_(safe)
         big = step.abs() > _UINT8_STEP_LIMIT
@@ -347,7 +356,7 @@ class Int8Symmetric(QuantFormat):
     bits: ClassVar[int] = 8
 
     def _encode_blocks(self, xb: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        s = _absmax(xb) / 127.0
+        s = _div_const(_absmax(xb), 127.0)
         codes.view(torch.int8).copy_(_safe_div(xb, s).round_().clamp_(-127, 127))
         return s
 
@@ -386,7 +395,7 @@ class Fp8(QuantFormat):
         return 448.0 if self.kind == "e4m3" else 57344.0
 
     def _encode_blocks(self, xb: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        s = _absmax(xb) / self._fmax
+        s = _div_const(_absmax(xb), self._fmax)
         # the clamp matters: x / s can land a hair above the largest finite value, and casting
         # beyond it gives NaN (e4m3fn has no Inf) or Inf (e5m2) on some backends
         codes.view(self._dtype).copy_(_safe_div(xb, s).clamp_(-self._fmax, self._fmax))
@@ -413,7 +422,7 @@ class Int4Symmetric(QuantFormat):
     bits: ClassVar[int] = 4
 
     def _encode_blocks(self, xb: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        s = _absmax(xb) / 7.0
+        s = _div_const(_absmax(xb), 7.0)
         _pack_float_nibbles(_safe_div(xb, s).round_().clamp_(-7, 7), 8.0, codes)
         return s
 
