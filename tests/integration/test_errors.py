@@ -161,3 +161,27 @@ def test_demo_refuses_bad_strategy_options_and_peers_before_starting_anything(ca
     assert cli_main([*base, "--byzantine", "7:sign_flip"]) == 2
     assert "peer 7" in capsys.readouterr().err
     assert not (tmp_path / "run").exists(), "nothing may be started for a refused run"
+
+
+def test_a_timed_out_demo_does_not_count_the_peers_it_stops_as_kills(tmp_path):
+    """Peer 1 is frozen (SIGSTOP) for good: peer 0 evicts it and finishes, the demo's bound
+    runs out, and the teardown SIGKILLs the frozen process. That is the demo stopping a peer,
+    not a kill the user asked for: the summary's ``kills`` stays 0."""
+    from isthmus.demo.runner import DemoConfig, run_demo
+
+    s = run_demo(
+        DemoConfig(
+            peers=2,
+            strategy="ddp",
+            steps=12,
+            model="tiny",
+            corpus_bytes=200_000,
+            extra_faults={1: ["stop@step:step=4"]},
+            heartbeat_timeout=1.5,
+            timeout_s=25.0,
+            run_dir=str(tmp_path / "run"),
+            progress=False,
+        )
+    )
+    assert s["kills"] == 0, s
+    assert s["peers_final"] == 1 and s["peers_started"] == 2, s

@@ -179,6 +179,8 @@ class _Peer:
         self.job = job
         self.proc = proc
         self.started = started
+        # killed by the demo's own teardown (timeout, Ctrl-C), not by a requested fault
+        self.torn_down = False
 
     @property
     def name(self) -> str:
@@ -333,6 +335,7 @@ def run_demo(cfg: DemoConfig, *, launcher: LocalLauncher | None = None) -> dict[
     finally:
         for p in peers:
             if p.proc.poll() is None:
+                p.torn_down = True
                 launcher.kill(p.proc)
                 # bounded, and never stops the teardown of the others and the coordinator
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -449,8 +452,9 @@ def _summarize(
         for r in recs:
             world_at[r["step"]] = max(world_at.get(r["step"], 0), int(r["world"]))
     ddp_equiv = sum(w * wire_bytes("all_reduce", param_bytes, w) for w in world_at.values())
-    # every peer that died by SIGKILL (--kill, or a kill in --fault)
-    killed = [p for p in peers if p.proc.returncode == -signal.SIGKILL]
+    # every peer that died by SIGKILL (--kill, or a kill in --fault); not those the demo's
+    # teardown stopped (a run that timed out)
+    killed = [p for p in peers if p.proc.returncode == -signal.SIGKILL and not p.torn_down]
     recovery = _recovery_times(events, killed)
     final_losses = [f["eval_loss"] for n, f in finals.items() if n in in_parity]
     return {
