@@ -394,6 +394,7 @@ class DelayedOuter(Strategy):
                 p.copy_(g)
         self.global_step.fill_(target)
         self.since = 0
+        self.stale = False  # every peer now stands on theta: no local progress to void
 
     def apply_outer(self, result: Reduced | None) -> None:
         """Apply a committed mean outer gradient to the shared state (None: nobody contributed;
