@@ -46,7 +46,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal
 
 from isthmus.lab.counters import InterfaceCounters, read_counters
-from isthmus.lab.scenario import NetworkSpec
+from isthmus.lab.scenario import CONGESTION_CONTROL_NAME, NetworkSpec
 
 __all__ = [
     "LabError",
@@ -337,7 +337,8 @@ class WanNetwork:
         if not isinstance(n_peers, int) or isinstance(n_peers, bool) or n_peers < 1:
             raise ValueError(f"n_peers must be a positive int, got {n_peers!r}")
         if congestion_control is not None and not (
-            isinstance(congestion_control, str) and re.fullmatch(r"[a-z0-9_]+", congestion_control)
+            isinstance(congestion_control, str)
+            and CONGESTION_CONTROL_NAME.fullmatch(congestion_control)
         ):
             raise ValueError(
                 f"congestion_control must be a TCP congestion control name such as 'reno' or "

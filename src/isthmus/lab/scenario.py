@@ -58,6 +58,10 @@ Scalar = str | int | float | bool
 OptionValue = Scalar | tuple[Scalar, ...]
 
 
+#: what a TCP congestion control name may look like (``reno``, ``bbr``, ``cubic``, ...)
+CONGESTION_CONTROL_NAME = re.compile(r"[a-z0-9_]+")
+
+
 class ScenarioError(ValueError):
     """A scenario is malformed. ``source`` is the file, ``key`` the dotted key, ``problem`` what is
     wrong and what to write instead."""
@@ -322,7 +326,7 @@ class NetworkSpec:
                 name = "coordinator_rate" if i == len(rates) else f"rate[{i}]"
                 _check_float(r, name, positive=True)
         cc = self.congestion_control
-        if cc is not None and not (isinstance(cc, str) and re.fullmatch(r"[a-z0-9_]+", cc)):
+        if cc is not None and not (isinstance(cc, str) and CONGESTION_CONTROL_NAME.fullmatch(cc)):
             raise ScenarioError(
                 f"must be a TCP congestion control name such as 'reno' or 'bbr', got {cc!r}",
                 key="congestion_control",
