@@ -19,6 +19,10 @@ Example (the command behind docs/BENCHMARKS.md)::
         --fragments 2 --overlap 2 --alpha 0.5 --compression e3m0 \
         --only localsgd,diloco,streaming,eager,co2 --json runs/bench-strategies/e3m0.json
 
+Eager DiLoCo has three rows: ``eager`` (isthmus's default, each phase starting from the predicted
+outer step), ``eager-paper`` (the paper's eager update, with outer lr 1.0 and no momentum, the best
+found for it) and ``eager-delayed`` (the naive one-step-delayed scheme, same outer settings).
+
 Rows are printed as JSON lines as they finish, then the markdown table. With ``--only`` a
 subset runs (the ratios to DDP and DiLoCo need those rows: pass ``--baseline FILE`` with an
 earlier ``--json`` output to take them from there).
@@ -65,7 +69,28 @@ def configs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
             },
         ),
         ("eager", "eager", {"sync_every": h}),
-        ("eager-delayed", "eager", {"sync_every": h, "eager": False}),
+        (
+            "eager-paper",
+            "eager",
+            {
+                "sync_every": h,
+                "start": "paper",
+                "anchor": 0.0,
+                "outer_lr": 1.0,
+                "outer_momentum": 0.0,
+            },
+        ),
+        (
+            "eager-delayed",
+            "eager",
+            {
+                "sync_every": h,
+                "start": "theta",
+                "anchor": 0.0,
+                "outer_lr": 1.0,
+                "outer_momentum": 0.0,
+            },
+        ),
         ("co2", "co2", {"sync_every": h}),
     ]
 

@@ -89,7 +89,7 @@ def state_of(st: Strategy) -> list[torch.Tensor]:
     if isinstance(st, CO2):
         out += st.momentum
     if isinstance(st, (EagerDiLoCo, StreamingDiLoCo)):
-        # momentum buffers (none when the outer SGD has no momentum, eager's default)
+        # momentum buffers (none when the outer SGD has no momentum)
         out += [st.outer.state[g].get("momentum_buffer") for g in st.global_params]
         out = [t for t in out if t is not None]
     return out
@@ -103,8 +103,11 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 ONE_PEER = {
     "eager": lambda s, m, o: EagerDiLoCo(s, m, o, EagerConfig(sync_every=4)),
-    "eager-nesterov": lambda s, m, o: EagerDiLoCo(
-        s, m, o, EagerConfig(sync_every=4, outer_lr=0.7, outer_momentum=0.9)
+    "eager-paper": lambda s, m, o: EagerDiLoCo(
+        s,
+        m,
+        o,
+        EagerConfig(sync_every=4, start="paper", anchor=0.0, outer_lr=1.0, outer_momentum=0.0),
     ),
     "co2": lambda s, m, o: CO2(s, m, o, CO2Config(sync_every=4, clip=1e-3)),
 }

@@ -18,7 +18,7 @@ from isthmus.models import GPT, GPTConfig
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.co2 import CO2, CO2Config
 from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
-from isthmus.strategies.eager import EagerConfig, EagerDiLoCo
+from isthmus.strategies.eager import EagerConfig, EagerDiLoCo, preview_sgd
 from isthmus.strategies.localsgd import LocalSGD, LocalSGDConfig
 from isthmus.strategies.streaming import (
     StreamingConfig,
@@ -290,14 +290,15 @@ def test_streaming_one_peer_equals_hand_computed_update(corpus):
 
 
 def _hand_eager(
-    corpus: Corpus, seed: int, h: int, phases: int, eager: bool, lr: float, mu: float
+    corpus: Corpus, seed: int, h: int, phases: int, start: str, lr: float, mu: float
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The paper's scheme (anchor 0) and the naive delayed one, with one peer."""
     model = GPT(TINY, seed=seed)
     opt = adamw(model)
     x = list(model.parameters())
     theta = [t.detach().clone() for t in x]
     buf = [torch.zeros_like(t) for t in x]
-    start = [t.detach().clone() for t in x]
+    begin = [t.detach().clone() for t in x]
     pending: list[torch.Tensor] | None = None
     step = 0
     for _ in range(phases):
@@ -305,14 +306,14 @@ def _hand_eager(
             inner_step(model, opt, corpus, step)
             step += 1
         with torch.no_grad():
-            delta = [s - xi for s, xi in zip(start, x, strict=True)]  # this phase's progress
+            delta = [s - xi for s, xi in zip(begin, x, strict=True)]  # this phase's progress
             if pending is not None:  # the previous phase's mean arrives one phase late
                 for t, b, d in zip(theta, buf, pending, strict=True):
                     nesterov(t, b, d, lr, mu)
             pending = delta
-            for s, t, d, xi in zip(start, theta, delta, x, strict=True):
-                # eager: own fresh outer step on top of the delayed theta (M = 1)
-                s.copy_(t.add(d, alpha=-lr * (1 + mu)) if eager else t)  # Nesterov's step
+            for s, t, d, xi in zip(begin, theta, delta, x, strict=True):
+                # paper: own fresh outer step on top of the delayed theta (M = 1)
+                s.copy_(t.add(d, alpha=-lr * (1 + mu)) if start == "paper" else t)
                 xi.copy_(s)
     with torch.no_grad():
         assert pending is not None
@@ -324,22 +325,106 @@ def _hand_eager(
 
 
 @pytest.mark.parametrize(
-    "eager,lr,mu",
-    [(True, 0.7, 0.9), (False, 0.7, 0.9), (True, 1.0, 0.0)],
-    ids=["eager-nesterov", "delayed-nesterov", "eager-defaults"],
+    "start,lr,mu",
+    [("paper", 0.7, 0.9), ("theta", 0.7, 0.9), ("paper", 1.0, 0.0)],
+    ids=["paper-nesterov", "delayed-nesterov", "paper-plain"],
 )
-def test_eager_diloco_one_peer_equals_hand_computed_update(corpus, eager, lr, mu):
+def test_eager_diloco_one_peer_equals_hand_computed_update(corpus, start, lr, mu):
     h, phases = 3, 3
-    theta, local = _hand_eager(corpus, 5, h, phases, eager, lr, mu)
+    theta, local = _hand_eager(corpus, 5, h, phases, start, lr, mu)
     model = GPT(TINY, seed=5)
     opt = adamw(model)
-    cfg = EagerConfig(sync_every=h, eager=eager, outer_lr=lr, outer_momentum=mu)
-    assert (cfg == EagerConfig(sync_every=h)) == (eager and (lr, mu) == (1.0, 0.0))
+    cfg = EagerConfig(sync_every=h, start=start, anchor=0.0, outer_lr=lr, outer_momentum=mu)
     st = EagerDiLoCo(None, model, opt, cfg)
     drive(st, opt, corpus, h * phases)
     assert_same(st.global_params, theta)
     assert_same(params(model), local)
     assert st.outer_rounds == phases  # phases - 1 at boundaries + the last one at finish()
+
+
+@pytest.mark.parametrize(
+    "lr,mu,nesterov,anchor",
+    [(0.7, 0.9, True, 0.5), (0.7, 0.9, False, 1.0), (1.0, 0.0, True, 0.5)],
+    ids=["defaults", "heavy-ball", "no-momentum"],
+)
+def test_eager_predicted_start_with_one_peer_is_diloco_bit_for_bit(
+    corpus, lr, mu, nesterov, anchor
+):
+    # With one peer the prediction of the mean in flight is the mean itself: every phase starts
+    # exactly where DiLoCo's does, the anchor moves nothing, and the last settle catches theta up.
+    h, steps = 3, 11  # three boundaries and a partial phase synced at finish()
+    outer = {"outer_lr": lr, "outer_momentum": mu, "nesterov": nesterov}
+    ref_model = GPT(TINY, seed=7)
+    ref_opt = adamw(ref_model)
+    ref = DiLoCo(None, ref_model, ref_opt, DiLoCoConfig(sync_every=h, **outer))
+    drive(ref, ref_opt, corpus, steps)
+    model = GPT(TINY, seed=7)
+    opt = adamw(model)
+    st = EagerDiLoCo(None, model, opt, EagerConfig(sync_every=h, anchor=anchor, **outer))
+    drive(st, opt, corpus, steps)
+    assert_bits(params(model), params(ref_model))
+    assert_bits(st.global_params, ref.global_params)
+
+
+def assert_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == y.dtype
+        assert x.view(torch.int32).equal(y.view(torch.int32)), f"tensor {i}: bits differ"
+
+
+@pytest.mark.parametrize("mu,nesterov", [(0.9, True), (0.5, False), (0.0, False)])
+def test_preview_sgd_gives_the_bits_of_the_step_and_changes_nothing(mu, nesterov):
+    g = torch.Generator().manual_seed(3)
+    theta = torch.randn(257, generator=g)
+    buf = torch.randn(257, generator=g) if mu > 0 else None
+    grad = torch.randn(257, generator=g) * 1e-3
+    before = (theta.clone(), None if buf is None else buf.clone())
+    out = torch.empty_like(theta)
+    preview_sgd(theta, buf, grad, 0.7, mu, nesterov, out=out)
+    assert theta.equal(before[0]) and (buf is None or buf.equal(before[1]))
+    p = theta.clone()
+    opt = torch.optim.SGD([p], lr=0.7, momentum=mu, nesterov=nesterov)
+    if buf is not None:
+        opt.state[p]["momentum_buffer"] = buf.clone()
+    p.grad = grad.clone()
+    opt.step()
+    assert_bits([out], [p])
+
+
+@pytest.mark.parametrize("start", ["predicted", "paper", "theta"])
+def test_eager_remeasure_and_restart_with_four_contributors(start):
+    # The per-peer arithmetic of one boundary with M = 4, against the formulas in eager.py.
+    model = GPT(TINY, seed=8)
+    cfg = EagerConfig(sync_every=3, start=start, anchor=0.5)
+    st = EagerDiLoCo(None, model, adamw(model), cfg)
+    g = torch.Generator().manual_seed(9)
+    lr, mu = cfg.outer_lr, cfg.outer_momentum
+    with torch.no_grad():
+        for t in st.global_params:
+            t.copy_(torch.randn(t.shape, generator=g))
+        bufs = [st.outer.state[t]["momentum_buffer"] for t in st.global_params]
+        for b in bufs:
+            b.copy_(torch.randn(b.shape, generator=g) * 1e-2)
+        for s in st.start:
+            s.copy_(torch.randn(s.shape, generator=g))
+    theta = [t.clone() for t in st.global_params]
+    begin = [s.clone() for s in st.start]
+    delta = [torch.randn(t.shape, generator=g) * 1e-2 for t in theta]
+    measured = [d + 0.5 * (t - s) for d, t, s in zip(delta, theta, begin, strict=True)]
+    st.remeasure(delta)
+    for d, want in zip(delta, measured, strict=True):
+        torch.testing.assert_close(d, want)
+    with torch.no_grad():
+        st.restart(delta, contributors=4)
+    for s, t, d, b in zip(st.start, theta, measured, bufs, strict=True):
+        if start == "predicted":  # Nesterov on the own outer gradient, momentum included
+            want = t - lr * (d + mu * (mu * b + d))
+        elif start == "paper":  # the fresh own share
+            want = t - lr * (1 + mu) * d / 4
+        else:
+            want = t
+        torch.testing.assert_close(s, want)
+    assert all(t.equal(u) for t, u in zip(st.global_params, theta, strict=True))  # unchanged
 
 
 def test_eager_partial_last_phase_is_synced_at_finish(corpus):
@@ -465,6 +550,8 @@ BAD: list[tuple[Callable[[], object], str]] = [
     (lambda: StreamingConfig(fragments=0), "fragments"),
     (lambda: EagerConfig(sync_every=0), "sync_every"),
     (lambda: EagerConfig(outer_momentum=1.0), "outer_momentum"),
+    (lambda: EagerConfig(start="eager"), "start must be one of predicted, paper, theta"),
+    (lambda: EagerConfig(anchor=1.5), "anchor"),
     (lambda: CO2Config(gap_penalty=0.0), "gap_penalty"),
     (lambda: CO2Config(clip=0.0), "clip"),
     (lambda: CO2Config(outer_lr=-1.0), "outer_lr"),
@@ -484,7 +571,7 @@ def test_options_build_each_strategy_by_name():
     model = GPT(TINY, seed=0)
     for cls, opts in [
         (StreamingDiLoCo, {"sync_every": 4, "fragments": 2, "overlap": 1}),
-        (EagerDiLoCo, {"sync_every": 4, "eager": False}),
+        (EagerDiLoCo, {"sync_every": 4, "start": "theta"}),
         (CO2, {"sync_every": 4, "clip": None}),
         (LocalSGD, {"sync_every": 4}),
     ]:
@@ -514,7 +601,15 @@ def test_non_finite_outer_gradient_is_dropped_and_the_peer_restarts_from_theta(c
         opt.zero_grad()
     assert st.reducer is not None and st.reducer.nonfinite_skips == 1
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    assert_same(params(model), st.global_params)  # restarted from theta, no own share
+    # restarted without its own outer gradient: from theta (CO2), from theta plus the outer
+    # momentum's step (eager's prediction with nothing of its own)
+    expected = [g.clone() for g in st.global_params]
+    if isinstance(st, EagerDiLoCo):
+        for e, g in zip(expected, st.global_params, strict=True):
+            buf = st.outer.state[g]["momentum_buffer"]
+            preview_sgd(g, buf, torch.zeros_like(g), 0.7, 0.9, True, out=e)
+        assert not all(e.equal(g) for e, g in zip(expected, st.global_params, strict=True))
+    assert_same(params(model), expected)
     st.finish()
     assert all(bool(torch.isfinite(g).all()) for g in st.global_params)
 

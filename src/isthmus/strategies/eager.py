@@ -6,49 +6,61 @@ arXiv:2502.12996 (2025); the one-outer-step-delayed scheme is also PCCL's "async
 
 DiLoCo (:mod:`isthmus.strategies.diloco`) blocks at every outer step while the outer gradients
 are averaged. Here a peer does not wait: at the end of inner phase t it starts the all-reduce of
-its outer gradient delta_i(t) and immediately trains phase t+1; the mean D(t) is applied at the
-end of phase t+1, one outer step late, so the whole all-reduce hides behind H inner steps.
+its outer gradient delta_i(t) and immediately trains phase t+1; the mean D(t) is applied to the
+shared theta at the end of phase t+1, one outer step late, so the whole all-reduce hides behind
+H inner steps.
 
 Per boundary (every ``sync_every`` = H inner steps), on every peer:
 
-1. ``delta_i(t) = start_i(t) - x_i`` (this phase's progress, measured from where it started);
-2. settle round t-1: ``theta <- OuterOpt(theta, D(t-1))`` (SGD, optionally with Nesterov
-   momentum as in DiLoCo; theta and the momentum are shared and bit-identical);
-3. begin round t and start reducing ``delta_i(t)``;
-4. the next phase starts at ``start_i(t+1) = theta - k * delta_i(t) / M`` (eager) or at
-   ``theta`` (``eager=False``, the naive delayed scheme), and ``x_i <- start_i(t+1)``.
+1. ``delta_i = start_i - x_i``: this phase's progress, measured from where the phase started;
+2. settle round t-1: ``theta <- OuterOpt(theta, D(t-1))`` (DiLoCo's outer SGD with Nesterov
+   momentum; theta and the momentum are shared and bit-identical on every peer);
+3. ``delta_i <- delta_i + anchor * (theta - start_i)``: move the reference point from the start
+   towards theta, now that theta is known (below);
+4. begin round t and start reducing ``delta_i``;
+5. the next phase starts at ``start_i`` (per ``start``, below), and ``x_i <- start_i``.
 
-Step 4 is the *eager update*: the paper replaces this peer's stale share of the delayed average
-by its fresh outer gradient, ``(1/M) (delta_i(t) + sum_{j != i} delta_j(t-1))``. isthmus keeps the
-shared theta on the delayed trajectory (bit-identical on all peers, what a joiner receives) and
-adds the fresh local share only to the local starting point, scaled by ``k``, the step the outer
-optimizer takes on a fresh gradient (``outer_lr * (1 + momentum)`` with Nesterov, ``outer_lr``
-without). The fresh share is not accumulated: the next start is rebuilt from the new theta, in
-which delta_i(t) is then counted exactly once, through D(t). With plain outer SGD (no momentum)
-this is exactly the paper's per-worker trajectory; with momentum it is its first-order
-approximation (the paper's formula is marked unconfirmed in ALGORITHMS.md).
+Where the next phase starts (``start``):
 
-Defaults: DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9) is unstable once its update
-arrives one phase late: its momentum amplifies each outer gradient about 7 times, and with the
-delay the amplified steps overshoot. On the tiny GPT with 4 peers (H = 20, 300 steps; see
-docs/BENCHMARKS.md) the final eval loss was 3.43 with (0.7, 0.9), 2.74 with momentum
-0.5, 2.67 with (0.5, 0.5) and 2.64 with (1.0, 0): the defaults are lr 1.0 without momentum. The
-eager update matters: the naive delayed scheme with the same (1.0, 0) reached 2.86.
+* ``"predicted"`` (the default): where theta will be once round t lands, predicted by the outer
+  optimizer itself, ``OuterOpt(theta, delta_i)``, with this peer's own fresh outer gradient
+  standing in for the mean it cannot know yet; the momentum's part of the step is exact. With one
+  peer the prediction is exact and the run is DiLoCo's, bit for bit.
+* ``"paper"``: the paper's eager update, ``theta - k * delta_i / M``: the fresh own *share*
+  replaces its stale one, ``(1/M) (delta_i(t) + sum_{j != i} delta_j(t-1))``; ``k`` is the outer
+  step on a fresh gradient (``outer_lr * (1 + momentum)`` with Nesterov).
+* ``"theta"``: theta itself, the naive one-step-delayed scheme the paper shows is worse.
+
+Why predict, and why ``anchor``: every start misses the true next theta by an error e_i (the
+part of the mean it could not know). The inner optimizer partly undoes that error during the
+phase, so the progress it reports contains ``-e_i`` in the directions it corrects (steep ones),
+and the outer momentum amplifies that spurious part up to ``outer_lr / (1 - momentum)``, seven
+times with DiLoCo's (0.7, 0.9): with the paper's update those settings overshoot (eval loss +51%
+against DDP on the tiny GPT with 4 peers). Measured from theta instead (``anchor = 1``), the outer
+gradient carries the error in the directions the phase did *not* correct (flat ones); measured
+from the midpoint, at most half of it gets through in any direction. Predicting the mean by the
+peer's whole outer gradient (not its 1/M share) makes the error average to zero over the peers,
+leaving only its noise part. On the tiny GPT (4 peers, H = 20, 3000 steps, 4-bit outer gradients;
+docs/BENCHMARKS.md, "Eager DiLoCo with a predicted start") these defaults reach DiLoCo's quality,
+where the paper's update stayed 10-11% behind DDP with the best outer settings found for it.
+The prediction and the anchor are isthmus's, not the paper's; ``start="paper", anchor=0`` (with
+``outer_momentum=0``) is the paper's scheme.
 
 Shared state: theta, the outer momentum, the step counter. Local: the inner optimizer, the local
 parameters and the phase's starting point.
 
 Joining: a joiner is admitted when the members begin round t (after they applied D(t-1)); it
 receives theta, momentum and the step counter (equal to the members' step at that moment), takes
-part in round t's reduction without contributing, trains phase t+1 from theta, and applies D(t) at
-the next boundary like everyone: it receives the in-flight result and stays in parity.
+part in round t's reduction without contributing, trains phase t+1 from the prediction with no
+gradient of its own (theta plus the momentum's step), and applies D(t) at the next boundary like
+everyone: it receives the in-flight result and stays in parity.
 
 On failure: see :mod:`isthmus.strategies.overlap`. A peer dying while round t is in flight
 aborts round t for everyone at the next boundary (or at once if the coordinator pushes the
 abort); the survivors reduce their snapshots of delta(t) again, blocking, and apply the mean of
 the survivors. The inner steps of phase t+1 already taken stay in their local parameters.
 A peer whose update is not finite contributes nothing that round (the reducer's policy) and
-restarts from theta.
+restarts from the prediction without it.
 """
 
 from __future__ import annotations
@@ -69,23 +81,33 @@ from isthmus.strategies.base import (
 from isthmus.strategies.overlap import DelayedOuter
 from isthmus.strategies.reducer import Reduced, Reducer
 
-__all__ = ["EagerConfig", "EagerDiLoCo"]
+__all__ = ["EagerConfig", "EagerDiLoCo", "preview_sgd"]
+
+
+STARTS = ("predicted", "paper", "theta")
 
 
 @dataclass(kw_only=True)
 class EagerConfig:
     sync_every: int = 50
     """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase."""
-    outer_lr: float = 1.0
-    """Outer learning rate. 1.0 (not DiLoCo's 0.7): see the note on defaults in the module."""
-    outer_momentum: float = 0.0
-    """Outer momentum. 0 (not DiLoCo's 0.9): momentum amplifies the delayed update, see the
-    module's note on defaults."""
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo's)."""
+    outer_momentum: float = 0.9
+    """Outer momentum (DiLoCo's). With ``start="paper"`` it overshoots; use 0 there (see the
+    module's notes)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD (when ``outer_momentum`` > 0)."""
-    eager: bool = True
-    """Start each phase from theta plus this peer's fresh outer step (the eager update); False:
-    start from theta alone (the naive one-step-delayed scheme, which the paper shows is worse)."""
+    start: str = "predicted"
+    """Where each phase starts: ``"predicted"`` (the outer step on this peer's own fresh outer
+    gradient), ``"paper"`` (theta plus the fresh own share, the paper's eager update) or
+    ``"theta"`` (the naive delayed scheme)."""
+    anchor: float = 0.5
+    """Where the outer gradient is measured from, between the phase's start (0, the paper) and
+    theta once the round in flight has landed (1); 0.5 is the midpoint. The start's error passes
+    into the outer gradient with a factor up to ``max(anchor, 1 - anchor) * lr * (1 + momentum)``,
+    below 1 for anchors between 0.25 and 0.75 with DiLoCo's outer settings; on the tiny GPT 0.7
+    was best and 1 diverged (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -94,6 +116,10 @@ class EagerConfig:
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.start not in STARTS:
+            raise ValueError(f"start must be one of {', '.join(STARTS)}; got {self.start!r}")
+        if not 0 <= self.anchor <= 1:
+            raise ValueError(f"anchor must be in [0, 1], got {self.anchor}")
 
     @property
     def fresh_step(self) -> float:
@@ -101,6 +127,27 @@ class EagerConfig:
         if self.nesterov and self.outer_momentum > 0:
             return self.outer_lr * (1 + self.outer_momentum)
         return self.outer_lr
+
+
+def preview_sgd(
+    theta: torch.Tensor,
+    buf: torch.Tensor | None,
+    grad: torch.Tensor,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    out: torch.Tensor,
+) -> None:
+    """Write into ``out`` where ``torch.optim.SGD`` (no dampening, no weight decay) would move
+    ``theta`` with ``grad``, changing neither ``theta`` nor the momentum ``buf``. It uses the
+    operations of torch's single-tensor SGD, so on the CPU ``out`` has the bits that the step
+    itself will give."""
+    step = grad
+    if momentum > 0:
+        assert buf is not None, "a momentum SGD has a momentum buffer (materialized at start)"
+        b = buf.mul(momentum).add_(grad)
+        step = grad.add(b, alpha=momentum) if nesterov else b
+    torch.add(theta, step, alpha=-lr, out=out)
 
 
 class EagerDiLoCo(DelayedOuter):
@@ -162,11 +209,28 @@ class EagerDiLoCo(DelayedOuter):
             g.grad = d.to(g.dtype)  # the reduction is fp32; the model may not be
         self.outer.step()
 
+    def remeasure(self, delta: list[torch.Tensor]) -> None:
+        a = self.config.anchor
+        if a == 0:
+            return
+        with torch.no_grad():
+            for d, s, g in zip(delta, self.start, self.global_params, strict=True):
+                d.add_(g - s, alpha=a)
+
     def restart(self, delta: list[torch.Tensor] | None, contributors: int) -> None:
-        if delta is None or not self.config.eager:
+        cfg = self.config
+        if cfg.start == "predicted":
+            lr, mu = cfg.outer_lr, cfg.outer_momentum
+            nesterov = cfg.nesterov and mu > 0
+            for i, (s, g) in enumerate(zip(self.start, self.global_params, strict=True)):
+                est = delta[i].to(g.dtype) if delta is not None else torch.zeros_like(g)
+                buf = self.outer.state[g].get("momentum_buffer")
+                preview_sgd(g, buf, est, lr, mu, nesterov, out=s)
+            return
+        if delta is None or cfg.start == "theta":
             for s, g in zip(self.start, self.global_params, strict=True):
                 s.copy_(g)
             return
-        k = self.config.fresh_step / contributors
+        k = cfg.fresh_step / contributors
         for s, g, d in zip(self.start, self.global_params, delta, strict=True):
             torch.add(g, d, alpha=-k, out=s)

@@ -265,8 +265,9 @@ class DelayedOuter(Strategy):
 
     Every ``sync_every`` (H) inner steps a *boundary*: (1) this phase's outer gradient
     ``start - local`` is snapshotted; (2) the round in flight (issued at the previous boundary) is
-    settled and its mean applied to the shared state by :meth:`apply_outer`; (3) a new round
-    begins and starts reducing the snapshot; (4) the next phase starts from :meth:`restart`.
+    settled and its mean applied to the shared state by :meth:`apply_outer`, after which
+    :meth:`remeasure` may move the snapshot's reference point; (3) a new round begins and starts
+    reducing the snapshot; (4) the next phase starts from :meth:`restart`.
     The order (settle, apply, then begin) is what keeps joiners in parity: a joiner is admitted
     at step (3), receives the shared state with the previous result already applied, and is a
     member of the round whose reduction is in flight, so it receives that result too.
@@ -332,6 +333,7 @@ class DelayedOuter(Strategy):
         else:
             self.global_step.fill_(target)
             self.since = 0
+        self.remeasure(delta)
         self._issue(delta)
 
     def _settle(self, target: int, *, final: bool = False) -> None:
@@ -383,6 +385,7 @@ class DelayedOuter(Strategy):
         delta = self._phase_delta()
         if self.pipeline.in_flight:
             self._settle(target, final=True)
+        self.remeasure(delta)
         if progressed:
             # Every member progressed alike (same step counter), so every member issues this
             # last round; one resynced by the settle above takes part without contributing.
@@ -400,6 +403,10 @@ class DelayedOuter(Strategy):
         """Apply a committed mean outer gradient to the shared state (None: nobody contributed;
         leave it unchanged). Must do the same thing on every peer."""
         raise NotImplementedError
+
+    def remeasure(self, delta: list[torch.Tensor]) -> None:
+        """Called with this phase's outer gradient (``start - local``, in place) once the round
+        in flight has landed in the shared state; the default leaves it as it is."""
 
     def restart(self, delta: list[torch.Tensor] | None, contributors: int) -> None:
         """Set :attr:`start` (under no_grad) for the next phase from the shared state and, when
