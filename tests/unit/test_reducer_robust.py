@@ -5,6 +5,7 @@ cannot run (or whose plain sum is not finite) are skipped by every peer alike.""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -122,6 +123,25 @@ def test_a_rule_that_cannot_run_skips_the_update_on_every_peer(groups, caplog):
     reducers = [Reducer(aggregator="median", byzantine_f=1) for _ in range(4)]
     assert reduce_round(groups, reducers, 0, contribute=[False] * 4) == [None] * 4
     assert all(r.rejected_sums == 0 for r in reducers)
+
+
+def test_plain_reduction_is_finished_on_the_worker_before_anyone_waits(groups):
+    # The result's post-processing (here: rejecting a non-finite sum) must not wait for the
+    # training thread's wait(): an overlapped strategy waits late and should find it done.
+    plain = [Reducer() for _ in range(4)]
+    plain[1].attack = PeerAttack("nan")
+
+    def run(g: Group) -> tuple[int, object]:
+        r = plain[g.rank]
+        pending = r.start(FakeRound(g, 5, 1), [("w", honest(5, g.rank))], contribute=True)
+        for _ in range(3000):  # up to 30 s; never calls wait() before the check below
+            if pending.done():
+                break
+            time.sleep(0.01)
+        rejected_before_wait = r.rejected_sums
+        return rejected_before_wait, pending.wait()
+
+    assert run_parallel(groups, run) == [(1, None)] * 4
 
 
 def test_nan_attack_plain_mean_rejects_and_robust_rule_excludes(groups):

@@ -44,7 +44,9 @@ leaving only its noise part. On the tiny GPT (4 peers, H = 20, 3000 steps, 4-bit
 docs/BENCHMARKS.md, "Eager DiLoCo with a predicted start") these defaults reach DiLoCo's quality,
 where the paper's update stayed 10-11% behind DDP with the best outer settings found for it.
 The prediction and the anchor are isthmus's, not the paper's; ``start="paper", anchor=0`` (with
-``outer_momentum=0``) is the paper's scheme.
+``outer_lr=1.0, outer_momentum=0``) is the paper's scheme. It can be ahead on short runs, where
+DiLoCo's outer momentum has not built up yet: on the default GPT at 300 steps it was +21%
+against DDP, the defaults +34% (DiLoCo itself +32%).
 
 Shared state: theta, the outer momentum, the step counter. Local: the inner optimizer, the local
 parameters and the phase's starting point.

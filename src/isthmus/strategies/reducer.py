@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,45 +60,32 @@ class Reduced:
 
 
 class PendingMean:
-    """A reduction in flight; :meth:`wait` returns a :class:`Reduced` (None if nobody
-    contributed) or raises :class:`~isthmus.comm.group.CollectiveError`. Backed either by a
-    worker thread's future, or by collective handles plus a function finishing their results."""
+    """A reduction in flight, run to its end by the reducer's worker thread: the network part
+    and the post-processing (finiteness check, division by the count, unflattening) both happen
+    there, so the training thread pays nothing when it waits late. :meth:`wait` returns a
+    :class:`Reduced` (None if nobody contributed) or raises
+    :class:`~isthmus.comm.group.CollectiveError`; it is bounded by the collectives' own timeout
+    and by aborts."""
 
-    def __init__(
-        self,
-        *,
-        future: Future[Reduced | None] | None = None,
-        handles: list[Handle] | None = None,
-        finish: Callable[[list[Any]], Reduced | None] | None = None,
-        timing: OverlapTiming | None = None,
-    ) -> None:
+    def __init__(self, future: Future[Reduced | None], timing: OverlapTiming | None = None) -> None:
         self._future = future
-        self._handles = handles or []
-        self._finish = finish
         self._timing = timing
         self.issued_at = time.monotonic()
-        self._done_at: list[float] = []
-        if future is not None:
-            done_at = self._done_at
-            future.add_done_callback(lambda _f: done_at.append(time.monotonic()))
+        done_at: list[float] = []
+        self._done_at = done_at
+        future.add_done_callback(lambda _f: done_at.append(time.monotonic()))
 
     def done(self) -> bool:
-        if self._future is not None:
-            return self._future.done()
-        return all(h.done() for h in self._handles)
+        return self._future.done()
 
     def wait(self) -> Reduced | None:
         t0 = time.monotonic()
         try:
-            if self._future is not None:
-                return self._future.result()
-            assert self._finish is not None
-            return self._finish([h.wait() for h in self._handles])
+            return self._future.result()
         finally:
             if self._timing is not None:
                 t1 = time.monotonic()
-                stamps = self._done_at or [t for h in self._handles for t in h.done_at]
-                finished = max(stamps) if stamps else t1
+                finished = self._done_at[0] if self._done_at else t1
                 self._timing.add(comm=max(0.0, finished - self.issued_at), blocked=t1 - t0)
 
 
@@ -196,22 +182,21 @@ class Reducer:
         """Start reducing ``items`` (and ``exact``) across ``rnd``'s group; return at once.
 
         Every peer of the round must call this with the same names, shapes and ``exact`` length,
-        in the same order. The plain mode issues async all-reduces from this thread; the other
-        modes run on one worker thread so that their several collectives stay in order.
+        in the same order. The plain mode issues async all-reduces from this thread and leaves
+        waiting for them and finishing the result to one worker thread; the other modes run
+        entirely on that worker so that their several collectives stay in order.
         """
         contribute = self._check(rnd, items, contribute)
         self._staged = None
         if self.attack is not None and contribute:
             # A byzantine peer skips the honest checks: its forged vector goes out as it is.
             items = self._attacked(rnd, items)
-        if self.mode == "plain":
-            return self._plain(rnd, items, contribute, exact)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-reduce")
+        if self.mode == "plain":
+            return self._plain(rnd, items, contribute, exact)
         fn = self._compressed if self.compressor is not None else self._robust
-        return PendingMean(
-            future=self._worker.submit(fn, rnd, items, contribute, exact), timing=self.timing
-        )
+        return PendingMean(self._worker.submit(fn, rnd, items, contribute, exact), self.timing)
 
     def _attacked(self, rnd: Round, items: Items) -> Items:
         assert self.attack is not None
@@ -278,7 +263,12 @@ class Reducer:
                 self._staged = (rnd.epoch, torch.cat([t.reshape(-1) for t in out]))
             return Reduced(out, ex, round(n))
 
-        return PendingMean(handles=handles, finish=finish, timing=self.timing)
+        # The all-reduces are issued from this thread (their order is the same on every peer);
+        # waiting for them and finishing the result runs on the worker.
+        assert self._worker is not None
+        return PendingMean(
+            self._worker.submit(lambda: finish([h.wait() for h in handles])), self.timing
+        )
 
     def _exact(
         self, rnd: Round, contribute: bool, exact: torch.Tensor | None, device: torch.device
