@@ -5,13 +5,15 @@ cannot run (or whose plain sum is not finite) are skipped by every peer alike.""
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from isthmus.comm.group import Group
+from isthmus.comm.group import CollectiveError, Group
 from isthmus.reduce.aggregate import make_aggregator
 from isthmus.reduce.aggregate.attacks import PeerAttack
 from isthmus.strategies.reducer import Reducer
@@ -139,9 +141,33 @@ def test_plain_reduction_is_finished_on_the_worker_before_anyone_waits(groups):
                 break
             time.sleep(0.01)
         rejected_before_wait = r.rejected_sums
-        return rejected_before_wait, pending.wait()
+        result = pending.wait()
+        with pytest.raises(RuntimeError, match="already waited"):
+            pending.wait()
+        return rejected_before_wait, result
 
     assert run_parallel(groups, run) == [(1, None)] * 4
+
+
+def test_a_failed_reduction_leaves_no_reference_cycle_behind():
+    # The error raised by wait() must not stay reachable from the pending reduction: that closes
+    # a cycle through the failed round's process group, which the cyclic collector may then free
+    # on one of Gloo's threads, aborting the process (seen as SIGABRT in the kill tests).
+    g0, g1 = local_groups(2, timeout_s=20)
+    pending = Reducer().start(FakeRound(g0, 0, 1), [("w", torch.ones(5))], contribute=True)
+    future = weakref.ref(pending._future)
+    g0.abort("test: the round failed elsewhere")
+    gc.disable()
+    try:
+        with pytest.raises(CollectiveError, match="test: the round failed elsewhere"):
+            pending.wait()
+        assert pending.done()
+        del pending
+        assert future() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+        # let rank 0's all-reduce (abandoned, still inside Gloo) complete
+        g1.all_reduce(torch.zeros(6), async_op=True).wait()
 
 
 def test_nan_attack_plain_mean_rejects_and_robust_rule_excludes(groups):

@@ -68,7 +68,7 @@ class PendingMean:
     and by aborts."""
 
     def __init__(self, future: Future[Reduced | None], timing: OverlapTiming | None = None) -> None:
-        self._future = future
+        self._future: Future[Reduced | None] | None = future
         self._timing = timing
         self.issued_at = time.monotonic()
         done_at: list[float] = []
@@ -76,13 +76,22 @@ class PendingMean:
         future.add_done_callback(lambda _f: done_at.append(time.monotonic()))
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._future is None or self._future.done()
 
     def wait(self) -> Reduced | None:
+        """The reduction's result; call it once (a second call raises RuntimeError)."""
+        if self._future is None:
+            raise RuntimeError("this reduction was already waited for")
         t0 = time.monotonic()
         try:
             return self._future.result()
         finally:
+            # Let go of the future. If it holds an error, the traceback being raised refers to
+            # this frame and so to this object; keeping the future (and with it the error) would
+            # close a reference cycle through the failed round's process group, and a group left
+            # to the cyclic collector can be destroyed on one of Gloo's own threads, which aborts
+            # the process.
+            self._future = None
             if self._timing is not None:
                 t1 = time.monotonic()
                 finished = self._done_at[0] if self._done_at else t1
