@@ -4,7 +4,7 @@ Each run trains the tiny GPT with ``n`` peers of which the last ``k`` are byzant
 dozen DDP steps, and records the final eval loss, the bytes each peer sent per round and the time
 the reductions took. The peers are threads of this process, each with its own model, optimizer,
 real :class:`~isthmus.strategies.ddp.DDP` (or DiLoCo) strategy and
-:class:`~isthmus.strategies.reducer.Reducer`, joined by real Gloo groups over loopback
+:class:`~isthmus.reduce.reducer.Reducer`, joined by real Gloo groups over loopback
 (``isthmus.testing.local_groups``); the attack is installed by the same code as in a peer process
 (``isthmus.job._install_attack``: attackers know their own update and the committed aggregates).
 Only the coordinator is left out (every round commits), which keeps a run to a few seconds on two
@@ -40,8 +40,8 @@ from isthmus.comm.group import Group
 from isthmus.data import Corpus, evaluate
 from isthmus.job import _install_attack
 from isthmus.models import GPT, GPTConfig
+from isthmus.reduce.reducer import Reducer
 from isthmus.strategies import make_strategy
-from isthmus.strategies.reducer import Reducer
 from isthmus.testing import local_groups, run_parallel
 
 AGGREGATORS = [

@@ -141,9 +141,9 @@ def worker(job_path: str) -> int:
     """Process mode: one peer process with a real session (kills are real SIGKILLs)."""
     import torch
 
+    from isthmus.comm.faults import Fault, FaultInjector
     from isthmus.comm.session import Session, SessionConfig
     from isthmus.data import Corpus
-    from isthmus.faults import Fault, FaultInjector
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(1)
@@ -174,9 +174,9 @@ class ThreadSession:
     by the real Gloo groups, into one :class:`CommStats` per peer across epochs."""
 
     def __init__(self, peer_id: int, epochs: list[tuple[int, tuple[int, ...], list[Any]]]) -> None:
+        from isthmus.comm.faults import FaultInjector
         from isthmus.comm.group import CommStats
         from isthmus.comm.state import SharedState
-        from isthmus.faults import FaultInjector
 
         self.peer_id = peer_id
         self.epochs = epochs  # (last step counter value of the epoch, members, groups by rank)

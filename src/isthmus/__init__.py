@@ -7,6 +7,7 @@ The pieces a training script needs::
 See the README for a quickstart and docs/ for the protocol.
 """
 
+from isthmus.comm.faults import Fault, FaultInjector
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import (
     Round,
@@ -19,7 +20,10 @@ from isthmus.comm.session import (
 from isthmus.coordinator.client import AuthError, CoordinatorError, CoordinatorUnreachable
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
-from isthmus.faults import Fault, FaultInjector
+
+# ``from isthmus import aggregate``: the robust aggregation API (``aggregate.krum(...)``,
+# ``aggregate.make_aggregator("nnm+krum")``, ``aggregate.attacks``) is the reduce package itself.
+from isthmus.reduce import aggregate
 from isthmus.strategies import (
     CO2,
     DDP,
@@ -70,5 +74,6 @@ __all__ = [
     "Strategy",
     "StreamingConfig",
     "StreamingDiLoCo",
+    "aggregate",
     "make_strategy",
 ]

@@ -30,7 +30,7 @@ def _byzantine_spec(text: str) -> tuple[int, str]:
 
 
 def _fault_spec(text: str) -> tuple[int, str]:
-    from isthmus.faults import Fault
+    from isthmus.comm.faults import Fault
 
     peer, sep, spec = text.partition(":")
     if not sep or not peer.isdigit():

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import xxhash
 
+from isthmus.comm.faults import Fault, FaultInjector
 from isthmus.comm.session import RoundTimeout, RunFinished, Session, SessionConfig, StateMismatch
 from isthmus.comm.state import tensor_bytes
 from isthmus.coordinator.client import AuthError, CoordinatorUnreachable
 from isthmus.data import Corpus, evaluate
-from isthmus.faults import Fault, FaultInjector
 from isthmus.models import GPT, GPTConfig
 from isthmus.strategies import make_strategy
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from isthmus import aggregate as agg
-from isthmus.aggregate import attacks
+from isthmus.reduce.aggregate import attacks
 from isthmus.reduce.aggregate.base import AggregationError
 
 ALL_RULES = [

@@ -6,7 +6,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from isthmus.aggregate import attacks
+from isthmus.reduce.aggregate import attacks
 
 HONEST = [
     torch.tensor([1.0, 2.0, -3.0]),

@@ -6,15 +6,12 @@ import pytest
 import torch
 
 from isthmus.reduce.compress.base import NonFiniteError
+from isthmus.reduce.compress.formats import E3M0, make_format, pack_nibbles, unpack_nibbles
 from isthmus.reduce.compress.quantize import (
-    E3M0,
     QuantizedAllReduce,
-    make_format,
-    pack_nibbles,
     quantized_all_reduce,
     quantized_all_reduce_reference,
     shard_layout,
-    unpack_nibbles,
 )
 from isthmus.testing import local_groups, run_parallel
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from isthmus.comm.group import CollectiveError, Group
-from isthmus.strategies.reducer import Reducer
+from isthmus.reduce.reducer import Reducer
 from isthmus.testing import local_groups, run_parallel
 
 SHAPES = {"w": (24, 16), "b": (16,), "v": (40,)}

@@ -14,11 +14,8 @@ import pytest
 import torch
 
 from isthmus.reduce.compress import make_compressor
-from isthmus.reduce.compress.quantize import (
-    make_format,
-    quantized_all_reduce,
-    quantized_all_reduce_reference,
-)
+from isthmus.reduce.compress.formats import make_format
+from isthmus.reduce.compress.quantize import quantized_all_reduce, quantized_all_reduce_reference
 from isthmus.testing import local_groups, run_parallel
 
 pytestmark = pytest.mark.skipif(

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CommStats, Group
 from isthmus.comm.state import SharedState
-from isthmus.faults import FaultInjector
 from isthmus.reduce.gossip import (
     consensus_distance,
     gossip_reference,

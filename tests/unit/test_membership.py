@@ -2,12 +2,8 @@
 
 import pytest
 
-from isthmus.coordinator.membership import (
-    Membership,
-    MembershipConfig,
-    TensorSpec,
-    schema_mismatch,
-)
+from isthmus.coordinator.membership import Membership, MembershipConfig
+from isthmus.coordinator.protocol import RoundPlan, TensorSpec, Transfer, schema_mismatch
 
 SCHEMA = [TensorSpec("w", (2, 3), "torch.float32"), TensorSpec("b", (3,), "torch.float32")]
 GOOD = {"w": "aa", "b": "bb"}
@@ -348,3 +344,18 @@ def test_a_waiting_joiner_never_gets_members_evicted():
     r.advance(31)  # now a member is ready and b is late: b is evicted
     assert r.m.peers[b].state.value == "dead" and "did not begin" in r.m.peers[b].reason
     assert r.poll(j).kind == "go"
+
+
+def test_round_plan_json_round_trip():
+    plan = RoundPlan(
+        round=7,
+        epoch=3,
+        members=(2, 5, 9),
+        transfers=(Transfer(2, 9, ("w", "b")),),
+        expected={"w": "aa", "b": "bb"},
+        new_epoch=True,
+    )
+    assert RoundPlan.from_json(plan.to_json()) == plan
+    assert TensorSpec.from_json(SCHEMA[0].to_json()) == SCHEMA[0]
+    with pytest.raises(KeyError):
+        RoundPlan.from_json({"round": 1})

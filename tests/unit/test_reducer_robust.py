@@ -16,7 +16,7 @@ import torch
 from isthmus.comm.group import CollectiveError, Group
 from isthmus.reduce.aggregate import make_aggregator
 from isthmus.reduce.aggregate.attacks import PeerAttack
-from isthmus.strategies.reducer import Reducer
+from isthmus.reduce.reducer import Reducer
 from isthmus.testing import local_groups, run_parallel
 
 D = 23

@@ -566,7 +566,7 @@ def test_bad_configs_are_rejected_with_the_field_named(make, what):
 
 
 def test_options_build_each_strategy_by_name():
-    from isthmus.strategies.reducer import Reducer
+    from isthmus.reduce.reducer import Reducer
 
     model = GPT(TINY, seed=0)
     for cls, opts in [
@@ -615,8 +615,8 @@ def test_non_finite_outer_gradient_is_dropped_and_the_peer_restarts_from_theta(c
 
 
 def test_steady_overlap_leaves_out_the_blocking_start_and_end():
+    from isthmus.reduce.reducer import OverlapTiming
     from isthmus.strategies.overlap import SteadyOverlap
-    from isthmus.strategies.reducer import OverlapTiming
 
     t = OverlapTiming()
     steady = SteadyOverlap(t)

@@ -41,12 +41,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
-from isthmus.coordinator.membership import RoundPlan, Transfer
-from isthmus.faults import FaultInjector
+from isthmus.coordinator.protocol import RoundPlan
 
 __all__ = [
     "Round",
@@ -432,17 +432,7 @@ class Session:
         if kind != "go":
             raise CoordinatorError(f"unexpected answer to begin: {d}")
         self._fresh = False
-        p = d["plan"]
-        return RoundPlan(
-            round=int(p["round"]),
-            epoch=int(p["epoch"]),
-            members=tuple(int(x) for x in p["members"]),
-            transfers=tuple(
-                Transfer(int(t["src"]), int(t["dst"]), tuple(t["names"])) for t in p["transfers"]
-            ),
-            expected=dict(p["expected"]),
-            new_epoch=bool(p["new_epoch"]),
-        )
+        return RoundPlan.from_json(d["plan"])
 
     def _report_outcome(self, plan: RoundPlan, *, ok: bool, error: str, t0: float) -> bool:
         deadline = time.monotonic() + self.config.round_timeout

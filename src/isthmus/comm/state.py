@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import xxhash
 
-from isthmus.coordinator.membership import TensorSpec
+from isthmus.coordinator.protocol import TensorSpec
 
 __all__ = ["SharedState", "tensor_bytes", "tensor_hash"]
 

@@ -13,7 +13,7 @@ import torch
 
 from isthmus.comm.group import Group, Handle
 from isthmus.comm.state import SharedState, tensor_hash
-from isthmus.coordinator.membership import RoundPlan
+from isthmus.coordinator.protocol import RoundPlan
 
 __all__ = ["TransferError", "apply_transfers"]
 

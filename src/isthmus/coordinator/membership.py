@@ -38,56 +38,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "Decision",
-    "Membership",
-    "MembershipConfig",
-    "PeerState",
-    "RoundPlan",
-    "TensorSpec",
-    "Transfer",
-    "schema_mismatch",
-]
+from isthmus.coordinator.protocol import (
+    Decision,
+    RoundPlan,
+    TensorSpec,
+    Transfer,
+    schema_mismatch,
+)
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype of one shared tensor. All peers of a run must agree on the list."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    def to_json(self) -> list[Any]:
-        return [self.name, list(self.shape), self.dtype]
-
-    @staticmethod
-    def from_json(x: Any) -> TensorSpec:
-        name, shape, dtype = x
-        return TensorSpec(str(name), tuple(int(s) for s in shape), str(dtype))
-
-
-def schema_mismatch(run: list[TensorSpec], peer: list[TensorSpec]) -> str | None:
-    """Describe the first difference between the run's shared-state schema and a peer's, or None."""
-    run_by_name = {s.name: s for s in run}
-    peer_by_name = {s.name: s for s in peer}
-    for s in run:
-        p = peer_by_name.get(s.name)
-        if p is None:
-            return f"tensor {s.name!r} (shape {list(s.shape)}, {s.dtype}) is missing on this peer"
-        if p.shape != s.shape:
-            return (
-                f"tensor {s.name!r} has shape {list(p.shape)} on this peer but "
-                f"{list(s.shape)} in the run"
-            )
-        if p.dtype != s.dtype:
-            return f"tensor {s.name!r} has dtype {p.dtype} on this peer but {s.dtype} in the run"
-    for p in peer:
-        if p.name not in run_by_name:
-            return f"tensor {p.name!r} exists on this peer but not in the run"
-    if [s.name for s in run] != [p.name for p in peer]:
-        return "shared tensors are registered in a different order than in the run"
-    return None
+__all__ = ["Membership", "MembershipConfig", "PeerState"]
 
 
 @dataclass(kw_only=True)
@@ -147,68 +106,6 @@ class Peer:
     in_sync: bool = False  # holds the canonical state of the run's current revision
     schema_ok: bool = False  # its shared-state schema was checked against the run's
     info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """``dst`` must receive tensors ``names`` from ``src`` (peer ids) before the round's work."""
-
-    src: int
-    dst: int
-    names: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"src": self.src, "dst": self.dst, "names": list(self.names)}
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """Everything a member needs to run one round."""
-
-    round: int
-    epoch: int
-    members: tuple[int, ...]  # peer ids; a member's rank is its index
-    transfers: tuple[Transfer, ...]
-    expected: dict[str, str]  # canonical hash of every transferred tensor
-    new_epoch: bool
-
-    def rank_of(self, peer_id: int) -> int:
-        return self.members.index(peer_id)
-
-    @property
-    def resynced(self) -> frozenset[int]:
-        """Peers repaired in this round: their local contribution is stale and must not count."""
-        return frozenset(t.dst for t in self.transfers)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "epoch": self.epoch,
-            "members": list(self.members),
-            "transfers": [t.to_json() for t in self.transfers],
-            "expected": dict(self.expected),
-            "new_epoch": self.new_epoch,
-        }
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Answer to begin or commit. ``kind`` is one of:
-
-    wait (ask again), go (plan), hashes (send your hashes and ask again), refused (schema
-    mismatch; do not retry), evicted (this peer id is gone; register again), finished (every
-    member left after the last round: there is no state to join), committed, aborted.
-    """
-
-    kind: str
-    reason: str = ""
-    plan: RoundPlan | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind, "reason": self.reason}
-        if self.plan is not None:
-            d["plan"] = self.plan.to_json()
-        return d
 
 
 _HISTORY = 256

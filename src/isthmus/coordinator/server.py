@@ -38,7 +38,8 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import WSMsgType, web
 
-from isthmus.coordinator.membership import Decision, Membership, MembershipConfig, TensorSpec
+from isthmus.coordinator.membership import Membership, MembershipConfig
+from isthmus.coordinator.protocol import Decision, TensorSpec
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 

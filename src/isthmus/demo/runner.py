@@ -117,7 +117,7 @@ class DemoConfig:
     timeout_s: float = 1800.0
     """Bound on the whole run; peers still running after it are killed."""
     extra_faults: dict[int, list[str]] = field(default_factory=dict)
-    """More fault specs per peer index (see :mod:`isthmus.faults`), for tests and the lab."""
+    """More fault specs per peer index (see :mod:`isthmus.comm.faults`), for tests and the lab."""
     byzantine: dict[int, str] = field(default_factory=dict)
     """Peer index -> attack spec: that peer sends forged updates (see TrainJob.attack)."""
 
@@ -147,7 +147,7 @@ class DemoConfig:
             aggregator=self.aggregator,
             byzantine_f=self.byzantine_f,
         )
-        from isthmus.faults import Fault
+        from isthmus.comm.faults import Fault
         from isthmus.reduce.aggregate.attacks import make_attack
 
         # (which peers exist is the caller's to check: the lab numbers peers that join later)

@@ -10,7 +10,7 @@ see the same conditions:
 * **isthmus fp32**: a :class:`~isthmus.comm.session.Session`, timed ``session.run_round(...)``
   doing ``Group.all_reduce`` (the whole round: begin, the collective, commit);
 * **isthmus compressed** (``compression=``): the same round through the strategies' path,
-  :class:`~isthmus.strategies.reducer.Reducer` with that compressor (``make_compressor``).
+  :class:`~isthmus.reduce.reducer.Reducer` with that compressor (``make_compressor``).
 
 Before every timed operation the workers meet at a small Gloo barrier, so each timing starts
 together. Per repetition the slowest worker's time counts (a collective ends when its last peer
@@ -380,7 +380,7 @@ def _worker(job_path: str, rank: int) -> None:
 
     from isthmus.comm.group import build_process_group
     from isthmus.comm.session import Session, SessionConfig
-    from isthmus.strategies.reducer import Reducer
+    from isthmus.reduce.reducer import Reducer
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(1)

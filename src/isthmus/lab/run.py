@@ -19,7 +19,7 @@ What happens, in order:
    ``ip netns exec`` execs python itself, so the process we hold *is* the peer and signals reach
    it). Gloo binds the namespace's address (``TrainJob.hostname``), see DESIGN.md.
 4. **Churn.** ``kill``/``stop`` at a step are injected faults the peer fires on itself at exactly
-   that step (:mod:`isthmus.faults`); ``join``/``cont`` at a step fire when the run (the most
+   that step (:mod:`isthmus.comm.faults`); ``join``/``cont`` at a step fire when the run (the most
    advanced peer) reaches it; every event at a time fires that many seconds after the first round
    formed (before that, peers are still importing torch). ``kill`` is SIGKILL, ``stop``/``cont``
    SIGSTOP/SIGCONT to the peer's process group, ``join`` starts a new process for that peer slot

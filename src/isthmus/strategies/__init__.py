@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
+from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.co2 import CO2, CO2Config
 from isthmus.strategies.ddp import DDP
@@ -19,7 +20,6 @@ from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
 from isthmus.strategies.eager import EagerConfig, EagerDiLoCo
 from isthmus.strategies.gossip import Gossip, GossipConfig
 from isthmus.strategies.localsgd import LocalSGD, LocalSGDConfig
-from isthmus.strategies.reducer import Reducer
 from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
 
 __all__ = [

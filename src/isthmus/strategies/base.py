@@ -11,7 +11,7 @@ Whether ``step()`` communicates, and what, is the strategy's business. With ``se
 a run of one peer) no tensor ever leaves the process.
 
 Contributions: a peer that was resynced at the start of a round, or whose update is not finite,
-must not count in the average; :class:`~isthmus.strategies.reducer.Reducer` handles that (and
+must not count in the average; :class:`~isthmus.reduce.reducer.Reducer` handles that (and
 compression and robust aggregation) for every strategy.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from isthmus.comm.session import Session
-from isthmus.strategies.reducer import Reducer
+from isthmus.reduce.reducer import Reducer
 
 __all__ = [
     "Strategy",

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
+from isthmus.reduce.reducer import Reduced, Reducer
 from isthmus.strategies.base import config_from, register_globals
 from isthmus.strategies.overlap import DelayedOuter
-from isthmus.strategies.reducer import Reduced, Reducer
 
 __all__ = ["CO2", "CO2Config"]
 

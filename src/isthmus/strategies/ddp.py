@@ -1,7 +1,7 @@
 """Fault-tolerant data parallel: gradients averaged every step, then the optimizer steps.
 
 The classic synchronous scheme (as in torch DDP), made fault-tolerant by isthmus's rounds: each
-step is one round. Gradients go through the strategy's :class:`~isthmus.strategies.reducer.Reducer`
+step is one round. Gradients go through the strategy's :class:`~isthmus.reduce.reducer.Reducer`
 (bucketed all-reduces by default, or compressed, or robustly aggregated), and the optimizer steps
 only after the round commits on every peer. If a peer dies mid-reduction, the survivors re-form and
 reduce the same gradients again; the dead peer's contribution for that step is lost, nothing else.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round, Session
+from isthmus.reduce.reducer import Reduced, Reducer
 from isthmus.strategies.base import Strategy, register_module, register_optimizer
-from isthmus.strategies.reducer import Reduced, Reducer
 
 __all__ = ["DDP"]
 

@@ -35,6 +35,7 @@ import torch
 
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.reducer import Reduced, Reducer
 from isthmus.strategies.base import (
     Strategy,
     config_from,
@@ -42,7 +43,6 @@ from isthmus.strategies.base import (
     register_globals,
     register_optimizer,
 )
-from isthmus.strategies.reducer import Reduced, Reducer
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 

@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
+from isthmus.reduce.reducer import Reduced, Reducer
 from isthmus.strategies.base import (
     config_from,
     materialize_optimizer_state,
@@ -81,7 +82,6 @@ from isthmus.strategies.base import (
     register_optimizer,
 )
 from isthmus.strategies.overlap import DelayedOuter
-from isthmus.strategies.reducer import Reduced, Reducer
 
 __all__ = ["EagerConfig", "EagerDiLoCo", "preview_sgd"]
 

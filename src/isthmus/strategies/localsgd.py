@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
+from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.base import config_from
 from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
-from isthmus.strategies.reducer import Reducer
 
 __all__ = ["LocalSGD", "LocalSGDConfig"]
 

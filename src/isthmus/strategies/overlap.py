@@ -51,8 +51,8 @@ import torch
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
 from isthmus.strategies.base import Strategy
-from isthmus.strategies.reducer import PendingMean, Reduced, Reducer
 
 __all__ = ["Build", "DelayedOuter", "Flight", "Planned", "RoundPipeline", "Settled"]
 
@@ -235,7 +235,7 @@ class RoundPipeline:
 class SteadyOverlap:
     """The overlap fraction of the reductions between two marks: after a blocking start-up round
     and before the blocking flush at the end. In a short run those two weigh a lot in
-    :attr:`OverlapTiming.overlap_fraction <isthmus.strategies.reducer.OverlapTiming>` (which counts
+    :attr:`OverlapTiming.overlap_fraction <isthmus.reduce.reducer.OverlapTiming>` (which counts
     every reduction, as it should); this is the steady state in between."""
 
     def __init__(self, timing: Any) -> None:

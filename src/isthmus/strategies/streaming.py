@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round, Session
+from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.base import (
     Strategy,
     config_from,
@@ -73,7 +74,6 @@ from isthmus.strategies.base import (
     register_optimizer,
 )
 from isthmus.strategies.overlap import Planned, RoundPipeline, SteadyOverlap
-from isthmus.strategies.reducer import Reducer
 
 __all__ = [
     "StreamingConfig",

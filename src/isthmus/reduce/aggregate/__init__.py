@@ -11,6 +11,9 @@ the mean included. Threat model and costs: docs/ROBUST.md and
 :mod:`isthmus.reduce.aggregate.sharded`. Attacks for experiments: :mod:`.attacks`.
 """
 
+# attacks is loaded with the package so that ``from isthmus import aggregate`` reaches
+# ``aggregate.attacks.make_attack`` without an import of its own
+from isthmus.reduce.aggregate import attacks
 from isthmus.reduce.aggregate.base import (
     AggregationError,
     AggregationReport,
@@ -44,6 +47,7 @@ __all__ = [
     "GeometricMedianOptions",
     "MultiKrumOptions",
     "Stage",
+    "attacks",
     "available",
     "bucketing",
     "centered_clipping",

@@ -370,7 +370,7 @@ class PeerAttack:
     ALIE with ``tau=None`` uses ``alie_z_max(n, max(f, 1))``; seeded attacks (gaussian, sparse
     NaN) add the round number to their seed so that each round draws afresh.
 
-    Call it as ``forge(own, round=, world=, f=)`` (the :class:`~isthmus.strategies.reducer.Reducer`
+    Call it as ``forge(own, round=, world=, f=)`` (the :class:`~isthmus.reduce.reducer.Reducer`
     hook); it returns the vector to send, possibly non-finite. While ``active()`` returns False
     (e.g. before the step a lab scenario's attack starts), it sends ``own`` unchanged but still
     learns from the committed aggregates. Raises ``TypeError`` for a data-level attack and

@@ -18,8 +18,9 @@ from .base import (
     all_finite,
     check_finite,
 )
+from .formats import QuantFormat, make_format
 from .powersgd import PowerSGD, PowerSGDConfig
-from .quantize import QuantFormat, QuantizedAllReduce, make_format
+from .quantize import QuantizedAllReduce
 from .sign import SignConfig, SignEF
 from .sketch import SketchConfig, SketchReducer
 from .sparse import FEEDBACKS, SparseCompressor, SparseConfig

@@ -7,7 +7,7 @@ A gossip message is one peer's whole model sent to one neighbour, so compressing
 compression error).
 
 Only the block quantizers (``uint8``, ``int8``, ``fp8_e4m3``, ``fp8_e5m2``, ``int4``, ``e3m0``;
-:mod:`isthmus.reduce.compress.quantize`) are stateless codecs of a single vector. The other
+:mod:`isthmus.reduce.compress.formats`) are stateless codecs of a single vector. The other
 compressors reduce a *sum across all peers* and keep state tied to it (error feedback, PowerSGD
 warm starts, sketches merged by addition), which has no meaning for a point-to-point message;
 :func:`codec_for` refuses them with an error naming the ones that work.
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from isthmus.reduce.compress.quantize import Packed, QuantFormat, QuantizedAllReduce
+from isthmus.reduce.compress.formats import Packed, QuantFormat
+from isthmus.reduce.compress.quantize import QuantizedAllReduce
 from isthmus.reduce.gossip.exchange import Decode, Encode
 
 __all__ = ["codec_for", "quantizer_codec"]

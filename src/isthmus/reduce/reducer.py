@@ -40,6 +40,8 @@ import torch
 
 from isthmus.comm.group import Handle
 from isthmus.comm.session import Round
+from isthmus.reduce.aggregate import AggregationError, make_aggregator
+from isthmus.reduce.compress import Compressor, NonFiniteError, make_compressor
 from isthmus.reduce.compress.base import all_finite
 
 __all__ = ["OverlapTiming", "PendingMean", "Reduced", "Reducer"]
@@ -142,14 +144,10 @@ class Reducer:
         self.compressor: Any = None
         self.aggregator: Any = None
         if compression not in (None, "", "none"):
-            from isthmus.reduce.compress import Compressor, make_compressor
-
             self.compressor = (
                 compression if isinstance(compression, Compressor) else make_compressor(compression)
             )
         if aggregator not in (None, "", "mean"):
-            from isthmus.reduce.aggregate import make_aggregator
-
             self.aggregator = make_aggregator(aggregator)
         if self.compressor is not None and self.aggregator is not None:
             raise ValueError(
@@ -296,8 +294,6 @@ class Reducer:
     def _compressed(
         self, rnd: Round, items: Items, contribute: bool, exact: torch.Tensor | None
     ) -> Reduced | None:
-        from isthmus.reduce.compress import NonFiniteError
-
         self._prepare_compressor(rnd)
         # The exact all-reduce is issued before the compressor's collectives and all of them
         # from this one worker thread, so every peer issues the same sequence (Gloo matches
@@ -341,8 +337,6 @@ class Reducer:
     def _robust(
         self, rnd: Round, items: Items, contribute: bool, exact: torch.Tensor | None
     ) -> Reduced | None:
-        from isthmus.reduce.aggregate import AggregationError
-
         h = self._exact(rnd, contribute, exact, _device_of(items))
         tensors = [t for _, t in items]
         if contribute:
