@@ -146,7 +146,7 @@ def run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
     ]
     network = "loopback"
     if args.rate:
-        from isthmus.lab.netns import WanNetwork
+        from isthmus.lab.wan import WanNetwork
 
         network = f"netns, tbf {args.rate:g} Mbit/s per link and direction"
         with WanNetwork(args.peers, rates_mbit=args.rate, prefix="isthcb") as net:

@@ -21,13 +21,13 @@ from isthmus.lab import netns as netns_mod
 from isthmus.lab.counters import InterfaceCounters, parse_proc_net_dev, read_counters
 from isthmus.lab.netns import (
     LabUnavailable,
-    WanNetwork,
     cleanup_stale,
     list_namespaces,
     tbf_parameters,
     unavailable_reason,
 )
 from isthmus.lab.scenario import parse_scenario
+from isthmus.lab.wan import WanNetwork
 
 REASON = unavailable_reason()
 
@@ -228,7 +228,7 @@ def test_exception_in_body_tears_down_and_propagates(prefix: str) -> None:
 _CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from isthmus.lab.netns import WanNetwork
+    from isthmus.lab.wan import WanNetwork
     with WanNetwork(2, rates_mbit=20, prefix=sys.argv[1]) as net:
         sleeper = net.popen(1, ["sleep", "120"])
         print(json.dumps({"names": net.namespaces, "sleeper": sleeper.pid}), flush=True)

@@ -44,10 +44,10 @@ from typing import Any
 from isthmus.lab.netns import (
     LabError,
     LabUnavailable,
-    WanNetwork,
     inside_namespace,
     unavailable_reason,
 )
+from isthmus.lab.wan import WanNetwork
 
 __all__ = ["BenchConfig", "BenchError", "bus_bandwidth_mbit", "format_bench", "run_bench"]
 

@@ -75,11 +75,11 @@ from isthmus.lab.counters import read_all_counters
 from isthmus.lab.netns import (
     LabError,
     LabUnavailable,
-    WanNetwork,
     inside_namespace,
     unavailable_reason,
 )
 from isthmus.lab.scenario import ChurnEvent, Scenario, format_rate
+from isthmus.lab.wan import WanNetwork
 
 __all__ = ["LabOptions", "LoopbackLauncher", "NamespaceLauncher", "run_lab", "scenario_steps"]
 
