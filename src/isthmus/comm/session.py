@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -117,6 +118,41 @@ class SessionConfig:
         if self.interface and self.hostname:
             raise ValueError("give either interface or hostname for Gloo, not both")
 
+    @classmethod
+    def from_env(cls, **overrides: Any) -> SessionConfig:
+        """The config ``isthmus run`` hands a script through the environment:
+        ``ISTHMUS_COORDINATOR`` (host:port), ``ISTHMUS_TOKEN`` (or ``ISTHMUS_TOKEN_FILE``),
+        ``ISTHMUS_NAME``, and ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo. Keyword
+        arguments win over the environment (which never overrides what the script says).
+
+        Raises ValueError naming the missing variable when the script was not started by
+        ``isthmus run`` and none is given.
+        """
+        env = os.environ
+        values: dict[str, Any] = {}
+        for key, var in (
+            ("coordinator", "ISTHMUS_COORDINATOR"),
+            ("token", "ISTHMUS_TOKEN"),
+            ("name", "ISTHMUS_NAME"),
+            ("hostname", "ISTHMUS_HOSTNAME"),
+            ("interface", "ISTHMUS_INTERFACE"),
+        ):
+            if env.get(var):
+                values[key] = env[var]
+        if "token" not in values and env.get("ISTHMUS_TOKEN_FILE"):
+            try:
+                values["token"] = Path(env["ISTHMUS_TOKEN_FILE"]).read_text().strip()
+            except OSError as e:
+                raise ValueError(f"cannot read ISTHMUS_TOKEN_FILE: {e}") from None
+        values.update(overrides)
+        for key, var in (("coordinator", "ISTHMUS_COORDINATOR"), ("token", "ISTHMUS_TOKEN")):
+            if not values.get(key):
+                raise ValueError(
+                    f"{var} is not set: start this script with `isthmus run --peers N script.py`, "
+                    f"or set {var} (or pass {key}=...)"
+                )
+        return cls(**values)
+
 
 class Round:
     """One formed round. Use :attr:`group` for collectives, then :meth:`commit` exactly once."""
@@ -195,6 +231,7 @@ class Session:
         self._last_by_op: dict[str, int] = {}
         self.rank = 0  # this peer's rank and the world size in the latest round (for data sharding)
         self.world = 1
+        self._commit_hooks: list[Callable[[RoundPlan], None]] = []
         self._client = CoordinatorClient(
             config.coordinator, config.token, connect_timeout=config.connect_timeout
         )
@@ -455,6 +492,8 @@ class Session:
         committed = d.get("kind") == "committed"
         if committed:
             self.revision = plan.round + 1
+            for hook in self._commit_hooks:
+                hook(plan)
         else:
             with self._push_lock:
                 self._aborted_epochs.add(plan.epoch)
@@ -513,8 +552,17 @@ class Session:
         )
 
     # -- shutdown -------------------------------------------------------------------------------
+    def add_commit_hook(self, fn: Callable[[RoundPlan], None]) -> None:
+        """Call ``fn(plan)`` after every round this peer commits, right after the coordinator's
+        answer and before the round's result is returned (an elastic sampler advances its
+        shared position there). Every member of the round calls its hooks with the same plan."""
+        self._commit_hooks.append(fn)
+
     def close(self, *, leave: bool = True) -> None:
-        """Leave the run (between rounds) and release every resource. Idempotent."""
+        """Leave the run (between rounds) and release every resource. Idempotent.
+
+        Leaving reports the shared state's digest and revision to the coordinator (its ``left``
+        event carries them), so a launcher can check that every peer ended bit-identical."""
         if self._closed:
             return
         self._closed = True
@@ -522,7 +570,14 @@ class Session:
             with contextlib.suppress(Exception):
                 self._client.connect_timeout = min(self._client.connect_timeout, 5.0)
                 self._client.post(
-                    "/v1/leave", {"peer": self.peer_id, "run": self.run_id}, read_timeout=5.0
+                    "/v1/leave",
+                    {
+                        "peer": self.peer_id,
+                        "run": self.run_id,
+                        "digest": self.state.digest(),
+                        "revision": self.revision,
+                    },
+                    read_timeout=5.0,
                 )
         self._client.close()
         self._set_group(None)

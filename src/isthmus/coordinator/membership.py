@@ -198,7 +198,14 @@ class Membership:
         self._remove(pid, now, reason, state)
         self.try_form(now)
 
-    def _remove(self, pid: int, now: float, reason: str, state: PeerState = PeerState.DEAD) -> None:
+    def _remove(
+        self,
+        pid: int,
+        now: float,
+        reason: str,
+        state: PeerState = PeerState.DEAD,
+        **detail: Any,
+    ) -> None:
         p = self._peer(pid)
         if p is None:
             return
@@ -208,12 +215,18 @@ class Membership:
         self.counters[
             {"dead": "evictions", "left": "leaves", "refused": "refusals"}[state.value]
         ] += 1
-        self._event(now, state.value, peer=pid, name=p.name, reason=reason)
+        self._event(now, state.value, peer=pid, name=p.name, reason=reason, **detail)
         if self.running is not None and pid in self.running.members:
             self._abort(now, f"peer {pid} ({p.name}) {state.value}: {reason}")
 
-    def leave(self, pid: int, now: float) -> None:
-        self.remove(pid, now, "left the run", state=PeerState.LEFT)
+    def leave(
+        self, pid: int, now: float, *, digest: str | None = None, revision: int | None = None
+    ) -> None:
+        """``pid`` leaves between rounds; ``digest`` and ``revision`` (its shared state's, as it
+        leaves) go into the ``left`` event, for checking that every peer ended identical."""
+        detail = {} if digest is None else {"digest": digest, "final_revision": revision}
+        self._remove(pid, now, "left the run", PeerState.LEFT, **detail)
+        self.try_form(now)
 
     def tick(self, now: float) -> None:
         """Apply every timeout: dead peers, members that never begin or never commit."""

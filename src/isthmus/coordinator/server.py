@@ -445,8 +445,12 @@ class Coordinator:
         pid = _field(body, "peer", int)
         if self._stale_run(body.get("run")) is not None:
             return web.json_response({"ok": True})  # that peer id is someone else's here
+        digest, revision = body.get("digest"), body.get("revision")
+        final = {}
+        if isinstance(digest, str) and isinstance(revision, int):
+            final = {"digest": digest[:64], "revision": revision}
         with self._lock:
-            self.membership.leave(pid, self._now())
+            self.membership.leave(pid, self._now(), **final)
         self._mutated()
         return web.json_response({"ok": True})
 
