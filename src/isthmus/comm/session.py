@@ -552,6 +552,13 @@ class Session:
         )
 
     # -- shutdown -------------------------------------------------------------------------------
+    def report_checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Tell the coordinator about a checkpoint part or manifest this peer wrote (see
+        :mod:`isthmus.checkpoint.save`); returns its answer. Safe from any thread."""
+        return self._client.post(
+            "/v1/checkpoint", {**body, "peer": self.peer_id, "run": self.run_id}, read_timeout=30.0
+        )
+
     def add_commit_hook(self, fn: Callable[[RoundPlan], None]) -> None:
         """Call ``fn(plan)`` after every round this peer commits, right after the coordinator's
         answer and before the round's result is returned (an elastic sampler advances its

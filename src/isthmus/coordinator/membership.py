@@ -151,6 +151,10 @@ class Membership:
         self.notices: list[tuple[tuple[int, ...], dict[str, Any]]] = []
 
     # -- helpers --------------------------------------------------------------------------------
+    def note(self, now: float, kind: str, **kw: Any) -> None:
+        """Record an event that happened outside the membership (a checkpoint written)."""
+        self._event(now, kind, **kw)
+
     def _event(self, now: float, kind: str, **kw: Any) -> None:
         self.events.append({"t": now, "kind": kind, "revision": self.revision, **kw})
         if len(self.events) > 10_000:

@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import WSMsgType, web
 
+from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.protocol import Decision, TensorSpec
 
@@ -59,6 +60,8 @@ class CoordinatorConfig:
     store_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    checkpoint_dir: str | None = None
+    """Where the run's checkpoints go (shown in ``/v1/status``; peers write them)."""
     heartbeat_interval: float = 1.0
     """How often peers should send heartbeats (told to them at registration)."""
     poll_s: float = 2.0
@@ -100,6 +103,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.membership = Membership(config.membership)
+        self.checkpoints = CheckpointBook(config.checkpoint_dir)
         self.run_id = secrets.token_hex(4)
         self._lock = threading.Lock()
         self._changed: asyncio.Event | None = None
@@ -192,6 +196,7 @@ class Coordinator:
                 web.post("/v1/begin", self._begin),
                 web.post("/v1/commit", self._commit),
                 web.post("/v1/leave", self._leave),
+                web.post("/v1/checkpoint", self._checkpoint),
                 web.get("/v1/status", self._status),
             ]
         )
@@ -454,6 +459,38 @@ class Coordinator:
         self._mutated()
         return web.json_response({"ok": True})
 
+    async def _checkpoint(self, request: web.Request) -> web.Response:
+        """A peer wrote (or failed to write) its part of a checkpoint, or its manifest."""
+        body = await self._json(request)
+        revision = _field(body, "revision", int)
+        if self._stale_run(body.get("run")) is not None:
+            return web.json_response({"complete": False, "failed": "another run"})
+        if "manifest" in body:
+            path = str(_field(body, "manifest", str))[:4096]
+            with self._lock:
+                self.checkpoints.manifest(revision, path, self._now())
+                self.membership.note(
+                    self._now(), "checkpoint", checkpoint_revision=revision, path=path
+                )
+            return web.json_response({"ok": True})
+        hashes = body.get("hashes") or {}
+        if not (isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())):
+            raise _BadRequest("field 'hashes' must map tensor names to hash strings")
+        report = PartReport(
+            revision=revision,
+            part=_field(body, "part", int),
+            parts=_field(body, "parts", int),
+            ok=_field(body, "ok", bool),
+            hashes=hashes,
+            nbytes=int(body.get("bytes") or 0),
+            writer=str(body.get("writer") or "")[:200],
+            local=str(body.get("local") or "")[:200],
+            error=str(body.get("error") or "")[:500],
+        )
+        with self._lock:
+            answer = self.checkpoints.part(report, self._now())
+        return web.json_response(answer)
+
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status(events=int(request.query.get("events", "50"))))
 
@@ -463,6 +500,8 @@ class Coordinator:
         with self._lock:
             s = self.membership.status(self._now())
             s["events"] = self.membership.events[-events:] if events > 0 else []
+        with self._lock:
+            s["checkpoint"] = self.checkpoints.status()
         s["run_id"] = self.run_id
         s["started_at"] = self.started_at
         s["uptime_s"] = round(self._now(), 3)

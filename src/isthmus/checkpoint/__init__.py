@@ -1,0 +1,38 @@
+"""Durable runs: checkpoints that outlive every peer, resumed on any number of peers.
+
+Saving (:class:`Checkpointer`): the members of a round each write a disjoint part of the shared
+state with torch.distributed.checkpoint, in the background; a manifest written last makes a
+checkpoint complete. Loading (:func:`load_latest`): every part, consolidated and verified, into a
+run of any size; a corrupted checkpoint falls back to the previous one. Tools: :func:`inspect`,
+:func:`export` (a plain safetensors state dict). Storage: a directory or any fsspec URL.
+Ideas from Universal Checkpointing (distributed representation for saving, consolidated for
+loading, resume on any configuration).
+"""
+
+from isthmus.checkpoint.load import (
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    NoCheckpoint,
+    load_latest,
+    read_manifest,
+)
+from isthmus.checkpoint.manifest import Manifest, assign_parts
+from isthmus.checkpoint.save import Checkpointer, slot_of
+from isthmus.checkpoint.store import CheckpointStore, StorageError
+from isthmus.checkpoint.tools import export, inspect
+
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointMismatch",
+    "CheckpointStore",
+    "Checkpointer",
+    "Manifest",
+    "NoCheckpoint",
+    "StorageError",
+    "assign_parts",
+    "export",
+    "inspect",
+    "load_latest",
+    "read_manifest",
+    "slot_of",
+]

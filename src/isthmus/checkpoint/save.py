@@ -1,0 +1,227 @@
+"""Saving: every peer of a round writes a disjoint part of the shared state, in the background.
+
+:class:`Checkpointer` is called between training steps (:meth:`Checkpointer.maybe_save`). Every
+``every`` committed rounds it takes a *snapshot* (a copy of its part of the shared state and of
+its own local state: the only cost the training thread pays) and writes it with
+torch.distributed.checkpoint on a background thread. The members of the round that produced the
+revision split the shared tensors by bytes (:func:`~isthmus.checkpoint.manifest.assign_parts`),
+so each peer writes about 1/N of the state. Each reports its part to the coordinator with the
+hashes of what it wrote; the report that completes the set is told to write the manifest, which
+makes the checkpoint complete (:mod:`isthmus.coordinator.checkpoints`). Only the last ``keep``
+complete checkpoints are kept.
+
+On failure: a part that cannot be written (disk full, permission, an unreachable store) is
+logged and counted (:attr:`Checkpointer.failures`); training goes on and the previous complete
+checkpoint stays the latest. A peer that dies mid-save leaves a directory without a manifest,
+which is never listed and is removed by a later save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from isthmus.checkpoint.manifest import Manifest, assign_parts
+from isthmus.checkpoint.store import CheckpointStore
+from isthmus.comm.state import SharedState, tensor_hash
+
+__all__ = ["Checkpointer", "slot_of"]
+
+log = logging.getLogger("isthmus.checkpoint")
+
+
+class _Session(Protocol):
+    state: SharedState
+    revision: int
+    rank: int
+    world: int
+    name: str
+    run_id: str
+
+    def report_checkpoint(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def slot_of(name: str) -> str:
+    """The peer slot a process name belongs to: ``peer1.2`` (a restart) -> ``peer1``."""
+    return name.split(".", 1)[0]
+
+
+def _detach(obj: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors are detached clones."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {k: _detach(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detach(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class Checkpointer:
+    """Periodic, asynchronous checkpoints of one peer's share (see the module docstring).
+
+    ``local_state`` returns this peer's local state (a nested dict of tensors and plain values:
+    inner optimizer state, error-feedback residuals, RNG states) or None; ``meta`` fills the
+    manifest (strategy, its config, the model's state_dict keys). Raises
+    :class:`~isthmus.checkpoint.store.StorageError` at once if the location cannot be created.
+    """
+
+    def __init__(
+        self,
+        session: _Session,
+        url: str,
+        *,
+        every: int,
+        keep: int = 3,
+        local_state: Callable[[], dict[str, Any] | None] | None = None,
+        strategy: str = "",
+        strategy_config: Mapping[str, Any] | None = None,
+        model_keys: Mapping[str, str] | None = None,
+    ) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError(f"every and keep must be >= 1, got {every} and {keep}")
+        self.session = session
+        self.store = CheckpointStore(url, create=True)
+        self.every = every
+        self.keep = keep
+        self.local_state = local_state
+        self.strategy = strategy
+        self.strategy_config = dict(strategy_config or {})
+        self.model_keys = dict(model_keys or {})
+        self.written = 0
+        """Parts this peer wrote."""
+        self.manifests = 0
+        """Checkpoints this peer completed (wrote the manifest of)."""
+        self.failures = 0
+        self.stall_s = 0.0
+        """Time the training thread spent in :meth:`maybe_save` (snapshots, waiting for a write
+        still running)."""
+        self.last_revision = session.revision
+        self._thread: threading.Thread | None = None
+
+    def due(self) -> bool:
+        r = self.session.revision
+        return r > self.last_revision and r % self.every == 0
+
+    def maybe_save(self) -> bool:
+        """Snapshot and start writing if a checkpoint is due; True if one was started."""
+        if not self.due():
+            return False
+        t0 = time.monotonic()
+        self.wait()  # one write at a time: a slow store costs a stall, never unbounded memory
+        s = self.session
+        revision, rank, world = s.revision, s.rank, s.world
+        sizes = {n: t.numel() * t.element_size() for n, t in s.state.items()}
+        parts = assign_parts(sizes, world)
+        snapshot = {n: s.state[n].detach().clone() for n in parts[rank]}
+        local = self.local_state() if self.local_state is not None else None
+        local = _detach(local) if local else None
+        self.last_revision = revision
+        self.stall_s += time.monotonic() - t0
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(revision, rank, parts, snapshot, local),
+            name="isthmus-checkpoint",
+            daemon=True,
+        )
+        self._thread.start()
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the write in progress (bounded by ``timeout`` if given)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _write(
+        self,
+        revision: int,
+        rank: int,
+        parts: list[list[str]],
+        snapshot: dict[str, torch.Tensor],
+        local: dict[str, Any] | None,
+    ) -> None:
+        s, store = self.session, self.store
+        d = store.dirname(revision)
+        slot = slot_of(s.name)
+        try:
+            if snapshot:
+                store.save(snapshot, d, f"shared-{rank}")
+            if local:
+                store.save(local, d, f"local-{slot}")
+            answer = s.report_checkpoint(
+                {
+                    "revision": revision,
+                    "part": rank,
+                    "parts": len(parts),
+                    "ok": True,
+                    "hashes": {n: tensor_hash(t) for n, t in snapshot.items()},
+                    "bytes": sum(t.numel() * t.element_size() for t in snapshot.values()),
+                    "writer": s.name,
+                    "local": slot if local else "",
+                }
+            )
+            self.written += 1
+            if answer.get("write_manifest"):
+                self._finish(revision, parts, answer)
+        except Exception as e:  # a save never stops training; the last complete one stays
+            self.failures += 1
+            log.warning("checkpoint of revision %d: writing part %d failed: %s", revision, rank, e)
+            with contextlib.suppress(Exception):
+                s.report_checkpoint(
+                    {
+                        "revision": revision,
+                        "part": rank,
+                        "parts": len(parts),
+                        "ok": False,
+                        "error": str(e)[:500],
+                    }
+                )
+
+    def _finish(self, revision: int, parts: list[list[str]], answer: dict[str, Any]) -> None:
+        s, store = self.session, self.store
+        from isthmus import __version__
+
+        manifest = Manifest(
+            run_id=s.run_id,
+            revision=revision,
+            strategy=self.strategy,
+            strategy_config=self.strategy_config,
+            schema=[sp.to_json() for sp in s.state.schema()],
+            hashes=dict(answer["hashes"]),
+            parts=parts,
+            writers=dict(answer.get("writers", {})),
+            local=sorted(answer.get("local", [])),
+            model_keys=self.model_keys,
+            bytes=dict(answer.get("bytes", {})),
+            isthmus_version=__version__,
+        )
+        path = store.path(store.dirname(revision), "manifest.json")
+        store.write_atomic(path, manifest.to_bytes())
+        s.report_checkpoint({"revision": revision, "manifest": path})
+        self.manifests += 1
+        self._prune(revision)
+
+    def _prune(self, latest: int) -> None:
+        """Keep the last ``keep`` complete checkpoints; drop incomplete ones older than the new
+        latest (their writers died or failed)."""
+        complete = self.store.revisions()
+        for r in complete[: -self.keep]:
+            self.store.remove(r)
+        for r in self.store.incomplete():
+            if r < latest:
+                self.store.remove(r)
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "checkpoints_written": self.manifests,
+            "checkpoint_parts_written": self.written,
+            "checkpoint_failures": self.failures,
+            "checkpoint_stall_s": round(self.stall_s, 4),
+        }

@@ -1,0 +1,224 @@
+"""Checkpoints in one process (isthmus.checkpoint): parts, manifests, verification, fall-back,
+export. Peers are simulated by fake sessions sharing one coordinator book; the files are real
+(a tmp directory, and fsspec's in-memory file system)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from isthmus.checkpoint import (
+    Checkpointer,
+    CheckpointMismatch,
+    CheckpointStore,
+    Manifest,
+    NoCheckpoint,
+    StorageError,
+    assign_parts,
+    export,
+    inspect,
+    load_latest,
+)
+from isthmus.comm.state import SharedState
+from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
+
+
+def test_parts_are_disjoint_balanced_and_the_same_everywhere() -> None:
+    sizes = {"a": 400, "b": 100, "c": 300, "d": 200, "e": 100}
+    parts = assign_parts(sizes, 2)
+    assert sorted(n for p in parts for n in p) == sorted(sizes)
+    loads = sorted(sum(sizes[n] for n in p) for p in parts)
+    assert loads == [500, 600]  # 1100 bytes cannot split closer with these sizes
+    assert parts == assign_parts(dict(sizes), 2)  # every peer computes the same split
+    assert all(p == sorted(p, key=list(sizes).index) for p in parts)  # schema order inside
+    assert assign_parts(sizes, 1) == [list(sizes)]
+    assert assign_parts({"a": 1}, 3) == [["a"], [], []]
+    with pytest.raises(ValueError):
+        assign_parts(sizes, 0)
+
+
+def test_the_book_asks_exactly_one_writer_for_the_manifest() -> None:
+    book = CheckpointBook("x")
+    r0 = book.part(PartReport(4, 0, 2, True, {"a": "1"}, 10, "peer0", "peer0"), 1.0)
+    assert r0 == {"complete": False, "write_manifest": False}
+    r1 = book.part(PartReport(4, 1, 2, True, {"b": "2"}, 20, "peer1", "peer1"), 2.0)
+    assert r1["write_manifest"] and r1["hashes"] == {"a": "1", "b": "2"}
+    assert r1["writers"] == {"0": "peer0", "1": "peer1"} and r1["local"] == ["peer0", "peer1"]
+    assert book.latest is None  # not complete until the manifest is written
+    book.manifest(4, "/ck/rev-00000004/manifest.json", 3.0)
+    assert book.status()["latest"]["revision"] == 4 and book.written == 1
+    # a failed part: that checkpoint never completes
+    book.part(PartReport(6, 0, 2, False, error="disk full"), 4.0)
+    assert not book.part(PartReport(6, 1, 2, True, {"a": "x"}), 5.0)["complete"]
+    assert book.failures == 1 and book.latest["revision"] == 4
+
+
+class FakeSession:
+    """What the checkpointer needs of a session, with the coordinator's book in-process."""
+
+    def __init__(
+        self, book: CheckpointBook, lock: threading.Lock, name: str, rank: int, world: int
+    ) -> None:
+        self.book, self.lock = book, lock
+        self.state = SharedState()
+        self.revision = 0
+        self.rank, self.world, self.name = rank, world, name
+        self.run_id = "run1"
+
+    def report_checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            if "manifest" in body:
+                self.book.manifest(body["revision"], body["manifest"], 0.0)
+                return {"ok": True}
+            r = PartReport(
+                body["revision"], body["part"], body["parts"], body["ok"], body.get("hashes", {}),
+                body.get("bytes", 0), body.get("writer", ""), body.get("local", ""), body.get("error", ""),
+            )  # fmt: skip
+            return self.book.part(r, 0.0)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "global/w": torch.randn(64, 32, generator=g),
+        "global/b": torch.randn(32, generator=g).to(torch.bfloat16),
+        "outer/0/momentum_buffer": torch.randn(64, 32, generator=g),
+        "meta/step": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def _peers(url: str, world: int, tensors: dict[str, torch.Tensor], **kw: Any) -> list[Checkpointer]:
+    book, lock = CheckpointBook(url), threading.Lock()
+    out = []
+    for rank in range(world):
+        s = FakeSession(book, lock, f"peer{rank}", rank, world)
+        for n, t in tensors.items():
+            s.state.register(n, t.clone())
+        moments = {"inner": {"exp_avg": torch.full((3,), float(rank))}, "note": f"slot {rank}"}
+        out.append(
+            Checkpointer(
+                s,
+                url,
+                every=2,
+                keep=2,
+                local_state=lambda m=moments: m,
+                model_keys={"w": "global/w", "w_tied": "global/w", "b": "global/b"},
+                **kw,
+            )  # type: ignore[misc]
+        )
+    return out
+
+
+def _save_all(cks: list[Checkpointer], revision: int) -> None:
+    for c in cks:
+        c.session.revision = revision  # type: ignore[attr-defined]
+        assert c.maybe_save()
+    for c in cks:
+        c.wait(30)
+
+
+def test_three_writers_one_checkpoint_resumed_by_any_number(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    tensors = _state(0)
+    cks = _peers(url, 3, tensors)
+    _save_all(cks, 2)
+    assert sum(c.manifests for c in cks) == 1 and all(c.written == 1 for c in cks)
+    store = CheckpointStore(url)
+    assert store.revisions() == [2]
+    m = Manifest.from_bytes(store.read(store.path("rev-00000002", "manifest.json")))
+    assert m.revision == 2 and sorted(n for p in m.parts for n in p) == sorted(tensors)
+    assert m.local == ["peer0", "peer1", "peer2"] and m.run_id == "run1"
+    # each peer wrote about a third: no part holds everything
+    assert all(len(p) < len(tensors) for p in m.parts)
+    # resume into a fresh state (other values), as one peer of a smaller or larger run
+    fresh = SharedState()
+    for n, t in _state(1).items():
+        fresh.register(n, t.clone())
+    template = {"inner": {"exp_avg": torch.zeros(3)}, "note": ""}
+    m2, local = load_latest(url, fresh, slot="peer1", local_template=template)
+    assert m2.revision == 2
+    for n, t in tensors.items():
+        assert torch.equal(fresh[n], t), n
+    assert local is not None and torch.equal(local["inner"]["exp_avg"], torch.full((3,), 1.0))
+    assert local["note"] == "slot 1"
+    # a slot the checkpoint does not know starts afresh
+    assert load_latest(url, fresh, slot="peer7", local_template=template)[1] is None
+
+
+def test_keep_prunes_and_an_unfinished_checkpoint_is_never_listed(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    cks = _peers(url, 2, _state(0))
+    for rev in (2, 4, 6):
+        _save_all(cks, rev)
+    store = CheckpointStore(url)
+    assert store.revisions() == [4, 6]  # keep=2
+    # a writer that died mid-save: its part exists, the manifest never does
+    cks[0].session.revision = 8  # type: ignore[attr-defined]
+    cks[0].maybe_save()
+    cks[0].wait(30)
+    assert store.incomplete() == [8] and store.revisions() == [4, 6]
+    fresh = SharedState()
+    for n, t in _state(3).items():
+        fresh.register(n, t.clone())
+    assert load_latest(url, fresh)[0].revision == 6
+
+
+def test_a_corrupted_part_falls_back_and_another_model_is_refused(tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    tensors = _state(0)
+    cks = _peers(url, 2, tensors)
+    _save_all(cks, 2)
+    for c in cks:
+        c.session.state["meta/step"].fill_(9)  # type: ignore[attr-defined]
+    _save_all(cks, 4)
+    # flip bytes in the middle of every data file of revision 4's parts
+    for f in (tmp_path / "ck" / "rev-00000004").glob("shared-*/*.distcp"):
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    fresh = SharedState()
+    for n, t in _state(5).items():
+        fresh.register(n, t.clone())
+    m, _ = load_latest(url, fresh)
+    assert m.revision == 2 and int(fresh["meta/step"]) == 7  # the previous one, verified
+    report = inspect(url, revision=4)
+    verdict = report["verified"]
+    assert isinstance(verdict, str) and ("does not match" in verdict or "cannot be read" in verdict)
+    other = SharedState()
+    for n, t in _state(0).items():
+        other.register(n, t.clone() if n != "global/w" else torch.zeros(64, 16))
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"'global/w' is \[64, 32\] torch.float32 in the checkpoint but \[64, 16\]",
+    ):
+        load_latest(url, other)
+    with pytest.raises(StorageError, match="no checkpoint directory"):
+        load_latest(str(tmp_path / "nowhere"), fresh)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoCheckpoint):
+        load_latest(str(tmp_path / "empty"), fresh)
+
+
+def test_export_is_a_plain_state_dict_and_fsspec_memory_works(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    url = f"memory://isthmus-test-{uuid.uuid4().hex}/ck"
+    tensors = _state(0)
+    cks = _peers(url, 2, tensors)
+    _save_all(cks, 2)
+    info = inspect(url)
+    assert info["verified"] is True and info["revision"] == 2 and info["tensors"] == 4
+    out = export(url, tmp_path / "model.safetensors")
+    loaded = load_file(str(out["path"]))
+    assert set(loaded) == {"w", "w_tied", "b"}
+    assert torch.equal(loaded["w"], tensors["global/w"]) and torch.equal(
+        loaded["w_tied"], tensors["global/w"]
+    )
+    assert loaded["b"].dtype == torch.bfloat16 and torch.equal(loaded["b"], tensors["global/b"])
+    assert json.loads(json.dumps(info["manifest"]))["revision"] == 2
