@@ -283,9 +283,13 @@ def config_from(
         key = _norm(raw_key)
         key = (aliases or {}).get(key, key)
         if key not in names:
+            # the aliases are valid spellings too (often the documented ones: powersgd's min_rate)
             valid = ", ".join(names) if names else "none"
+            if aliases:
+                valid += "; also " + ", ".join(f"{a} for {n}" for a, n in aliases.items())
             raise SpecError(
-                f"unknown option {raw_key!r} for {what}{suggest(key, names)}; valid: {valid}",
+                f"unknown option {raw_key!r} for {what}"
+                f"{suggest(key, [*names, *(aliases or {})])}; valid: {valid}",
                 key=raw_key,
             )
         values[key] = coerce(value, hints[key], key=key)
@@ -325,7 +329,7 @@ class Entry(Generic[T]):
             takes = (
                 f"takes at most {len(self.positional)} ({', '.join(self.positional)})"
                 if self.positional
-                else "takes none"
+                else "takes no"
             )
             raise SpecError(
                 f"{self.name} {takes} positional arguments; write {extra!r} as KEY=VALUE",

@@ -358,14 +358,16 @@ def test_make_aggregator_parses_specs_and_round_trips():
     [
         ("krumm", r"unknown aggregator 'krumm' \(did you mean 'krum'\?\)"),
         ("", "non-empty"),
-        ("median:f=2", "unknown option 'f'; valid options: none"),
-        ("cc:tau", "must look like key=value"),
-        ("cc:tau=abc", "not a valid float"),
-        ("multi_krum:m=2.5", "not a valid int or None"),
+        ("median:f=2", "unknown option 'f' for median; valid: none"),
+        ("cc:tau", "write 'tau' as KEY=VALUE"),
+        ("cc:tau=abc", "tau: 'cc:tau=abc': must be a number"),
+        ("multi_krum:m=2.5", "m: .* must be an integer"),
+        ("flag:lamda=1", r"unknown option 'lamda' for flag \(did you mean 'lambda'\?\)"),
+        ("mkrum:n=2", "unknown option 'n' for multi_krum; valid: m$"),
         ("cc:tau=1,tau=2", "given twice"),
         ("nnm", "pre-aggregator and cannot come last"),
         ("krum+median", "can only come last"),
-        ("nnm+", "empty aggregator name"),
+        ("nnm+", "empty part in aggregator spec"),
     ],
 )
 def test_make_aggregator_rejects_bad_specs_clearly(spec, match):
@@ -380,3 +382,14 @@ def test_compose_accepts_functions_names_and_aggregators():
     assert torch.allclose(c(vs, 1), agg.multi_krum(agg.nnm(agg.clip(vs, 1), 1), 1, m=2))
     with pytest.raises(TypeError, match="cannot build an aggregation stage"):
         agg.compose(print, agg.krum)
+
+
+def test_aggregator_registry_entries_are_the_rules_options():
+    from isthmus.reduce.aggregate import AGGREGATORS
+
+    entry, config = AGGREGATORS.resolve("CC:tau=2")
+    assert entry.name == "centered_clipping" and entry.config_cls is agg.CenteredClippingOptions
+    assert config == agg.CenteredClippingOptions(tau=2.0)
+    assert AGGREGATORS.resolve("flag:lambda=0.5")[1].lam == 0.5
+    assert set(agg.available()) == set(AGGREGATORS.names())
+    assert agg.available()["nnm"].startswith("pre-aggregator")

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from isthmus import aggregate as agg
-from isthmus.reduce.aggregate import attacks
 from isthmus.comm.group import wire_bytes
-from isthmus.reduce.aggregate import sharded
+from isthmus.reduce.aggregate import attacks, sharded
 from isthmus.reduce.aggregate.base import AggregationError
 from isthmus.testing import local_groups, run_parallel
 

@@ -126,9 +126,12 @@ def test_make_attack_builds_every_named_attack():
     ("spec", "match"),
     [
         ("flipflop", "unknown attack 'flipflop'"),
-        ("ipm:scale=2", "bad option 'scale=2'; valid options: tau"),
-        ("alie:tau=abc", "not a valid number"),
-        ("sign_flip:scale", "bad option"),
+        ("ipm:scale=2", "unknown option 'scale' for ipm; valid: center, tau"),
+        ("alie:tau=abc", "tau: 'alie:tau=abc': must be a number"),
+        ("sign_flip:scale", "write 'scale' as KEY=VALUE"),
+        ("alei:tau=1", r"unknown attack 'alei' \(did you mean 'alie'\?\)"),
+        ("gaussian:sigam=1", r"did you mean 'sigma'\?"),
+        ("gaussian:sigma=-1", "sigma must be >= 0"),
     ],
 )
 def test_make_attack_rejects_bad_specs(spec, match):
@@ -225,10 +228,19 @@ def test_peer_attack_rejects_data_attacks_and_bad_options():
         attacks.PeerAttack("label_flip")
     with pytest.raises(ValueError, match="decay"):
         attacks.PeerAttack("sign_flip", decay=1.0)
-    with pytest.raises(ValueError, match="center must be one of own, aggregate"):
+    with pytest.raises(ValueError, match=r"center: .* must be one of 'own', 'aggregate'"):
         attacks.make_attack("alie:center=oracle")
-    with pytest.raises(ValueError, match=r"valid options: num_classes$"):
+    with pytest.raises(ValueError, match=r"valid: num_classes$"):
         attacks.make_attack("label_flip:center=own")
     spec = attacks.make_attack("alie:tau=1.0,center=aggregate").spec
     assert spec == "alie:tau=1.0,center=aggregate"
     assert attacks.make_attack(spec).center == "aggregate"
+
+
+def test_attack_registry_entries_are_the_options_dataclasses():
+    entry, config = attacks.ATTACKS.resolve("noise:sigma=2,seed=3")
+    assert entry.name == "gaussian" and entry.config_cls is attacks.GaussianOptions
+    assert config == attacks.GaussianOptions(sigma=2.0, seed=3)
+    assert attacks.make_attack("-inf").name == "neg_inf"
+    assert attacks.make_attack("nan").spec == "nan"  # the value comes from the name
+    assert attacks.make_attack("ipm").options == {"tau": 2.0}

@@ -232,10 +232,16 @@ def test_spec_names_round_trip(spec):
         ("topk:1.5", "ratio must be in"),
         ("topk:0.1+ef3", "unknown feedback"),
         ("int4+ef", "applies to topk and randk only"),
-        ("powersgd:rank=two", "rank must be an integer"),
+        ("powersgd:rank=two", "rank: 'powersgd:rank=two': must be an integer"),
         ("int4:block=7", "even"),
-        ("sketch:0.1,k=0.2", "give k once"),
-        ("topk:0.1+ef21:eta=0.1", "unknown option"),
+        ("sketch:0.1,k=0.2", "option 'k' given twice"),
+        ("topk:0.1+ef21:eta=0.1", "ef21 takes no options"),
+        ("int8:blok=3", r"unknown option 'blok' for int8 \(did you mean 'block'\?\); valid: block"),
+        ("powersgd:min_rat=2", r"did you mean 'min_rate'\?"),
+        ("topk:0.1+ef3", r"unknown feedback 'ef3' \(did you mean 'ef'\?\)"),
+        ("topk:0.1,0.2", "write '0.2' as KEY=VALUE"),
+        ("randk:0.1+ef+ef21", "one error feedback"),
+        ("sign:server_error=maybe", "server_error: .* must be true or false"),
         ("", "non-empty"),
     ],
 )
@@ -246,6 +252,23 @@ def test_spec_errors(spec, message):
 
 def test_spec_is_case_and_space_insensitive():
     assert make_compressor(" TopK: 0.01 + EF21 ").name == "topk:0.01+ef21"
+    assert make_compressor("powersgd:seeds=TORCH").name == "powersgd:rank=1,seeds=torch"
+
+
+def test_registry_entries_are_the_options_dataclasses():
+    from isthmus.reduce.compress import COMPRESSORS, ERROR_FEEDBACKS, QuantConfig, TopKConfig
+
+    assert COMPRESSORS.names()[:2] == ["none", "uint8"]
+    entry, config = COMPRESSORS.resolve("int4:block=64")
+    assert entry.config_cls is QuantConfig and config == QuantConfig(block=64)
+    _, config = COMPRESSORS.resolve("topk:ratio=0.5")
+    assert config == TopKConfig(ratio=0.5)
+    _, config = COMPRESSORS.resolve("powersgd:warm=off,min_rate=3")
+    assert (config.warm_start, config.min_compression_rate) == (False, 3.0)
+    assert ERROR_FEEDBACKS.names() == ["ef", "ef21", "econtrol"]
+    assert make_compressor("randk:0.5,seed=3+econtrol:eta=0.1").name == (
+        "randk:0.5,seed=3+econtrol:eta=0.1"
+    )
 
 
 def test_payload_bytes_helper_compares_formats():

@@ -17,6 +17,9 @@ from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CommStats, Group
 from isthmus.comm.state import SharedState
 from isthmus.reduce.gossip import (
+    LateHeavySchedule,
+    PoissonSchedule,
+    TopologySpec,
     consensus_distance,
     gossip_reference,
     make_topology,
@@ -24,7 +27,7 @@ from isthmus.reduce.gossip import (
     variance_corrected_gossip_reference,
 )
 from isthmus.strategies import make_strategy
-from isthmus.strategies.gossip import Gossip, GossipConfig, parse_spec
+from isthmus.strategies.gossip import Gossip, GossipConfig
 from isthmus.testing import local_groups, run_parallel
 
 Layout = Callable[[int], tuple[Group, tuple[int, ...]]]
@@ -478,18 +481,24 @@ def test_shared_state_is_only_what_is_identical_on_every_peer():
     ]
 
 
-def test_parse_spec():
-    assert parse_spec("Barabasi-Albert:m=3", "topology") == ("barabasi_albert", {"m": 3})
-    assert parse_spec("late-heavy:start_every=16,shape=geometric", "schedule") == (
-        "late_heavy",
-        {"start_every": 16, "shape": "geometric"},
+def test_topology_and_schedule_specs_are_coerced_through_their_dataclasses():
+    spec = TopologySpec.parse("Barabasi-Albert:m=3", seed=2)
+    assert (spec.name, dict(spec.options), spec.seed) == ("barabasi_albert", {"m": 3}, 2)
+    cfg = GossipConfig(total_steps=10, schedule="late-heavy:start_every=16,shape=Geometric")
+    assert cfg.schedule_name == "late_heavy"
+    assert cfg.schedule_obj == LateHeavySchedule(
+        start_every=16, shape="geometric", iters=1, final_merge=True
     )
-    assert parse_spec("poisson:rate=0.5,final_merge=false", "s")[1] == {
-        "rate": 0.5,
-        "final_merge": False,
-    }
-    with pytest.raises(ValueError, match="key=value"):
-        parse_spec("constant:4", "schedule")
+    poisson = GossipConfig(total_steps=10, schedule="poisson:rate=0.5,final_merge=false")
+    assert poisson.schedule_obj == PoissonSchedule(rate=0.5, seed=0, final_merge=False)
+    with pytest.raises(ValueError, match="write '4' as KEY=VALUE"):
+        GossipConfig(total_steps=10, schedule="constant:4")
+    with pytest.raises(ValueError, match=r"degree: .* must be an integer"):
+        GossipConfig(total_steps=10, topology="random_regular:degree=three")
+    with pytest.raises(ValueError, match=r"unknown topology 'rign' \(did you mean 'ring'\?\)"):
+        GossipConfig(total_steps=10, topology="rign")
+    with pytest.raises(ValueError, match=r"unknown option 'evry' for constant \(did you mean"):
+        GossipConfig(total_steps=10, schedule="constant:evry=2")
 
 
 @pytest.mark.parametrize(

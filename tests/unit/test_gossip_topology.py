@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from isthmus.reduce.gossip._rng import Rng, derive_seed
+from isthmus.reduce.gossip.rebuild import TopologySpec, rebuild_topology, repair_topology
 from isthmus.reduce.gossip.topology import (
     STATIC_TOPOLOGIES,
     DisconnectedGraphError,
     OnePeerExponential,
     RandomMatching,
     Topology,
-    TopologySpec,
     barabasi_albert,
     connected_components,
     exponential,
@@ -19,8 +19,6 @@ from isthmus.reduce.gossip.topology import (
     make_topology,
     make_topology_sequence,
     random_regular,
-    rebuild_topology,
-    repair_topology,
     ring,
     torus,
     torus_shape,

@@ -11,7 +11,8 @@ round; the first matching, not-yet-fired fault acts:
 
 Points used by isthmus: ``step`` (start of a training step), ``collective`` (a round's reduction
 was issued and is in flight), ``commit`` (about to report the round's outcome).
-Spec strings (CLI, scenarios): ``ACTION@POINT:step=N`` or ``ACTION@POINT:round=N``, e.g.
+Spec strings (CLI, scenarios) follow the grammar of :mod:`isthmus.spec`, the ``@`` part carrying
+the point: ``ACTION@POINT:step=N`` or ``ACTION@POINT:round=N`` (or both), e.g.
 ``kill@collective:step=20``; the short form ``kill@20`` means ``kill@step:step=20``.
 """
 
@@ -20,16 +21,19 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
 from isthmus.comm.group import CollectiveError
+from isthmus.spec import Registry, SpecError, coerce, parse
 
-__all__ = ["Fault", "FaultInjector", "InjectedFailure"]
+__all__ = ["FAULT_ACTIONS", "Fault", "FaultInjector", "FaultWhen", "InjectedFailure"]
 
 ACTIONS = ("kill", "stop", "fail", "corrupt")
-POINTS = ("step", "collective", "commit")
+Point = Literal["step", "collective", "commit"]
+POINTS: tuple[str, ...] = get_args(Point)
+_USAGE = "fault specs look like ACTION@POINT:step=N, ACTION@POINT:round=N or ACTION@N (step N)"
 
 
 class InjectedFailure(CollectiveError):
@@ -37,7 +41,34 @@ class InjectedFailure(CollectiveError):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FaultWhen:
+    """The options of a fault spec: when it fires (at least one of the two)."""
+
+    step: int | None = None
+    """Fire at the first check at or after this step."""
+    round: int | None = None
+    """Fire at the first check at or after this round."""
+
+    def __post_init__(self) -> None:
+        if self.step is None and self.round is None:
+            raise ValueError("a fault needs a step or a round at which to fire")
+        for name in ("step", "round"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+FAULT_ACTIONS: Registry[None] = Registry("fault action")
+"""The actions a fault spec may name; each takes :class:`FaultWhen`'s options."""
+for _action in ACTIONS:
+    FAULT_ACTIONS.add(_action, config=FaultWhen)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Fault:
+    """One injected fault: ``action`` at ``point``, once ``step`` and/or ``round`` is reached.
+    Raises ValueError for an unknown action or point, or for one that could never fire."""
+
     action: str
     point: str = "step"
     step: int | None = None
@@ -49,26 +80,32 @@ class Fault:
             raise ValueError(f"unknown fault action {self.action!r}; use one of {ACTIONS}")
         if self.point not in POINTS:
             raise ValueError(f"unknown fault point {self.point!r}; use one of {POINTS}")
-        if self.step is None and self.round is None:
-            raise ValueError("a fault needs a step or a round at which to fire")
+        FaultWhen(step=self.step, round=self.round)  # raises if it could never fire
 
     @staticmethod
     def parse(spec: str) -> Fault:
-        """Parse ``ACTION@POINT:step=N`` / ``ACTION@POINT:round=N`` / ``ACTION@N``."""
+        """Parse ``ACTION@POINT:step=N`` / ``ACTION@POINT:round=N`` / ``ACTION@N``.
+
+        Raises :class:`~isthmus.spec.SpecError` (a ValueError) naming the spec, what is wrong
+        (an unknown action or point with the closest valid one, a missing step or round, a
+        value that is not a count) and the accepted forms."""
         try:
-            action, _, rest = spec.partition("@")
-            if rest.isdigit():
-                return Fault(action=action, point="step", step=int(rest))
-            point, _, cond = rest.partition(":")
-            key, _, val = cond.partition("=")
-            if key not in ("step", "round") or not val.isdigit():
-                raise ValueError
-            return Fault(action=action, point=point, **{key: int(val)})
-        except ValueError as e:
-            raise ValueError(
-                f"bad fault spec {spec!r}: use ACTION@POINT:step=N or ACTION@POINT:round=N "
-                f"(actions {ACTIONS}, points {POINTS}), or ACTION@N for a step ({e})"
-            ) from None
+            parts = parse(spec, what="fault spec")
+            if len(parts) != 1:
+                raise SpecError("one fault per spec; give several specs instead of '+'")
+            (part,) = parts
+            entry = FAULT_ACTIONS.lookup(part.name)
+            if part.at is None:
+                raise SpecError(f"{part.name!r} needs @POINT or @STEP")
+            if part.at.isdigit():  # the short form: ACTION@N is at step N
+                if part.positional or part.named:
+                    raise SpecError(f"ACTION@{part.at} takes no arguments")
+                return Fault(action=entry.name, point="step", step=int(part.at))
+            point = coerce(part.at, Point, key="point")
+            when = entry.config(entry.options(part))
+            return Fault(action=entry.name, point=point, step=when.step, round=when.round)
+        except SpecError as e:
+            raise SpecError(f"{e.problem}; {_USAGE}", key=e.key, spec=spec) from None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from isthmus.reduce.aggregate.flagagg import FlagOptions, flag
 from isthmus.reduce.aggregate.geomed import GeometricMedianOptions, geometric_median
 from isthmus.reduce.aggregate.multikrum import MultiKrumOptions, krum, multi_krum
 from isthmus.reduce.aggregate.pipeline import (
+    AGGREGATORS,
     Aggregator,
     available,
     compose,
@@ -36,6 +37,7 @@ from isthmus.reduce.aggregate.preagg import BucketingOptions, ClipOptions, bucke
 from isthmus.reduce.aggregate.sharded import run_sharded, shard_sizes
 
 __all__ = [
+    "AGGREGATORS",
     "AggregationError",
     "AggregationReport",
     "AggregationResult",

@@ -34,20 +34,32 @@ docs/ROBUST.md, "What the lab's attackers know") and feeds the estimates to the 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 from isthmus.reduce.aggregate.base import as_matrix
+from isthmus.spec import Registry, format_spec
 
 __all__ = [
+    "ATTACKS",
+    "ALIEOptions",
     "Attack",
+    "GaussianOptions",
+    "IPMOptions",
+    "InfOptions",
+    "LabelFlipOptions",
+    "NaNOptions",
+    "NegInfOptions",
     "PeerAttack",
+    "SignFlipOptions",
+    "VectorAttackOptions",
     "a_little_is_enough",
     "alie_z_max",
     "available_attacks",
@@ -214,7 +226,87 @@ def inject(
 
 # -- factory -----------------------------------------------------------------------------------
 
-_CENTERS = ("own", "aggregate")  # see Attack.center and PeerAttack
+Center = Literal["own", "aggregate"]
+_CENTERS: tuple[str, ...] = get_args(Center)  # see VectorAttackOptions.center and PeerAttack
+
+
+@dataclass(frozen=True, kw_only=True)
+class VectorAttackOptions:
+    """What every vector-level attack's spec takes besides its formula's own options."""
+
+    center: Center = "own"
+    """Only for :class:`PeerAttack` (a distributed run): where the attacker centres its estimate
+    of the honest mean. ``own``: its own honest update of the round; ``aggregate``: the last
+    committed aggregate (the same on every peer, so colluding attackers forge alike). Ignored by
+    :meth:`Attack.forge`, which is given the honest vectors themselves."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignFlipOptions(VectorAttackOptions):
+    """``sign_flip``: see :func:`sign_flip`."""
+
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class IPMOptions(VectorAttackOptions):
+    """``ipm``: see :func:`inner_product_manipulation`."""
+
+    tau: float = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ALIEOptions(VectorAttackOptions):
+    """``alie``: see :func:`a_little_is_enough` (``tau=none`` for the paper's ``z_max``)."""
+
+    tau: float | None = 1.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class GaussianOptions(VectorAttackOptions):
+    """``gaussian``: see :func:`gaussian_noise`."""
+
+    mu: float = 0.0
+    sigma: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sigma >= 0:
+            raise ValueError(f"sigma must be >= 0, got {self.sigma!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NaNOptions(VectorAttackOptions):
+    """``nan``, ``inf``, ``neg_inf``: see :func:`non_finite`; the value is the spec's name."""
+
+    coordinates: int | None = None
+    seed: int = 0
+    value: float = field(default=math.nan, init=False)
+
+    def __post_init__(self) -> None:
+        if self.coordinates is not None and self.coordinates < 1:
+            raise ValueError(f"coordinates must be >= 1, got {self.coordinates!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfOptions(NaNOptions):
+    value: float = field(default=math.inf, init=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NegInfOptions(NaNOptions):
+    value: float = field(default=-math.inf, init=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LabelFlipOptions:
+    """``label_flip``: see :func:`flip_labels` (a data-level attack: no ``center``)."""
+
+    num_classes: int = 256
+
+    def __post_init__(self) -> None:
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
 
 
 @dataclass(frozen=True)
@@ -222,17 +314,15 @@ class Attack:
     """A named, configured attack built by :func:`make_attack`.
 
     ``level`` is ``"vector"`` (call :meth:`forge`) or ``"data"`` (call :meth:`corrupt_targets`).
+    ``options`` are the keyword arguments of the attack's function.
     """
 
     name: str
     level: Literal["vector", "data"]
     options: dict[str, Any] = field(default_factory=dict)
     _fn: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
-    center: Literal["own", "aggregate"] = "own"
-    """Only for :class:`PeerAttack` (a distributed run): where the attacker centres its estimate
-    of the honest mean. ``own``: its own honest update of the round; ``aggregate``: the last
-    committed aggregate (the same on every peer, so colluding attackers forge alike). Ignored by
-    :meth:`forge`, which is given the honest vectors themselves."""
+    center: Center = "own"
+    """See :attr:`VectorAttackOptions.center`."""
 
     def forge(self, honest: Sequence[torch.Tensor], n_byzantine: int) -> list[torch.Tensor]:
         """Forged vectors for this round. Raises ``TypeError`` for a data-level attack."""
@@ -253,91 +343,57 @@ class Attack:
 
     @property
     def spec(self) -> str:
-        items = [f"{k}={v}" for k, v in self.options.items()]
+        """The canonical spec: the name and the options that differ from their defaults."""
+        entry = ATTACKS.lookup(self.name)
+        assert entry.config_cls is not None  # every attack has an options dataclass
+        defaults = {f.name: f.default for f in dataclasses.fields(entry.config_cls) if f.init}
+        items = {k: v for k, v in self.options.items() if k in defaults and v != defaults[k]}
         if self.center != "own":
-            items.append(f"center={self.center}")
-        opts = ",".join(items)
-        return self.name + (":" + opts if opts else "")
+            items["center"] = self.center
+        return format_spec(self.name, items)
 
 
-# name -> (function, level, preset options, accepted option types)
-_ATTACKS: dict[
-    str, tuple[Callable[..., Any], Literal["vector", "data"], dict[str, Any], dict[str, Any]]
-] = {
-    "sign_flip": (sign_flip, "vector", {}, {"scale": float}),
-    "ipm": (inner_product_manipulation, "vector", {}, {"tau": float}),
-    "alie": (a_little_is_enough, "vector", {}, {"tau": float | None}),
-    "gaussian": (gaussian_noise, "vector", {}, {"mu": float, "sigma": float, "seed": int}),
-    "nan": (non_finite, "vector", {"value": math.nan}, {"coordinates": int | None, "seed": int}),
-    "inf": (non_finite, "vector", {"value": math.inf}, {"coordinates": int | None, "seed": int}),
-    "neg_inf": (
-        non_finite,
-        "vector",
-        {"value": -math.inf},
-        {"coordinates": int | None, "seed": int},
-    ),
-    "label_flip": (flip_labels, "data", {}, {"num_classes": int}),
-}
-_ATTACK_ALIASES = {
-    "signflip": "sign_flip",
-    "inner_product_manipulation": "ipm",
-    "a_little_is_enough": "alie",
-    "gaussian_noise": "gaussian",
-    "noise": "gaussian",
-    "-inf": "neg_inf",
-    "labelflip": "label_flip",
-    "flip_labels": "label_flip",
-}
+def _attack(
+    name: str, fn: Callable[..., Any], level: Literal["vector", "data"], config: Any
+) -> Attack:
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    center = options.pop("center", "own")
+    return Attack(name, level, options, fn, center)
+
+
+ATTACKS: Registry[Attack] = Registry("attack")
+"""Every attack by spec name; an entry's config is its options dataclass."""
+
+for _name, _fn, _level, _options, _aliases in (
+    ("sign_flip", sign_flip, "vector", SignFlipOptions, ("signflip",)),
+    ("ipm", inner_product_manipulation, "vector", IPMOptions, ("inner_product_manipulation",)),
+    ("alie", a_little_is_enough, "vector", ALIEOptions, ("a_little_is_enough",)),
+    ("gaussian", gaussian_noise, "vector", GaussianOptions, ("gaussian_noise", "noise")),
+    ("nan", non_finite, "vector", NaNOptions, ()),
+    ("inf", non_finite, "vector", InfOptions, ()),
+    ("neg_inf", non_finite, "vector", NegInfOptions, ("-inf",)),
+    ("label_flip", flip_labels, "data", LabelFlipOptions, ("labelflip", "flip_labels")),
+):
+    ATTACKS.add(
+        _name,
+        config=_options,
+        build=functools.partial(_attack, _name, _fn, _level),
+        aliases=_aliases,
+        help=(_fn.__doc__ or "").split("\n")[0],
+    )
 
 
 def available_attacks() -> list[str]:
     """Names accepted by :func:`make_attack` (aliases not included)."""
-    return sorted(_ATTACKS)
-
-
-def _parse(name: str, key: str, text: str, kind: Any) -> Any:
-    args = typing.get_args(kind) or (kind,)
-    if text.lower() in ("none", "null") and type(None) in args:
-        return None
-    for t in args:
-        try:
-            if t is int:
-                return int(text)
-            if t is float:
-                return float(text)
-        except ValueError:
-            continue
-    raise ValueError(f"{name}: option {key}={text!r} is not a valid number")
+    return sorted(ATTACKS.names())
 
 
 def make_attack(spec: str) -> Attack:
     """Build an attack from ``name[:key=value,...]``, e.g. ``"ipm:tau=0.5"``, ``"nan:coordinates=3"``,
-    ``"label_flip:num_classes=256"``. Raises ``ValueError`` naming the known attacks or options."""
-    head, _, rest = spec.partition(":")
-    key = head.strip().lower().replace("-", "_") if head.strip() != "-inf" else "-inf"
-    key = _ATTACK_ALIASES.get(key, key)
-    if key not in _ATTACKS:
-        raise ValueError(
-            f"unknown attack {head.strip()!r}; known: {', '.join(available_attacks())}"
-        )
-    fn, level, preset, kinds = _ATTACKS[key]
-    options = dict(preset)
-    center = "own"
-    valid = [*kinds, "center"] if level == "vector" else list(kinds)
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        k, eq, v = item.partition("=")
-        k = k.strip()
-        if not eq or k not in valid:
-            raise ValueError(f"{key}: bad option {item!r}; valid options: {', '.join(valid)}")
-        if k == "center":
-            if v.strip() not in _CENTERS:
-                raise ValueError(
-                    f"{key}: center must be one of {', '.join(_CENTERS)}, got {v.strip()!r}"
-                )
-            center = v.strip()
-            continue
-        options[k] = _parse(key, k, v.strip(), kinds[k])
-    return Attack(key, level, options, fn, center)  # type: ignore[arg-type]
+    ``"label_flip:num_classes=256"`` (the grammar of :mod:`isthmus.spec`). Raises
+    :class:`~isthmus.spec.SpecError` (a ValueError) naming the spec and the unknown attack or
+    option (with the closest valid one), or the value that is wrong."""
+    return ATTACKS.build(spec)
 
 
 # -- attacks inside a distributed run ----------------------------------------------------------
@@ -422,7 +478,7 @@ class PeerAttack:
         half = sigma / math.sqrt(2.0)
         view = [mu + half, mu - half]
         attack = self.attack
-        if "seed" in _ATTACKS[attack.name][3]:
+        if "seed" in attack.options:
             # a fresh draw every round, also for specs that name no seed (the functions' is 0)
             attack = attack.with_options(seed=int(attack.options.get("seed", 0)) + int(round))
         if attack.name == "alie" and attack.options.get("tau", 1.5) is None:

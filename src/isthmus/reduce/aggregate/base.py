@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from isthmus.spec import config_from
+
 __all__ = [
     "AggregationError",
     "AggregationReport",
@@ -209,15 +211,11 @@ class Stage:
 
 
 def make_stage(rule: RuleDef, options: Mapping[str, Any]) -> Stage:
-    """Build a :class:`Stage`, turning unknown option names into a clear error."""
-    known = [fld.name for fld in dataclasses.fields(rule.config)]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        hint = ", ".join(known) if known else "none"
-        raise ValueError(
-            f"{rule.name}: unknown option(s) {', '.join(unknown)}; valid options: {hint}"
-        )
-    return Stage(rule, rule.config(**options))
+    """Build a :class:`Stage` from options given in Python (``multi_krum(..., m=3)``), checked
+    and coerced like a spec's. Raises :class:`~isthmus.spec.SpecError` (a ValueError) for an
+    unknown option (with the closest valid one), a value of the wrong type, or one the rule's
+    options refuse."""
+    return Stage(rule, config_from(rule.config, options, what=rule.name))
 
 
 # -- input checks and the non-finite policy ----------------------------------------------------

@@ -1,4 +1,5 @@
-"""Aggregator pipelines: the name registry, the spec parser and the one object callers hold.
+"""Aggregator pipelines: the registry of rules (:data:`AGGREGATORS`), their specs in the one
+grammar of :mod:`isthmus.spec`, and the one object callers hold.
 
 A spec names zero or more pre-aggregators and one aggregator, joined by ``+``, each optionally
 followed by ``:key=value,key=value``::
@@ -18,8 +19,7 @@ functions (``compose(nnm, krum)``) or stages. An :class:`Aggregator` runs in one
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,14 +32,17 @@ from isthmus.reduce.aggregate.base import (
     CoordinateRule,
     GramRule,
     PreAggregator,
+    RuleDef,
     Stage,
     make_stage,
     pipeline_spec,
     run_reference,
 )
 from isthmus.reduce.aggregate.sharded import run_sharded
+from isthmus.spec import Part, Registry, parse
 
 __all__ = [
+    "AGGREGATORS",
     "Aggregator",
     "available",
     "compose",
@@ -47,40 +50,50 @@ __all__ = [
     "make_aggregator",
 ]
 
-_RULES: dict[str, CoordinateRule | GramRule | PreAggregator] = {
-    r.name: r
-    for r in (
-        coordinate.MEAN,
-        coordinate.MEDIAN,
-        coordinate.TRIMMED_MEAN,
-        coordinate.MEAMED,
-        multikrum.KRUM,
-        multikrum.MULTI_KRUM,
-        geomed.GEOMETRIC_MEDIAN,
-        clipping.CENTERED_CLIPPING,
-        flagagg.FLAG,
-        preagg.NNM,
-        preagg.BUCKETING,
-        preagg.CLIP,
-    )
-}
+_FINAL_RULES = (
+    coordinate.MEAN,
+    coordinate.MEDIAN,
+    coordinate.TRIMMED_MEAN,
+    coordinate.MEAMED,
+    multikrum.KRUM,
+    multikrum.MULTI_KRUM,
+    geomed.GEOMETRIC_MEDIAN,
+    clipping.CENTERED_CLIPPING,
+    flagagg.FLAG,
+)
+_PRE_AGGREGATORS = (preagg.NNM, preagg.BUCKETING, preagg.CLIP)
 _ALIASES = {
-    "average": "mean",
-    "avg": "mean",
-    "tm": "trimmed_mean",
-    "trmean": "trimmed_mean",
-    "multikrum": "multi_krum",
-    "mkrum": "multi_krum",
-    "gm": "geometric_median",
-    "geomed": "geometric_median",
-    "rfa": "geometric_median",
-    "cc": "centered_clipping",
-    "fa": "flag",
-    "flag_aggregator": "flag",
-    "bucket": "bucketing",
+    "mean": ("average", "avg"),
+    "trimmed_mean": ("tm", "trmean"),
+    "multi_krum": ("multikrum", "mkrum"),
+    "geometric_median": ("gm", "geomed", "rfa"),
+    "centered_clipping": ("cc",),
+    "flag": ("fa", "flag_aggregator"),
+    "bucketing": ("bucket",),
 }
 # option spellings accepted in specs besides the dataclass field names ("lambda" is a keyword)
 _OPTION_ALIASES = {"flag": {"lambda": "lam"}}
+
+
+def _help(rule: RuleDef) -> str:
+    kind = "pre-aggregator" if isinstance(rule, PreAggregator) else "aggregator"
+    opts = ", ".join(fld.name for fld in dataclasses.fields(rule.config))
+    return f"{kind}, {rule.requirement}" + (f"; options: {opts}" if opts else "")
+
+
+AGGREGATORS: Registry[Stage] = Registry("aggregator")
+"""Every rule and pre-aggregator by spec name; an entry's config is the rule's options
+dataclass and its builder makes the :class:`Stage`."""
+
+for _rule in (*_FINAL_RULES, *_PRE_AGGREGATORS):
+    AGGREGATORS.add(
+        _rule.name,
+        config=_rule.config,
+        build=functools.partial(Stage, _rule),
+        aliases=_ALIASES.get(_rule.name, ()),
+        option_aliases=_OPTION_ALIASES.get(_rule.name),
+        help=_help(_rule),
+    )
 
 _FUNCTIONS: dict[Callable[..., Any], CoordinateRule | GramRule | PreAggregator] = {
     coordinate.mean: coordinate.MEAN,
@@ -103,72 +116,16 @@ StageLike = str | Callable[..., Any] | Stage
 def available() -> dict[str, str]:
     """Every registered name with its kind and requirement, e.g. ``{"krum": "aggregator, n >= 2f + 3"}``
     (aliases not included; for help texts)."""
-    out = {}
-    for name, rule in _RULES.items():
-        kind = "pre-aggregator" if isinstance(rule, PreAggregator) else "aggregator"
-        opts = ", ".join(fld.name for fld in dataclasses.fields(rule.config))
-        out[name] = f"{kind}, {rule.requirement}" + (f"; options: {opts}" if opts else "")
-    return out
+    return {name: AGGREGATORS.lookup(name).help for name in AGGREGATORS.names()}
 
 
-def _lookup(name: str) -> CoordinateRule | GramRule | PreAggregator:
-    key = name.strip().lower().replace("-", "_")
-    key = _ALIASES.get(key, key)
-    if key in _RULES:
-        return _RULES[key]
-    names = sorted([*_RULES, *_ALIASES])
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(
-        f"unknown aggregator {name.strip()!r}{hint}; known: {', '.join(sorted(_RULES))}"
-    )
-
-
-def _parse_value(rule: str, key: str, text: str, hint: Any) -> Any:
-    args = typing.get_args(hint) or (hint,)
-    if text.lower() in ("none", "null") and type(None) in args:
-        return None
-    for t in args:
-        if t is bool:
-            if text.lower() in ("true", "1", "yes"):
-                return True
-            if text.lower() in ("false", "0", "no"):
-                return False
-        elif t is int:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        elif t is float:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-    kinds = " or ".join("None" if t is type(None) else t.__name__ for t in args)
-    raise ValueError(f"{rule}: option {key}={text!r} is not a valid {kinds}")
-
-
-def _parse_stage(text: str) -> Stage:
-    head, _, rest = text.partition(":")
-    if not head.strip():
-        raise ValueError(f"empty aggregator name in {text!r}")
-    rule = _lookup(head)
-    hints = typing.get_type_hints(rule.config)
-    aliases = _OPTION_ALIASES.get(rule.name, {})
-    options: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        key = aliases.get(key, key)
-        if not eq or not value.strip():
-            raise ValueError(f"{rule.name}: option {item!r} must look like key=value")
-        if key not in hints:
-            valid = ", ".join(hints) if hints else "none"
-            raise ValueError(f"{rule.name}: unknown option {key!r}; valid options: {valid}")
-        if key in options:
-            raise ValueError(f"{rule.name}: option {key!r} given twice")
-        options[key] = _parse_value(rule.name, key, value.strip(), hints[key])
-    return make_stage(rule, options)
+def _parse_stage(part: Part, spec: str) -> Stage:
+    """One ``NAME[:key=value,...]`` part of an aggregator spec as a :class:`Stage`; raises
+    :class:`~isthmus.spec.SpecError` naming the spec for an unknown name or option or a bad
+    value."""
+    entry, config = AGGREGATORS.resolve(part, spec=spec)
+    assert entry.build is not None  # every entry builds its stage
+    return entry.build(config)
 
 
 def _to_stage(part: StageLike, options: Mapping[str, Any]) -> Stage:
@@ -179,7 +136,8 @@ def _to_stage(part: StageLike, options: Mapping[str, Any]) -> Stage:
     if isinstance(part, str):
         if "+" in part:
             raise ValueError(f"{part!r} is a pipeline; use make_aggregator() for specs with '+'")
-        stage = _parse_stage(part)
+        (one,) = parse(part, what="aggregator spec")
+        stage = _parse_stage(one, part)
         return make_stage(stage.rule, {**_options_of(stage), **options}) if options else stage
     if callable(part) and part in _FUNCTIONS:
         return make_stage(_FUNCTIONS[part], dict(options))
@@ -276,7 +234,7 @@ def _checked(stages: list[Stage]) -> tuple[Stage, ...]:
         if not isinstance(st.rule, PreAggregator):
             raise ValueError(
                 f"{st.rule.name} is an aggregator and can only come last; pre-aggregators are "
-                f"{', '.join(n for n, r in _RULES.items() if isinstance(r, PreAggregator))}"
+                f"{', '.join(r.name for r in _PRE_AGGREGATORS)}"
             )
     return tuple(stages)
 
@@ -289,11 +247,9 @@ def make_aggregator(spec: str | Aggregator) -> Aggregator:
     """
     if isinstance(spec, Aggregator):
         return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
-            f"aggregator spec must be a non-empty string such as 'median', got {spec!r}"
-        )
-    return Aggregator.from_stages([_parse_stage(p) for p in spec.split("+")])
+    return Aggregator.from_stages(
+        [_parse_stage(p, spec) for p in parse(spec, what="aggregator spec")]
+    )
 
 
 def compose(*parts: StageLike | Aggregator) -> Aggregator:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ class PowerSGDConfig:
     #: seed for the initial Qs; all peers must use the same
     seed: int = 0
     #: "key" (per-key seeds, default) or "torch" (torch hook's RNG sequence; see module docs)
-    seed_scheme: str = "key"
+    seed_scheme: Literal["key", "torch"] = "key"
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:

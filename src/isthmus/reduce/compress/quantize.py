@@ -39,6 +39,7 @@ from .formats import QuantFormat
 
 __all__ = [
     "CHUNK_VALUES",
+    "QuantConfig",
     "QuantizedAllReduce",
     "quantized_all_reduce",
     "quantized_all_reduce_many",
@@ -271,6 +272,20 @@ def quantized_all_reduce_reference(
         total = _sum_rows_in_order(f.decode(copies, shard))
         out.append(f.decode(_encode_sum(f, total).reshape(1, -1), shard).reshape(-1))
     return torch.cat(out)[:n]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """Options of the quantized all-reduce (specs ``int8``, ``int4:block=64``, ...); the format
+    itself is the spec's name. A 4-bit format also needs an even block, checked when it is
+    built (:func:`~isthmus.reduce.compress.formats.make_format`)."""
+
+    #: values per block; each block has its own scale(s). Smaller blocks: more accurate, more bytes
+    block: int = 128
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ValueError(f"block must be a positive int, got {self.block!r}")
 
 
 class QuantizedAllReduce(Compressor):

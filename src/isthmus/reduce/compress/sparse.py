@@ -60,8 +60,11 @@ from .base import Compressor, derive_seed, numel_of
 
 __all__ = [
     "FEEDBACKS",
+    "EControlConfig",
+    "RandKConfig",
     "SparseCompressor",
     "SparseConfig",
+    "TopKConfig",
     "densify",
     "econtrol_update",
     "ef14_update",
@@ -157,6 +160,35 @@ def sparse_reduce_mode(d: int, k: int, world: int) -> str:
     gather = wire_bytes("all_gather", k * (_INDEX_BYTES + _VALUE_BYTES), world)
     dense = wire_bytes("all_reduce", d * _VALUE_BYTES, world)
     return "gather" if gather < dense else "dense"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopKConfig:
+    """Options of the ``topk`` spec (``topk:0.01`` or ``topk:ratio=0.01``); the range of the
+    ratio is checked by :class:`SparseConfig` when the compressor is built."""
+
+    #: fraction of entries kept, in (0, 1], e.g. 0.01 for 1%; required
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ratio is None:
+            raise ValueError("the sparsifier needs a ratio, e.g. 0.01 to keep 1% ('topk:0.01')")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandKConfig(TopKConfig):
+    """Options of the ``randk`` spec: :class:`TopKConfig`'s and the shared seed."""
+
+    #: random-k's shared seed; all peers must use the same
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EControlConfig:
+    """Options of the ``+econtrol`` feedback spec."""
+
+    #: EControl's feedback strength in [0, 1]; None means the sparsifier's ratio
+    eta: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

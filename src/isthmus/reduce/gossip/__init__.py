@@ -1,8 +1,9 @@
 """Building blocks for decentralized (gossip) training.
 
 * :mod:`.topology`: communication graphs (ring, torus, exponential, random regular,
-  Barabasi-Albert, complete; time-varying one-peer exponential and random matchings) and their
-  rebuild or repair when membership changes.
+  Barabasi-Albert, complete; time-varying one-peer exponential and random matchings).
+* :mod:`.rebuild`: a run's topology spec (:data:`TOPOLOGIES`), its rebuild or repair when
+  membership changes, and its embedding over the peers that take part in a round.
 * :mod:`.mixing`: Metropolis-Hastings mixing weights, checks and spectral gap.
 * :mod:`.schedule`: when to gossip (constant, late-heavy, single merge, Poisson).
 * :mod:`.exchange`: gossip steps and the exact global average over a ``Group``.
@@ -38,6 +39,14 @@ from isthmus.reduce.gossip.mixing import (
     spectral_gap,
 )
 from isthmus.reduce.gossip.peergraph import REBUILD_MODES, GraphReport, PeerGraph
+from isthmus.reduce.gossip.rebuild import (
+    TOPOLOGIES,
+    EmbeddedSequence,
+    TopologySpec,
+    embed_topology,
+    rebuild_topology,
+    repair_topology,
+)
 from isthmus.reduce.gossip.sam import sam_perturb, sam_restore, sam_step
 from isthmus.reduce.gossip.sampling import (
     RoundSample,
@@ -47,6 +56,7 @@ from isthmus.reduce.gossip.sampling import (
     sample_round,
 )
 from isthmus.reduce.gossip.schedule import (
+    SCHEDULES,
     CommDecision,
     ConstantSchedule,
     LateHeavySchedule,
@@ -57,20 +67,15 @@ from isthmus.reduce.gossip.schedule import (
 )
 from isthmus.reduce.gossip.topology import (
     DisconnectedGraphError,
-    EmbeddedSequence,
     OnePeerExponential,
     RandomMatching,
     StaticSequence,
     Topology,
     TopologySequence,
-    TopologySpec,
     connected_components,
-    embed_topology,
     is_connected,
     make_topology,
     make_topology_sequence,
-    rebuild_topology,
-    repair_topology,
     union_topology,
 )
 from isthmus.reduce.gossip.variance import (
@@ -83,6 +88,8 @@ from isthmus.reduce.gossip.variance import (
 
 __all__ = [
     "REBUILD_MODES",
+    "SCHEDULES",
+    "TOPOLOGIES",
     "CommDecision",
     "ConstantSchedule",
     "DisconnectedGraphError",

@@ -32,14 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from isthmus.reduce.gossip._rng import derive_seed
+from isthmus.reduce.gossip.rebuild import TopologySpec, repair_topology
 from isthmus.reduce.gossip.topology import (
     TIME_VARYING_TOPOLOGIES,
     StaticSequence,
     Topology,
     TopologySequence,
-    TopologySpec,
     connected_components,
-    repair_topology,
 )
 
 __all__ = ["REBUILD_MODES", "GraphReport", "PeerGraph"]

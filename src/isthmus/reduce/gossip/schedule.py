@@ -24,11 +24,11 @@ does not, and the exchange would stall.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from isthmus.reduce.gossip._rng import Rng, derive_seed
+from isthmus.spec import Registry
 
 __all__ = [
     "SCHEDULES",
@@ -143,7 +143,7 @@ class LateHeavySchedule:
     """Period (in local steps) at the start of the run."""
     end_every: int = 1
     """Period at the end; must not exceed ``start_every``."""
-    shape: str = "linear"
+    shape: Literal["linear", "geometric"] = "linear"
     """``linear`` or ``geometric``."""
     iters: int = 1
     """Gossip iterations per exchange."""
@@ -218,22 +218,33 @@ class PoissonSchedule:
         return CommDecision(gossip_iters=count) if count else _NOTHING
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "constant": ConstantSchedule,
-    "late_heavy": LateHeavySchedule,
-    "single_merge": SingleMergeSchedule,
-    "poisson": PoissonSchedule,
-}
+def _itself(schedule: Schedule) -> Schedule:
+    return schedule
+
+
+SCHEDULES: Registry[Schedule] = Registry("schedule")
+"""Every schedule by spec name (``constant:every=4``, ``late_heavy:shape=geometric``); a
+schedule is its own options dataclass, so an entry's config is the schedule itself."""
+
+for _name, _cls in (
+    ("constant", ConstantSchedule),
+    ("late_heavy", LateHeavySchedule),
+    ("single_merge", SingleMergeSchedule),
+    ("poisson", PoissonSchedule),
+):
+    SCHEDULES.add(_name, config=_cls, build=_itself, help=(_cls.__doc__ or "").split("\n")[0])
 
 
 def make_schedule(name: str, **options: Any) -> Schedule:
     """Build a schedule by name with its options, e.g. ``make_schedule("constant", every=4)``.
 
-    Raises ``ValueError`` for an unknown name and ``TypeError`` for an unknown option.
+    Raises ``ValueError`` for an unknown name (a :class:`~isthmus.spec.SpecError` with the
+    closest one) and ``TypeError`` for an unknown option.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name](**options)
+    config_cls = SCHEDULES.lookup(name).config_cls
+    assert config_cls is not None  # every schedule is its own options dataclass
+    schedule: Schedule = config_cls(**options)
+    return schedule
 
 
 def comm_steps(schedule: Schedule, total_steps: int) -> list[int]:

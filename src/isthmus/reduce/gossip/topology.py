@@ -22,9 +22,8 @@ Families and where they come from:
   Decentralized Learning in Disaster Scenarios" to study peers dropping out.
 * random matching (time-varying): a fresh seeded perfect (or near-perfect) matching every round.
 
-When membership changes, :func:`rebuild_topology` either regenerates the graph for the new member
-count (``mode="regenerate"``) or keeps every surviving edge and adds the fewest edges that make the
-graph connected again (``mode="repair"``).
+How a run names its graph (:class:`~isthmus.reduce.gossip.rebuild.TopologySpec`) and carries it
+across membership changes is :mod:`.rebuild`.
 """
 
 from __future__ import annotations
@@ -35,29 +34,30 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from isthmus.reduce.gossip._rng import Rng, derive_seed
+from isthmus.spec import option_names
 
 __all__ = [
     "STATIC_TOPOLOGIES",
     "TIME_VARYING_TOPOLOGIES",
+    "TOPOLOGY_OPTIONS",
+    "BarabasiAlbertOptions",
     "DisconnectedGraphError",
-    "EmbeddedSequence",
     "OnePeerExponential",
     "RandomMatching",
+    "RandomRegularOptions",
     "StaticSequence",
     "Topology",
     "TopologySequence",
-    "TopologySpec",
     "barabasi_albert",
+    "check_ranks",
+    "check_topology_options",
     "complete",
     "connected_components",
-    "embed_topology",
     "exponential",
     "is_connected",
     "make_topology",
     "make_topology_sequence",
     "random_regular",
-    "rebuild_topology",
-    "repair_topology",
     "ring",
     "torus",
     "torus_shape",
@@ -191,7 +191,8 @@ def is_connected(top: Topology) -> bool:
     return len(connected_components(top)) <= 1
 
 
-def _check_n(n: int) -> None:
+def check_ranks(n: int) -> None:
+    """Raise ``ValueError`` unless ``n`` (a rank count) is an int >= 1."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"a topology needs n >= 1 ranks, got {n!r}")
 
@@ -201,20 +202,20 @@ def _check_n(n: int) -> None:
 
 def ring(n: int) -> Topology:
     """Cycle ``i <-> i+1 (mod n)``. Two ranks share one edge; one rank has none."""
-    _check_n(n)
+    check_ranks(n)
     return Topology.from_edges("ring", n, ((i, (i + 1) % n) for i in range(n) if n > 1))
 
 
 def complete(n: int) -> Topology:
     """Every pair of ranks joined: one gossip step with Metropolis weights is the exact average."""
-    _check_n(n)
+    check_ranks(n)
     return Topology.from_edges("complete", n, ((i, j) for i in range(n) for j in range(i + 1, n)))
 
 
 def torus_shape(n: int) -> tuple[int, int]:
     """``(rows, cols)`` with ``rows * cols == n`` and ``rows <= cols`` as close to square as the
     divisors of ``n`` allow. For prime ``n`` this is ``(1, n)``: the torus is then a ring."""
-    _check_n(n)
+    check_ranks(n)
     rows = math.isqrt(n)
     while n % rows:
         rows -= 1
@@ -245,7 +246,7 @@ def exponential(n: int) -> Topology:
 
     Degree is about ``2 log2 n`` (less when offsets coincide, e.g. ``2^k == n/2``).
     """
-    _check_n(n)
+    check_ranks(n)
     edges = []
     k = 1
     while k < n:
@@ -302,7 +303,7 @@ def random_regular(n: int, degree: int, seed: int = 0, *, strict: bool = False) 
     ``degree < 2`` with ``n > 2`` can never be connected and always raises ``ValueError``.
     Raises :class:`DisconnectedGraphError` if no connected draw appears in 200 attempts.
     """
-    _check_n(n)
+    check_ranks(n)
     if degree < 1 and n > 1:
         raise ValueError(f"random_regular needs degree >= 1, got {degree}")
     if degree >= n:
@@ -357,7 +358,7 @@ def barabasi_albert(n: int, m: int = 2, seed: int = 0) -> Topology:
 
     Raises ``ValueError`` for ``m < 1``.
     """
-    _check_n(n)
+    check_ranks(n)
     if m < 1:
         raise ValueError(f"barabasi_albert needs m >= 1 edges per new rank, got {m}")
     core = min(n, m + 1)
@@ -379,30 +380,59 @@ def _renamed(top: Topology, name: str) -> Topology:
     return Topology(name, top.adjacency)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RandomRegularOptions:
+    """Options of ``random_regular`` (``random_regular:degree=3``); see :func:`random_regular`."""
+
+    degree: int = 4
+    """Neighbours of every rank."""
+    strict: bool = False
+    """Raise for an infeasible degree instead of taking the nearest graph (membership can make
+    any degree infeasible mid-run)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BarabasiAlbertOptions:
+    """Options of ``barabasi_albert`` (``barabasi_albert:m=3``); see :func:`barabasi_albert`."""
+
+    m: int = 2
+    """Edges from every new rank to earlier ranks."""
+
+
+TOPOLOGY_OPTIONS: dict[str, type] = {
+    "random_regular": RandomRegularOptions,
+    "barabasi_albert": BarabasiAlbertOptions,
+}
+"""The families that take options, with their options dataclass; the others take none."""
+
+
+def _random_regular(n: int, seed: int, **options: Any) -> Topology:
+    o = RandomRegularOptions(**options)
+    return random_regular(n, o.degree, seed, strict=o.strict)
+
+
+def _barabasi_albert(n: int, seed: int, **options: Any) -> Topology:
+    return barabasi_albert(n, BarabasiAlbertOptions(**options).m, seed)
+
+
 STATIC_TOPOLOGIES: dict[str, Callable[..., Topology]] = {
     "ring": lambda n, seed: ring(n),
     "torus": lambda n, seed: torus(n),
     "exponential": lambda n, seed: exponential(n),
     "complete": lambda n, seed: complete(n),
-    "random_regular": lambda n, seed, degree=4, strict=False: random_regular(
-        n, degree, seed, strict=strict
-    ),
-    "barabasi_albert": lambda n, seed, m=2: barabasi_albert(n, m, seed),
+    "random_regular": _random_regular,
+    "barabasi_albert": _barabasi_albert,
 }
-"""Name -> builder(n, seed, **options). Options: random_regular(degree=4, strict=False),
-barabasi_albert(m=2); the others take none."""
-
-_OPTIONS: dict[str, frozenset[str]] = {
-    "random_regular": frozenset({"degree", "strict"}),
-    "barabasi_albert": frozenset({"m"}),
-}
+"""Name -> builder(n, seed, **options); the options are those of :data:`TOPOLOGY_OPTIONS`."""
 
 
-def _check_options(name: str, known: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+def check_topology_options(name: str, known: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` if ``name`` is not in ``known``, ``TypeError`` if ``options`` holds a
+    name the family's :data:`TOPOLOGY_OPTIONS` dataclass does not have."""
     if name not in known:
         raise ValueError(f"unknown topology {name!r}; choose one of {sorted(known)}")
-    allowed = _OPTIONS.get(name, frozenset())
-    extra = set(options) - allowed
+    allowed = option_names(TOPOLOGY_OPTIONS[name]) if name in TOPOLOGY_OPTIONS else []
+    extra = set(options) - set(allowed)
     if extra:
         raise TypeError(
             f"topology {name!r} takes options {sorted(allowed) or 'none'}, got {sorted(extra)}"
@@ -416,7 +446,7 @@ def make_topology(name: str, n: int, *, seed: int = 0, **options: Any) -> Topolo
     an option the family does not take, and :class:`DisconnectedGraphError` if a builder could
     not produce a connected graph.
     """
-    _check_options(name, STATIC_TOPOLOGIES, options)
+    check_topology_options(name, STATIC_TOPOLOGIES, options)
     return STATIC_TOPOLOGIES[name](n, seed, **options).require_connected()
 
 
@@ -471,7 +501,7 @@ class OnePeerExponential:
     name: str = "one_peer_exponential"
 
     def __post_init__(self) -> None:
-        _check_n(self.n)
+        check_ranks(self.n)
 
     @property
     def period(self) -> int:
@@ -498,7 +528,7 @@ class RandomMatching:
     name: str = "random_matching"
 
     def __post_init__(self) -> None:
-        _check_n(self.n)
+        check_ranks(self.n)
 
     @property
     def period(self) -> int:
@@ -524,7 +554,7 @@ def make_topology_sequence(name: str, n: int, *, seed: int = 0, **options: Any) 
     Raises like :func:`make_topology` for unknown names or options.
     """
     if name in TIME_VARYING_TOPOLOGIES:
-        _check_options(name, TIME_VARYING_TOPOLOGIES, options)
+        check_topology_options(name, TIME_VARYING_TOPOLOGIES, options)
         return TIME_VARYING_TOPOLOGIES[name](n, seed)
     if name not in STATIC_TOPOLOGIES:
         known = sorted(STATIC_TOPOLOGIES) + sorted(TIME_VARYING_TOPOLOGIES)
@@ -538,183 +568,3 @@ def union_topology(seq: TopologySequence, rounds: Iterable[int]) -> Topology:
     for r in rounds:
         edges.update(seq.at(r).edges())
     return Topology.from_edges(f"union({seq.name})", seq.n, edges)
-
-
-def embed_topology(top: Topology, ranks: Sequence[int], world: int) -> Topology:
-    """Place ``top`` (over ``0..top.n-1``) on ranks ``ranks[i]`` of a group of ``world`` ranks;
-    every other rank is isolated (no edges: it keeps its own vector when mixing).
-
-    Gossip mixes only among the peers that hold a usable model; joiners and stale peers sit a
-    round out this way. Raises ``ValueError`` if ``ranks`` does not list ``top.n`` distinct ranks
-    inside ``0..world-1``.
-    """
-    if len(ranks) != top.n or len(set(ranks)) != len(ranks):
-        raise ValueError(f"need {top.n} distinct ranks to embed the topology, got {list(ranks)}")
-    if any(not 0 <= r < world for r in ranks):
-        raise ValueError(f"ranks {list(ranks)} are not all inside 0..{world - 1}")
-    if top.n == world and list(ranks) == list(range(world)):
-        return top
-    return Topology.from_edges(top.name, world, ((ranks[i], ranks[j]) for i, j in top.edges()))
-
-
-@dataclass(frozen=True)
-class EmbeddedSequence:
-    """A topology sequence over a subset of ranks (see :func:`embed_topology`), round by round."""
-
-    inner: TopologySequence
-    ranks: tuple[int, ...]
-    world: int
-    name: str = field(init=False)
-    n: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        if len(self.ranks) != self.inner.n:
-            raise ValueError(f"{len(self.ranks)} ranks for a sequence over {self.inner.n}")
-        object.__setattr__(self, "name", self.inner.name)
-        object.__setattr__(self, "n", self.world)
-
-    @property
-    def period(self) -> int:
-        return self.inner.period
-
-    def at(self, round: int) -> Topology:
-        return embed_topology(self.inner.at(round), self.ranks, self.world)
-
-
-# -- membership changes ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class TopologySpec:
-    """How a run builds its gossip graph; every peer holds the same spec."""
-
-    name: str = "ring"
-    """A static name from :data:`STATIC_TOPOLOGIES` or a time-varying one from
-    :data:`TIME_VARYING_TOPOLOGIES`."""
-    seed: int = 0
-    """Base seed; regeneration mixes in the epoch so each epoch gets a fresh random graph."""
-    options: Mapping[str, Any] = field(default_factory=dict)
-    """Family options, e.g. ``{"degree": 4}`` for random_regular or ``{"m": 2}`` for
-    barabasi_albert."""
-
-    def __post_init__(self) -> None:
-        known = {**STATIC_TOPOLOGIES, **TIME_VARYING_TOPOLOGIES}
-        try:
-            _check_options(self.name, known, self.options)
-        except TypeError as e:  # a config error, reported like every other config error
-            raise ValueError(f"TopologySpec: {e}") from None
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"TopologySpec.seed must be an int, got {self.seed!r}")
-
-    def build(self, n: int, epoch: int = 0) -> TopologySequence:
-        """The per-round topology for ``n`` ranks in ``epoch`` (pure; same on every peer)."""
-        return make_topology_sequence(
-            self.name, n, seed=derive_seed(self.seed, "epoch", epoch), **self.options
-        )
-
-
-def repair_topology(
-    old: Topology,
-    old_members: Sequence[Any],
-    new_members: Sequence[Any],
-    *,
-    seed: int = 0,
-    min_degree: int = 1,
-) -> Topology:
-    """Carry ``old`` (over the ranks of ``old_members``) to ``new_members`` with few changes.
-
-    Rank ``i`` is ``members[i]`` in both lists (members are any hashable, sortable peer ids).
-    Every edge whose two peers survive is kept. Then the fewest possible edges are added to
-    make the graph connected: one edge from each smaller component (joiners are singleton
-    components) to the largest, between the lowest-degree rank of each side, so attachments
-    spread over the surviving body instead of piling up on one rank. Finally any rank below
-    ``min_degree`` is joined to the lowest-degree ranks it is not yet adjacent to (use 2 to stop
-    joiners from hanging off a single edge). Ties are broken by a seeded order, identical on
-    every peer.
-
-    Raises ``ValueError`` if a member list has duplicates or ``old`` does not match
-    ``old_members``.
-    """
-    if len(old_members) != old.n:
-        raise ValueError(
-            f"old topology has {old.n} ranks but {len(old_members)} old members were given"
-        )
-    for label, members in (("old_members", old_members), ("new_members", new_members)):
-        if len(set(members)) != len(members):
-            raise ValueError(f"{label} lists a peer twice: {list(members)!r}")
-    if min_degree < 0:
-        raise ValueError(f"min_degree must be >= 0, got {min_degree}")
-    n = len(new_members)
-    _check_n(n)
-    new_rank = {p: i for i, p in enumerate(new_members)}
-    adj: list[set[int]] = [set() for _ in range(n)]
-    for i, j in old.edges():
-        a, b = new_rank.get(old_members[i]), new_rank.get(old_members[j])
-        if a is not None and b is not None:
-            adj[a].add(b)
-            adj[b].add(a)
-    # seeded tie-break: the same on every peer, different across seeds so repeated repairs do not
-    # always load the same low ranks
-    tiebreak = list(range(n))
-    Rng(derive_seed(seed, "repair", n)).shuffle(tiebreak)
-    position = {r: k for k, r in enumerate(tiebreak)}
-
-    def lowest(candidates: Iterable[int]) -> int:
-        return min(candidates, key=lambda r: (len(adj[r]), position[r]))
-
-    comps = connected_components(Topology(old.name, tuple(frozenset(a) for a in adj)))
-    main = comps[0]
-    for comp in comps[1:]:
-        u, v = lowest(main), lowest(comp)
-        adj[u].add(v)
-        adj[v].add(u)
-    for r in sorted(range(n), key=lambda r: position[r]):
-        while len(adj[r]) < min_degree:
-            free = [x for x in range(n) if x != r and x not in adj[r]]
-            if not free:
-                break
-            x = lowest(free)
-            adj[r].add(x)
-            adj[x].add(r)
-    return Topology(old.name, tuple(frozenset(a) for a in adj))
-
-
-def rebuild_topology(
-    spec: TopologySpec,
-    new_members: Sequence[Any],
-    *,
-    epoch: int,
-    mode: str = "regenerate",
-    old: Topology | None = None,
-    old_members: Sequence[Any] | None = None,
-    min_degree: int = 1,
-) -> TopologySequence:
-    """The topology for a new membership epoch.
-
-    ``mode="regenerate"`` builds ``spec`` afresh for ``len(new_members)`` ranks, seeded by
-    ``(spec.seed, epoch)``: simplest, and always the family's intended shape. ``mode="repair"``
-    calls :func:`repair_topology` on ``old`` (the previous epoch's static graph over
-    ``old_members``): surviving edges stay, so neighbours keep talking to the same peers.
-    Repair needs ``old`` and ``old_members`` and a static family; a time-varying family is always
-    regenerated.
-
-    Raises ``ValueError`` for an unknown mode or missing ``old``/``old_members`` in repair mode.
-    """
-    n = len(new_members)
-    if mode == "regenerate" or spec.name in TIME_VARYING_TOPOLOGIES:
-        if mode not in ("regenerate", "repair"):
-            raise ValueError(f"unknown rebuild mode {mode!r}; use 'regenerate' or 'repair'")
-        return spec.build(n, epoch)
-    if mode != "repair":
-        raise ValueError(f"unknown rebuild mode {mode!r}; use 'regenerate' or 'repair'")
-    if old is None or old_members is None:
-        raise ValueError("mode='repair' needs the previous topology (old=) and its old_members=")
-    return StaticSequence(
-        repair_topology(
-            old,
-            old_members,
-            new_members,
-            seed=derive_seed(spec.seed, "epoch", epoch),
-            min_degree=min_degree,
-        )
-    )

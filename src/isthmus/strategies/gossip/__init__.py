@@ -62,7 +62,7 @@ How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
   the tests compare ``model_digest`` then. Without ``final_merge`` the models stay different.
 """
 
-from isthmus.strategies.gossip.config import GossipConfig, parse_spec
+from isthmus.strategies.gossip.config import GossipConfig
 from isthmus.strategies.gossip.strategy import Gossip
 
-__all__ = ["Gossip", "GossipConfig", "parse_spec"]
+__all__ = ["Gossip", "GossipConfig"]

@@ -5,47 +5,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
-from isthmus.reduce.gossip import REBUILD_MODES, TopologySpec, make_schedule
+from isthmus.reduce.gossip import REBUILD_MODES, SCHEDULES, TopologySpec
 from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
-from isthmus.reduce.gossip.schedule import SCHEDULES, Schedule
-from isthmus.reduce.gossip.topology import STATIC_TOPOLOGIES, TIME_VARYING_TOPOLOGIES
+from isthmus.reduce.gossip.schedule import Schedule
+from isthmus.reduce.gossip.topology import TIME_VARYING_TOPOLOGIES
+from isthmus.spec import SpecError, parse
 
-__all__ = ["COPY_SLOT", "GossipConfig", "parse_spec"]
+__all__ = ["COPY_SLOT", "GossipConfig"]
 
 COPY_SLOT = MAX_ITERS_PER_ROUND - 1
 """The exchange number reserved in every round for copies to joiners (gossip iterations use the
 numbers below it)."""
-
-
-def _value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_spec(spec: str, what: str) -> tuple[str, dict[str, Any]]:
-    """Split ``"name:key=value,key=value"`` into a name (lower case, ``-`` read as ``_``) and
-    options (ints, floats and true/false converted). Raises ``ValueError`` naming ``what`` for
-    an empty name or an argument without ``=``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"{what} must be a non-empty string like 'ring', got {spec!r}")
-    name, _, rest = "".join(spec.split()).partition(":")
-    name = name.lower().replace("-", "_")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"{what} {spec!r}: arguments are key=value, got {item!r}")
-        options[key.replace("-", "_")] = _value(value)
-    return name, options
 
 
 @dataclass(kw_only=True)
@@ -105,9 +76,9 @@ class GossipConfig:
     later as ``strategy.train``)."""
     seed: int = 0
     """Seed of random topologies, MoDeST samples and the Poisson schedule."""
-    schedule_obj: Schedule | None = field(default=None, repr=False)
+    schedule_obj: Schedule | None = field(default=None, init=False, repr=False)
     """Built from ``schedule``; not an option."""
-    topology_spec: TopologySpec | None = field(default=None, repr=False)
+    topology_spec: TopologySpec | None = field(default=None, init=False, repr=False)
     """Built from ``topology``; not an option."""
 
     def __post_init__(self) -> None:
@@ -166,7 +137,7 @@ class GossipConfig:
             raise ValueError("variance_correction applies to gossip mixing, not to MoDeST rounds")
         if self.modest and not self.initial_sync:
             raise ValueError("MoDeST needs initial_sync=True: its fallback model must be shared")
-        self.topology_spec = self._build_topology()
+        self.topology_spec = TopologySpec.parse(self.topology, seed=self.seed)
         if self.rebuild == "repair" and self.topology_spec.name in TIME_VARYING_TOPOLOGIES:
             raise ValueError(
                 f"rebuild='repair' needs a static topology; {self.topology_spec.name!r} changes "
@@ -180,19 +151,17 @@ class GossipConfig:
 
     @property
     def schedule_name(self) -> str:
-        return parse_spec(self.schedule, "schedule")[0]
-
-    def _build_topology(self) -> TopologySpec:
-        name, options = parse_spec(self.topology, "topology")
-        known = sorted(STATIC_TOPOLOGIES) + sorted(TIME_VARYING_TOPOLOGIES)
-        if name not in known:
-            raise ValueError(f"unknown topology {name!r}; choose one of {known}")
-        return TopologySpec(name=name, seed=self.seed, options=options)
+        """The schedule's registered name (``late_heavy`` for ``late-heavy:start_every=8``)."""
+        return SCHEDULES.lookup(parse(self.schedule, what="schedule")[0].name).name
 
     def _build_schedule(self) -> Schedule:
-        name, options = parse_spec(self.schedule, "schedule")
-        if name not in SCHEDULES:
-            raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+        """The schedule, its options coerced through its dataclass; what the spec leaves out
+        comes from this config (``gossip_steps``, ``final_merge``, ``seed``)."""
+        parts = parse(self.schedule, what="schedule")
+        if len(parts) != 1:
+            raise SpecError("a schedule is one part; remove the '+'", spec=self.schedule)
+        entry = SCHEDULES.lookup(parts[0].name, spec=self.schedule)
+        name, options = entry.name, entry.options(parts[0], spec=self.schedule)
         if name == "single_merge":
             if not self.final_merge:
                 raise ValueError(
@@ -208,7 +177,5 @@ class GossipConfig:
         else:
             options.setdefault("iters", self.gossip_steps)
             options.setdefault("final_merge", self.final_merge)
-        try:
-            return make_schedule(name, **options)
-        except TypeError as e:
-            raise ValueError(f"schedule {self.schedule!r}: {e}") from None
+        schedule: Schedule = entry.config(options, spec=self.schedule)
+        return schedule
