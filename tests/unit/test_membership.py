@@ -359,3 +359,27 @@ def test_round_plan_json_round_trip():
     assert TensorSpec.from_json(SCHEMA[0].to_json()) == SCHEMA[0]
     with pytest.raises(KeyError):
         RoundPlan.from_json({"round": 1})
+
+
+def test_work_of_a_new_registration_or_an_aborted_repair_does_not_count():
+    """A peer registered after the run started, or repaired in an attempt that then aborted, is
+    listed as stale in its next round even when its hashes match: its local work (a gradient
+    from a stale model, a batch drawn under another peer id) must not count until it commits."""
+    r = Run(start_peers=2)
+    a, b = r.add("a"), r.add("b")
+    first = full_round(r, [a, b])
+    assert first.stale == () and first.resynced == frozenset()
+    c = r.add("c")  # joins a running run with the right state (e.g. evicted and back)
+    plan = full_round(r, [c, a, b])  # the joiner waits first; the members' next round admits it
+    assert plan.transfers == () and plan.stale == (c,) and plan.resynced == {c}
+    assert full_round(r, [a, b, c]).stale == ()  # counted once it committed a round
+    d = r.add("d")
+    r.begin(d, hashes={"w": "zz", "b": "bb"})
+    for pid in (a, b, c):
+        r.begin(pid)
+    attempt = r.poll(d).plan
+    assert [t.dst for t in attempt.transfers] == [d]
+    assert r.commit(a, attempt, ok=False).kind == "aborted"  # the attempt that repaired d
+    plan = full_round(r, [a, b, c, d])  # d's state was overwritten: no transfer needed now
+    assert plan.transfers == () and plan.stale == (d,) and d in plan.resynced
+    assert RoundPlan.from_json(plan.to_json()) == plan

@@ -539,3 +539,29 @@ def test_a_sampler_over_prepared_token_files_visits_every_window_once(tmp_path: 
             assert torch.equal(x[:, 1:], y[:, :-1])
             seen += [tuple(row) for row in x.tolist()]
     assert sorted(seen) == sorted(starts)
+
+
+def test_a_first_round_that_trains_on_its_batches_uses_them_once(tmp_path: Path) -> None:
+    """DDP trains on its first batch, drawn before anyone knew the membership (every peer as
+    rank 0 of 1): with ``first_round_uses_work`` that whole block counts once, and the next
+    blocks are split by the first round's members."""
+    sim = Sim(n=60, batch=6, tmp=tmp_path, seed=3)
+    for _ in range(3):
+        pid = sim.join()
+        sim.peers[pid].session.first_round_uses_work = True  # type: ignore[attr-defined]
+    sim.train_all(1)
+    drawn = {pid: p.drawn[0] for pid, p in sim.peers.items()}
+    assert drawn[0] == drawn[1] == drawn[2] and len(drawn[0]) == 6  # the whole first block
+    plan = sim.form()
+    for pid in plan.members:
+        for hook in sim.peers[pid].session.hooks:
+            hook(plan)
+    used = sim.peers[0].sampler.last_used
+    assert sorted(used) == sorted(drawn[0])
+    for p in sim.peers.values():
+        p.in_sync, p.drawn = True, []
+    sim.round += 1
+    while len(sim.used_by_epoch().get(0, [])) < sim.n:
+        sim.train_all(1)
+        sim.run_round()
+    _assert_exactly_once(sim, complete_epochs=1)

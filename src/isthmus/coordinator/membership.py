@@ -105,6 +105,9 @@ class Peer:
     ready_since: float | None = None  # when that attempt began
     in_sync: bool = False  # holds the canonical state of the run's current revision
     schema_ok: bool = False  # its shared-state schema was checked against the run's
+    # its local work must not count until a round it is in commits: registered after the run
+    # started, or repaired in an attempt that aborted
+    uncounted: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -180,7 +183,7 @@ class Membership:
     def register(self, name: str, now: float, info: dict[str, Any] | None = None) -> int:
         pid = self._next_id
         self._next_id += 1
-        self.peers[pid] = Peer(pid, name, now, now, info=dict(info or {}))
+        self.peers[pid] = Peer(pid, name, now, now, info=dict(info or {}), uncounted=self.started)
         self.counters["registrations"] += 1
         self._event(now, "register", peer=pid, name=name)
         return pid
@@ -459,8 +462,11 @@ class Membership:
         # in_sync: holds the canonical state of the run's revision. Repaired peers become in sync
         # only when the round commits (the transfer might not complete).
         dsts = {t.dst for t in transfers}
+        stale = tuple(p for p in ready if self.peers[p].uncounted and p not in dsts)
         for pid in ready:
             self.peers[pid].in_sync = pid in voters and pid not in dsts
+            if pid in dsts:
+                self.peers[pid].uncounted = True  # until this round commits
         members = tuple(ready)
         new_epoch = self.force_new_epoch or members != self.members
         if new_epoch:
@@ -475,6 +481,7 @@ class Membership:
             transfers=tuple(transfers),
             expected=expected,
             new_epoch=new_epoch,
+            stale=stale,
         )
         self.running = plan
         self.reports = {}
@@ -557,6 +564,7 @@ class Membership:
         for pid in plan.members:
             p = self.peers[pid]
             p.in_sync = True
+            p.uncounted = False
             p.revision = self.revision
         self.canonical = None
         self.counters["rounds_committed"] += 1

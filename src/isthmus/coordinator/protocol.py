@@ -83,14 +83,19 @@ class RoundPlan:
     transfers: tuple[Transfer, ...]
     expected: dict[str, str]  # canonical hash of every transferred tensor
     new_epoch: bool
+    stale: tuple[int, ...] = ()
+    """Members whose local work must not count although they need no transfer: a peer repaired
+    in an attempt of this round that aborted, or one registered after the run started (a new
+    peer id) that has not been in a committed round yet."""
 
     def rank_of(self, peer_id: int) -> int:
         return self.members.index(peer_id)
 
     @property
     def resynced(self) -> frozenset[int]:
-        """Peers repaired in this round: their local contribution is stale and must not count."""
-        return frozenset(t.dst for t in self.transfers)
+        """Peers whose local contribution is stale and must not count: repaired in this round,
+        or :attr:`stale`."""
+        return frozenset(t.dst for t in self.transfers) | frozenset(self.stale)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +105,7 @@ class RoundPlan:
             "transfers": [t.to_json() for t in self.transfers],
             "expected": dict(self.expected),
             "new_epoch": self.new_epoch,
+            "stale": list(self.stale),
         }
 
     @staticmethod
@@ -113,6 +119,7 @@ class RoundPlan:
             transfers=tuple(Transfer.from_json(t) for t in x["transfers"]),
             expected=dict(x["expected"]),
             new_epoch=bool(x["new_epoch"]),
+            stale=tuple(int(m) for m in x.get("stale", ())),
         )
 
 

@@ -43,13 +43,13 @@ contributor that draws a different number is out-voted at the next parity check,
 its work does not count in that round. With ``parity_every > 1`` such a difference goes
 unnoticed until the next check, as any divergence of shared state does.
 
-Limits: the guarantee holds when a strategy counts a peer's work exactly when this sampler does
-(:meth:`ElasticSampler.assignment` is not None and the peer is not resynced). Two cases differ
-today and need the strategy's help: (1) the run's first round, before which nobody knows the
-membership: its batches are handed out again, so a strategy whose first step is not a catch-up
-round (DiLoCo's is; DDP's is not) trains on them twice; (2) a peer evicted and registered
-again (a new peer id) that rejoins the same round with an unchanged state: it is not resynced,
-so the strategy counts its work, while here its share (drawn under its old id) is owed again.
+Who counts in the run's *first* round depends on the strategy: nobody knew the membership
+before it, so every peer drew its first blocks as rank 0 of 1. A strategy whose first step is a
+catch-up round (the DiLoCo family) drops that work, and the blocks are owed again; one that
+trains on it (DDP) sets ``session.first_round_uses_work``, and the blocks count as used once.
+Peers registered after the run started, and peers repaired by an attempt that aborted, are
+listed in the plan's ``resynced`` (the coordinator's ``stale``) until they commit a round, so
+the strategy and the sampler agree that their work does not count.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ class ElasticSampler:
             "config": torch.tensor(self._config, dtype=torch.int64),
         }
         self.attached = False
+        self._session: SessionLike | None = None
         self.commits = 0
         self.last_used: list[int] = []
         """Dataset indices used by the last commit this peer saw (in order)."""
@@ -181,6 +182,7 @@ class ElasticSampler:
         for name, t in self.tensors().items():
             session.register(name, t)
         session.add_commit_hook(self.on_commit)
+        self._session = session
         self.attached = True
 
     # -- reading the shared position ------------------------------------------------------------
@@ -323,14 +325,28 @@ class ElasticSampler:
         self._check_config()
         pos = self.position
         members = tuple(int(m) for m in plan.members)
-        new, used = commit(
-            pos,
-            n=self.num_samples,
-            batch_size=self.batch_size,
-            drawn=self.drawn,
-            members=members,
-            resynced=frozenset(int(p) for p in plan.resynced),
-        )
+        if not pos.assigners and getattr(self._session, "first_round_uses_work", False):
+            # Before the run's first commit every peer drew as rank 0 of 1 (nobody knew the
+            # membership) and the strategy trained on it (DDP): the whole blocks were used once.
+            everyone = (-2,)
+            new, used = commit(
+                Position(pos.epoch, pos.cursor, pos.ledger, everyone),
+                n=self.num_samples,
+                batch_size=self.batch_size,
+                drawn=self.drawn,
+                members=everyone,
+                resynced=frozenset(),
+            )
+            new = Position(new.epoch, new.cursor, new.ledger, members)
+        else:
+            new, used = commit(
+                pos,
+                n=self.num_samples,
+                batch_size=self.batch_size,
+                drawn=self.drawn,
+                members=members,
+                resynced=frozenset(int(p) for p in plan.resynced),
+            )
         self._store(new)
         self._t["drawn"][0] = 0
         self.commits += 1
