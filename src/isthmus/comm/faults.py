@@ -105,7 +105,9 @@ class Fault:
             when = entry.config(entry.options(part))
             return Fault(action=entry.name, point=point, step=when.step, round=when.round)
         except SpecError as e:
-            raise SpecError(f"{e.problem}; {_USAGE}", key=e.key, spec=spec) from None
+            raise SpecError(
+                f"bad fault spec: {e.problem}; {_USAGE}", key=e.key, spec=spec
+            ) from None
 
 
 @dataclass

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from isthmus.strategies import STRATEGIES as _strategy_registry
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser is published as tomli
@@ -48,7 +50,7 @@ __all__ = [
     "parse_scenario",
 ]
 
-STRATEGIES = ("ddp", "diloco", "localsgd", "streaming", "eager", "co2", "gossip")
+STRATEGIES = tuple(_strategy_registry.names())  # the strategies are named once, in their registry
 MODEL_PRESETS = ("tiny", "default")
 CHURN_ACTIONS = ("kill", "join", "stop", "cont")
 MAX_LAB_PEERS = 252

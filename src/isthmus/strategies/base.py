@@ -13,20 +13,24 @@ a run of one peer) no tensor ever leaves the process.
 Contributions: a peer that was resynced at the start of a round, or whose update is not finite,
 must not count in the average; :class:`~isthmus.reduce.reducer.Reducer` handles that (and
 compression and robust aggregation) for every strategy.
+
+Every strategy is built the same way, by :class:`Strategy`'s constructor: ``Strategy(session,
+model, optimizer, config, reducer=... | compression=..., aggregator=..., byzantine_f=...)``, or
+by name and flat options through :func:`isthmus.strategies.make_strategy`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reducer
+from isthmus.spec import config_from
 
 __all__ = [
     "Strategy",
@@ -36,7 +40,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("isthmus.strategy")
-C = TypeVar("C")
+S = TypeVar("S", bound="Strategy")
 
 
 def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -116,41 +120,82 @@ def outer_sgd(
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
 
-def config_from(cls: type[C], options: dict[str, Any]) -> C:
-    """Build a strategy's config dataclass from flat options, naming unknown ones."""
-    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for {cls.__name__}; valid: {sorted(fields)}")
-    return cls(**options)
-
-
 class Strategy(ABC):
-    """Base class: holds the session, the model, the step counter and the shared counters."""
+    """Base class: the session, the model, the user's optimizer, the strategy's typed config,
+    the reducer, the step counter and the shared counters.
 
-    name = "base"
+    A subclass declares ``name`` (its registry name) and ``Config`` (its options dataclass,
+    validated on construction), creates its own state in :meth:`setup` and implements
+    :meth:`step`; the constructor and :meth:`from_options` are this class's, for every strategy.
+    """
 
-    def __init__(self, session: Session | None, model: torch.nn.Module) -> None:
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type[Any]]
+    """The strategy's options dataclass: every field is an option (``--option``, a scenario's
+    ``[strategy.options]``), and constructing it validates them all without building a model."""
+
+    def __init__(
+        self,
+        session: Session | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: Any = None,
+        *,
+        reducer: Reducer | None = None,
+        compression: Any = None,
+        aggregator: Any = None,
+        byzantine_f: int = 0,
+    ) -> None:
+        """Wrap ``model`` and the user's ``optimizer`` (the inner optimizer of the DiLoCo family).
+
+        ``config`` defaults to ``Config()``; ``reducer`` defaults to a :class:`Reducer` for
+        ``compression``, ``aggregator`` and ``byzantine_f``. Raises TypeError for a config of
+        another class, ValueError for a default config that needs options (gossip's
+        ``total_steps``), a bad compression or aggregator spec, or what :meth:`setup` refuses.
+        """
+        if config is not None and not isinstance(config, self.Config):
+            raise TypeError(
+                f"{type(self).__name__} takes a {self.Config.__name__}, got {type(config).__name__}"
+            )
         self.session = session
         self.model = model
+        self.optimizer = optimizer
+        self.config = config if config is not None else self.Config()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         # The run's progress in inner steps, shared so that joiners pick it up.
         self.global_step = torch.zeros((), dtype=torch.int64)
         self.local_steps = 0
-        self.reducer: Reducer | None = None
+        self.reducer = reducer or Reducer(
+            compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
+        )
+        self.setup()
+
+    def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
+        """Create this strategy's own state and register the shared part with the session (in a
+        fixed order: it is the run's shared-state schema). Called once, last, by the
+        constructor."""
 
     @classmethod
     def from_options(
-        cls,
+        cls: type[S],
         session: Session | None,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         reducer: Reducer,
         **options: Any,
-    ) -> Strategy:
-        """Build from flat options (the demo's ``--option``, a scenario's ``[strategy]`` table).
-        Raises ValueError naming an unknown option."""
-        raise NotImplementedError
+    ) -> S:
+        """Build from flat options (the demo's ``--option``, a scenario's ``[strategy]`` table),
+        coerced through ``Config``'s type hints. Raises :class:`~isthmus.spec.SpecError` (a
+        ValueError) naming an unknown option (with the closest valid one), a value of the wrong
+        type, or one the config refuses."""
+        config = config_from(cls.Config, options, what=cls.name)
+        return cls(session, model, optimizer, config, reducer=reducer)
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The user's optimizer, by the DiLoCo family's name for it."""
+        return self.optimizer
 
     @property
     def step_count(self) -> int:
@@ -178,12 +223,10 @@ class Strategy(ABC):
             "step": self.step_count,
             "bytes_sent": s.stats.bytes_sent if s else 0,
             "revision": s.revision if s else 0,
-            "nonfinite_skips": self.reducer.nonfinite_skips if self.reducer else 0,
-            "rejected_updates": self.reducer.rejected_sums if self.reducer else 0,
-            "reducer": self.reducer.describe() if self.reducer else "none",
-            "overlap_fraction": round(self.reducer.timing.overlap_fraction, 4)
-            if self.reducer
-            else 0.0,
-            "comm_s": round(self.reducer.timing.comm_s, 4) if self.reducer else 0.0,
-            "comm_blocked_s": round(self.reducer.timing.blocked_s, 4) if self.reducer else 0.0,
+            "nonfinite_skips": self.reducer.nonfinite_skips,
+            "rejected_updates": self.reducer.rejected_sums,
+            "reducer": self.reducer.describe(),
+            "overlap_fraction": round(self.reducer.timing.overlap_fraction, 4),
+            "comm_s": round(self.reducer.timing.comm_s, 4),
+            "comm_blocked_s": round(self.reducer.timing.blocked_s, 4),
         }

@@ -51,8 +51,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Session
-from isthmus.reduce.reducer import Reduced, Reducer
-from isthmus.strategies.base import config_from, register_globals
+from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.overlap import DelayedOuter
 
 __all__ = ["CO2", "CO2Config"]
@@ -93,46 +92,16 @@ class CO2(DelayedOuter):
     :meth:`finish` once at the end (it settles the last round so that every peer ends on x_old)."""
 
     name = "co2"
+    Config = CO2Config
+    config: CO2Config
 
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        config: CO2Config | None = None,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-    ) -> None:
-        self.config = config or CO2Config()
-        super().__init__(
-            session,
-            model,
-            inner_optimizer,
-            sync_every=self.config.sync_every,
-            reducer=reducer
-            or Reducer(compression=compression, aggregator=aggregator, byzantine_f=byzantine_f),
-        )
+    def init_outer(self) -> None:
         self.momentum = [torch.zeros_like(g) for g in self.global_params]
         self.clipped = 0  # elements clamped so far (this peer's count; identical on all peers)
-        if session is not None:
-            register_globals(session, self.names, self.global_params)
-            for n, m in zip(self.names, self.momentum, strict=True):
-                session.register(f"co2/momentum/{n}", m)
-            self._register_counter()
 
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> CO2:
-        return cls(session, model, optimizer, config_from(CO2Config, options), reducer=reducer)
+    def register_outer(self, session: Session) -> None:
+        for n, m in zip(self.names, self.momentum, strict=True):
+            session.register(f"co2/momentum/{n}", m)
 
     def apply_outer(self, result: Reduced | None) -> None:
         if result is None:

@@ -13,20 +13,26 @@ same deterministic optimizer.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from isthmus.comm.session import Round, Session
-from isthmus.reduce.reducer import Reduced, Reducer
+from isthmus.comm.session import Round
+from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, register_module, register_optimizer
 
-__all__ = ["DDP"]
+__all__ = ["DDP", "DDPConfig"]
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    """DDP has no options of its own: how gradients are reduced is the reducer's business
+    (``compression``, ``aggregator``, ``byzantine_f``)."""
 
 
 class DDP(Strategy):
-    """Data parallel. ``bucket_mb`` bounds one all-reduce; ``compression``, ``aggregator`` and
-    ``byzantine_f`` choose how gradients are reduced (see :class:`Reducer`).
+    """Data parallel; ``compression``, ``aggregator`` and ``byzantine_f`` choose how gradients
+    are reduced (see :class:`Reducer`).
 
     With ``session=None`` this is exactly ``optimizer.step()``: bit-for-bit plain training.
     A peer whose gradient holds NaN/Inf contributes nothing that step (logged); the others'
@@ -34,41 +40,14 @@ class DDP(Strategy):
     """
 
     name = "ddp"
+    Config = DDPConfig
+    config: DDPConfig
 
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-    ) -> None:
-        super().__init__(session, model)
-        self.optimizer = optimizer
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.reducer = reducer or Reducer(
-            compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
-        )
-        if session is not None:
-            register_module(session, "model", zip(self.names, self.params, strict=True))
-            register_optimizer(session, "opt", optimizer)
+    def setup(self) -> None:
+        if self.session is not None:
+            register_module(self.session, "model", zip(self.names, self.params, strict=True))
+            register_optimizer(self.session, "opt", self.optimizer)
             self._register_counter()
-
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> DDP:
-        if options:
-            raise ValueError(f"ddp takes no options, got {sorted(options)}")
-        return cls(session, model, optimizer, reducer=reducer)
 
     def step(self) -> None:
         self.check_faults("step")
@@ -79,7 +58,6 @@ class DDP(Strategy):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             items = [(n, p.grad) for n, p in zip(self.names, self.params, strict=True)]
-            assert self.reducer is not None
             reducer = self.reducer
 
             def reduce(rnd: Round) -> Reduced | None:

@@ -29,20 +29,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from isthmus.comm.session import Round, Session
+from isthmus.comm.session import Round
 from isthmus.reduce.compress.base import all_finite
-from isthmus.reduce.reducer import Reduced, Reducer
-from isthmus.strategies.base import (
-    Strategy,
-    config_from,
-    outer_sgd,
-    register_globals,
-    register_optimizer,
-)
+from isthmus.reduce.reducer import Reduced
+from isthmus.strategies.base import Strategy, outer_sgd, register_globals, register_optimizer
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -73,51 +66,20 @@ class DiLoCo(Strategy):
     """DiLoCo around the user's inner optimizer. Call :meth:`step` after every backward."""
 
     name = "diloco"
+    Config = DiLoCoConfig
+    config: DiLoCoConfig
 
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        config: DiLoCoConfig | None = None,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-    ) -> None:
-        super().__init__(session, model)
-        self.config = config or DiLoCoConfig()
-        self.reducer = reducer or Reducer(
-            compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
-        )
-        self.inner = inner_optimizer
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+    def setup(self) -> None:
+        cfg = self.config
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer = outer_sgd(
-            self.global_params,
-            self.config.outer_lr,
-            self.config.outer_momentum,
-            self.config.nesterov,
-        )
+        self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.since_sync = 0
         self.outer_rounds = 0
-        self.joined = session is None
-        if session is not None:
-            register_globals(session, self.names, self.global_params)
-            register_optimizer(session, "outer", self.outer)
+        self.joined = self.session is None
+        if self.session is not None:
+            register_globals(self.session, self.names, self.global_params)
+            register_optimizer(self.session, "outer", self.outer)
             self._register_counter()
-
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> DiLoCo:
-        return cls(session, model, optimizer, config_from(DiLoCoConfig, options), reducer=reducer)
 
     @property
     def step_count(self) -> int:
@@ -129,7 +91,7 @@ class DiLoCo(Strategy):
             self.joined = True
             self.sync()  # catch up with the run before training; this gradient is dropped
             return
-        self.inner.step()
+        self.optimizer.step()
         self.local_steps += 1
         self.since_sync += 1
         if self.since_sync >= self.config.sync_every:
@@ -148,13 +110,11 @@ class DiLoCo(Strategy):
             if not all(map(all_finite, delta)):
                 # the reducer's policy, applied to the peer alone: a non-finite update is
                 # dropped (theta stays as it was) and the peer restarts from theta
-                assert self.reducer is not None
                 self.reducer.nonfinite_skips += 1
                 log.warning("non-finite values in this peer's outer gradient: not applying it")
                 result = None
         else:
             reducer = self.reducer
-            assert reducer is not None
 
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))

@@ -68,39 +68,36 @@ restarts from the prediction without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, get_args
 
 import torch
 
 from isthmus.comm.session import Session
-from isthmus.reduce.reducer import Reduced, Reducer
+from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import (
-    config_from,
     materialize_optimizer_state,
     outer_sgd,
-    register_globals,
     register_optimizer,
 )
+from isthmus.strategies.diloco import DiLoCoConfig
 from isthmus.strategies.overlap import DelayedOuter
 
 __all__ = ["EagerConfig", "EagerDiLoCo", "preview_sgd"]
 
 
-STARTS = ("predicted", "paper", "theta")
+Start = Literal["predicted", "paper", "theta"]
+STARTS: tuple[str, ...] = get_args(Start)
 
 
 @dataclass(kw_only=True)
-class EagerConfig:
+class EagerConfig(DiLoCoConfig):
+    """DiLoCo's outer settings, and where each phase starts and its outer gradient is measured
+    from. DiLoCo's outer momentum overshoots with ``start="paper"``: use 0 there (see the
+    module's notes)."""
+
     sync_every: int = 50
     """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase."""
-    outer_lr: float = 0.7
-    """Outer learning rate (DiLoCo's)."""
-    outer_momentum: float = 0.9
-    """Outer momentum (DiLoCo's). With ``start="paper"`` it overshoots; use 0 there (see the
-    module's notes)."""
-    nesterov: bool = True
-    """Nesterov momentum for the outer SGD (when ``outer_momentum`` > 0)."""
-    start: str = "predicted"
+    start: Start = "predicted"
     """Where each phase starts: ``"predicted"`` (the outer step on this peer's own fresh outer
     gradient), ``"paper"`` (theta plus the fresh own share, the paper's eager update) or
     ``"theta"`` (the naive delayed scheme)."""
@@ -112,12 +109,7 @@ class EagerConfig:
     was best and 1 diverged (docs/BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
-        if self.outer_lr <= 0:
-            raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        super().__post_init__()
         if self.start not in STARTS:
             raise ValueError(f"start must be one of {', '.join(STARTS)}; got {self.start!r}")
         if not 0 <= self.anchor <= 1:
@@ -157,52 +149,18 @@ class EagerDiLoCo(DelayedOuter):
     :meth:`finish` once at the end (it settles the last round so that every peer ends on theta)."""
 
     name = "eager"
+    Config = EagerConfig
+    config: EagerConfig
 
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        config: EagerConfig | None = None,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-    ) -> None:
-        self.config = config or EagerConfig()
-        super().__init__(
-            session,
-            model,
-            inner_optimizer,
-            sync_every=self.config.sync_every,
-            reducer=reducer
-            or Reducer(compression=compression, aggregator=aggregator, byzantine_f=byzantine_f),
-        )
-        self.outer = outer_sgd(
-            self.global_params,
-            self.config.outer_lr,
-            self.config.outer_momentum,
-            self.config.nesterov,
-        )
+    def init_outer(self) -> None:
+        cfg = self.config
+        self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         # Momentum buffers exist (zeros) from the start, with or without a session, so that a
         # one-peer run does the same arithmetic either way.
         materialize_optimizer_state(self.outer)
-        if session is not None:
-            register_globals(session, self.names, self.global_params)
-            register_optimizer(session, "outer", self.outer)
-            self._register_counter()
 
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> EagerDiLoCo:
-        return cls(session, model, optimizer, config_from(EagerConfig, options), reducer=reducer)
+    def register_outer(self, session: Session) -> None:
+        register_optimizer(session, "outer", self.outer)
 
     def apply_outer(self, result: Reduced | None) -> None:
         if result is None:

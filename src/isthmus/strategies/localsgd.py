@@ -20,70 +20,28 @@ first step is a catch-up round that hands it theta.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-import torch
-
-from isthmus.comm.session import Session
-from isthmus.reduce.reducer import Reducer
-from isthmus.strategies.base import config_from
 from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
 
 __all__ = ["LocalSGD", "LocalSGDConfig"]
 
 
 @dataclass(kw_only=True)
-class LocalSGDConfig:
+class LocalSGDConfig(DiLoCoConfig):
+    """DiLoCo's config with the outer step fixed to plain averaging (lr 1, no momentum): only
+    ``sync_every`` is an option."""
+
     sync_every: int = 20
     """H: local steps between two averagings."""
-
-    def __post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
+    outer_lr: float = field(default=1.0, init=False)
+    outer_momentum: float = field(default=0.0, init=False)
+    nesterov: bool = field(default=False, init=False)
 
 
 class LocalSGD(DiLoCo):
     """Periodic parameter averaging. Call :meth:`step` after every backward."""
 
     name = "localsgd"
-
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: LocalSGDConfig | None = None,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-    ) -> None:
-        self.local_config = config or LocalSGDConfig()
-        super().__init__(
-            session,
-            model,
-            optimizer,
-            DiLoCoConfig(
-                sync_every=self.local_config.sync_every,
-                outer_lr=1.0,
-                outer_momentum=0.0,
-                nesterov=False,
-            ),
-            reducer=reducer,
-            compression=compression,
-            aggregator=aggregator,
-            byzantine_f=byzantine_f,
-        )
-
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> LocalSGD:
-        return cls(session, model, optimizer, config_from(LocalSGDConfig, options), reducer=reducer)
+    Config = LocalSGDConfig
+    config: LocalSGDConfig

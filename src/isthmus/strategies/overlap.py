@@ -52,7 +52,7 @@ from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
-from isthmus.strategies.base import Strategy
+from isthmus.strategies.base import Strategy, register_globals
 
 __all__ = ["Build", "DelayedOuter", "Flight", "Planned", "RoundPipeline", "Settled"]
 
@@ -276,33 +276,36 @@ class DelayedOuter(Strategy):
     set to the boundary's step before the next round begins), so a joiner continues at the
     members' step without being told anything else.
 
-    Subclasses register their shared state and implement :meth:`apply_outer` and :meth:`restart`.
+    Subclasses' configs have ``sync_every``. They create and register their outer state in
+    :meth:`init_outer` and :meth:`register_outer`, and implement :meth:`apply_outer` and
+    :meth:`restart`.
     """
 
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        *,
-        sync_every: int,
-        reducer: Reducer,
-    ) -> None:
-        super().__init__(session, model)
-        self.reducer = reducer
-        self.inner = inner_optimizer
-        self.sync_every = sync_every
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+    def setup(self) -> None:
+        self.sync_every = self.config.sync_every
         self.global_params = [p.detach().clone() for p in self.params]
         # Where this peer's current phase started (local): outer gradients are measured from it.
         self.start = [p.detach().clone() for p in self.params]
         self.since = 0
         self.outer_rounds = 0
         # Without a session there is nobody to catch up with: the first step trains (as DiLoCo).
-        self.joined = session is None
+        self.joined = self.session is None
         self.stale = False  # a retry resynced this peer: its next outer gradient must not count
-        self.pipeline = RoundPipeline(session, self.reducer, lambda: self.step_count)
+        self.pipeline = RoundPipeline(self.session, self.reducer, lambda: self.step_count)
         self.steady = SteadyOverlap(self.reducer.timing)
+        self.init_outer()
+        if self.session is not None:
+            register_globals(self.session, self.names, self.global_params)
+            self.register_outer(self.session)
+            self._register_counter()
+
+    def init_outer(self) -> None:
+        """Create the outer state (an optimizer, a momentum) over :attr:`global_params`."""
+        raise NotImplementedError
+
+    def register_outer(self, session: Session) -> None:
+        """Register the outer state with ``session`` (after theta, before the step counter)."""
+        raise NotImplementedError
 
     @property
     def step_count(self) -> int:
@@ -316,7 +319,7 @@ class DelayedOuter(Strategy):
             self.joined = True
             self._issue(self._phase_delta())
             return
-        self.inner.step()
+        self.optimizer.step()
         self.local_steps += 1
         self.since += 1
         if self.since >= self.sync_every:

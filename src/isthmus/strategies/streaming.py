@@ -60,19 +60,18 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
-from isthmus.comm.session import Round, Session
-from isthmus.reduce.reducer import Reducer
+from isthmus.comm.session import Round
 from isthmus.strategies.base import (
     Strategy,
-    config_from,
     outer_sgd,
     register_globals,
     register_optimizer,
 )
+from isthmus.strategies.diloco import DiLoCoConfig
 from isthmus.strategies.overlap import Planned, RoundPipeline, SteadyOverlap
 
 __all__ = [
@@ -84,7 +83,8 @@ __all__ = [
     "sync_schedule",
 ]
 
-PATTERNS = ("strided", "sequential", "balanced")
+Pattern = Literal["strided", "sequential", "balanced"]
+PATTERNS: tuple[str, ...] = get_args(Pattern)
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -182,12 +182,14 @@ def sync_schedule(
 
 
 @dataclass(kw_only=True)
-class StreamingConfig:
+class StreamingConfig(DiLoCoConfig):
+    """DiLoCo's outer settings, and how the model is cut into fragments synced in turn."""
+
     sync_every: int = 50
     """H: each fragment is synced once every H inner steps."""
     fragments: int = 2
     """P: number of fragments; one is synced every H/P steps. H must be a multiple of P."""
-    pattern: str = "strided"
+    pattern: Pattern = "strided"
     """``strided`` (layers j, j+P, ...), ``sequential`` (contiguous blocks of layers) or
     ``balanced`` (whole tensors packed into P fragments of about equal size)."""
     overlap: int = 1
@@ -199,12 +201,6 @@ class StreamingConfig:
     of DDP's loss): mixing keeps part of each replica's drift, which costs once they should agree."""
     nonlayer_fragment: int = 0
     """The fragment that holds every parameter outside numbered layers (embeddings, norms)."""
-    outer_lr: float = 0.7
-    """Outer learning rate (DiLoCo: 0.7)."""
-    outer_momentum: float = 0.9
-    """Outer momentum (DiLoCo: 0.9)."""
-    nesterov: bool = True
-    """Nesterov momentum for the outer SGD."""
 
     def __post_init__(self) -> None:
         if self.fragments < 1:
@@ -227,10 +223,7 @@ class StreamingConfig:
             raise ValueError(
                 f"nonlayer_fragment must be in 0..{self.fragments - 1}, got {self.nonlayer_fragment}"
             )
-        if self.outer_lr <= 0:
-            raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        super().__post_init__()  # the outer settings, checked last as they always were
 
     @property
     def interval(self) -> int:
@@ -252,33 +245,26 @@ class StreamingDiLoCo(Strategy):
     backward and :meth:`finish` once at the end."""
 
     name = "streaming"
+    Config = StreamingConfig
+    config: StreamingConfig
 
     def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        config: StreamingConfig | None = None,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-        fragment_of: Callable[[str], int] | None = None,
+        self, *args: Any, fragment_of: Callable[[str], int] | None = None, **kwargs: Any
     ) -> None:
-        super().__init__(session, model)
-        self.config = cfg = config or StreamingConfig()
-        self.reducer = reducer or Reducer(
-            compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
-        )
-        self.inner = inner_optimizer
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        """As :class:`~isthmus.strategies.base.Strategy`, plus ``fragment_of(name) -> fragment``,
+        a custom rule for which fragment a parameter belongs to (see :func:`assign_fragments`,
+        which also says what raises)."""
+        self.fragment_of = fragment_of
+        super().__init__(*args, **kwargs)
+
+    def setup(self) -> None:
+        cfg, session = self.config, self.session
         self.fragments = assign_fragments(
             self.names,
             cfg.fragments,
             pattern=cfg.pattern,
             nonlayer_fragment=cfg.nonlayer_fragment,
-            fragment_of=fragment_of,
+            fragment_of=self.fragment_of,
             sizes=[p.numel() for p in self.params],
         )
         self.global_params = [p.detach().clone() for p in self.params]
@@ -295,19 +281,6 @@ class StreamingDiLoCo(Strategy):
             register_globals(session, self.names, self.global_params)
             register_optimizer(session, "outer", self.outer)
             self._register_counter()
-
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> StreamingDiLoCo:
-        return cls(
-            session, model, optimizer, config_from(StreamingConfig, options), reducer=reducer
-        )
 
     @property
     def step_count(self) -> int:
@@ -327,7 +300,7 @@ class StreamingDiLoCo(Strategy):
             self._settle()
             self.steady.mark_start()  # the catch-up round blocks by design
             return
-        self.inner.step()
+        self.optimizer.step()
         self.local_steps += 1
         self.since += 1
         s = self.step_count

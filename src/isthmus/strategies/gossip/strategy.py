@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from isthmus.comm.session import Round, Session
+from isthmus.comm.session import Round
 from isthmus.reduce.gossip import (
     EmbeddedSequence,
     GraphReport,
@@ -32,8 +32,7 @@ from isthmus.reduce.gossip import (
 )
 from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
 from isthmus.reduce.gossip.topology import TIME_VARYING_TOPOLOGIES
-from isthmus.reduce.reducer import Reducer
-from isthmus.strategies.base import Strategy, config_from
+from isthmus.strategies.base import Strategy
 from isthmus.strategies.gossip.config import COPY_SLOT, GossipConfig
 from isthmus.strategies.gossip.modest import Modest
 
@@ -67,32 +66,20 @@ class _Tentative:
 class Gossip(Strategy):
     """Gossip training around the user's (local) optimizer; call :meth:`step` after backward.
 
-    With ``session=None`` it is exactly ``optimizer.step()`` (plus SAM if configured).
-    Raises ``ValueError`` at construction for a robust aggregator (not supported with gossip) or
+    With ``session=None`` it is exactly ``optimizer.step()`` (plus SAM if configured). The
+    config is required in practice: its ``total_steps`` has no default (``GossipConfig()``
+    raises ``ValueError`` asking for it). Raises ``ValueError`` at construction for a robust
+    aggregator (not supported with gossip) or
     a compressor that has no per-message codec (only the quantizers do; see
     :func:`isthmus.reduce.gossip.codec_for`).
     """
 
     name = "gossip"
+    Config = GossipConfig
+    config: GossipConfig
 
-    def __init__(
-        self,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: GossipConfig,
-        *,
-        reducer: Reducer | None = None,
-        compression: Any = None,
-        aggregator: Any = None,
-        byzantine_f: int = 0,
-    ) -> None:
-        super().__init__(session, model)
-        self.config = config
-        self.optimizer = optimizer
-        self.reducer = reducer or Reducer(
-            compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
-        )
+    def setup(self) -> None:
+        config, session = self.config, self.session
         if self.reducer.aggregator is not None:
             raise ValueError(
                 "robust aggregation is not available with gossip (each peer only sees its "
@@ -140,20 +127,6 @@ class Gossip(Strategy):
                 session.register(f"gossip/graph_{key}", t)
             if self.modest is not None:
                 self.modest.register(session)
-
-    @classmethod
-    def from_options(
-        cls,
-        session: Session | None,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        reducer: Reducer,
-        **options: Any,
-    ) -> Gossip:
-        for internal in ("schedule_obj", "topology_spec"):
-            if internal in options:
-                raise ValueError(f"{internal} is built by the strategy, not an option")
-        return cls(session, model, optimizer, config_from(GossipConfig, options), reducer=reducer)
 
     # -- the local step ---------------------------------------------------------------------------
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> None:

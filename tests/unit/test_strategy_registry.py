@@ -1,0 +1,101 @@
+"""One constructor path for strategies: the registry, typed configs validated without a model,
+the base constructor and from_options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isthmus.lab.scenario import STRATEGIES as SCENARIO_STRATEGIES
+from isthmus.reduce.reducer import Reducer
+from isthmus.strategies import (
+    DDP,
+    STRATEGIES,
+    DDPConfig,
+    DiLoCo,
+    DiLoCoConfig,
+    Gossip,
+    GossipConfig,
+    LocalSGD,
+    LocalSGDConfig,
+    StreamingDiLoCo,
+    make_strategy,
+)
+
+
+def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_names_are_written_once() -> None:
+    assert STRATEGIES.names() == [
+        "ddp",
+        "diloco",
+        "localsgd",
+        "streaming",
+        "eager",
+        "co2",
+        "gossip",
+    ]
+    assert tuple(STRATEGIES.names()) == SCENARIO_STRATEGIES
+    for name in STRATEGIES.names():
+        cls = STRATEGIES.lookup(name).config_cls
+        assert cls is not None and cls.__name__.endswith("Config")
+
+
+def test_options_are_validated_without_a_model() -> None:
+    cfg = STRATEGIES.lookup("diloco").config({"sync_every": "5", "nesterov": "off"})
+    assert cfg == DiLoCoConfig(sync_every=5, nesterov=False)
+    assert STRATEGIES.lookup("gossip").config({"total_steps": 10}).schedule_obj is not None
+    with pytest.raises(ValueError, match="gossip needs total_steps"):
+        STRATEGIES.lookup("gossip").config({})
+    with pytest.raises(ValueError, match=r"outer_lr: must be a number, got .fast."):
+        STRATEGIES.lookup("diloco").config({"outer_lr": "fast"})
+    with pytest.raises(ValueError, match="outer_momentum must be in"):
+        STRATEGIES.lookup("streaming").config({"outer_momentum": 1})
+    with pytest.raises(ValueError, match=r"start: .*\(did you mean 'paper'\?\)"):
+        STRATEGIES.lookup("eager").config({"start": "papr"})
+    # LocalSGD is DiLoCo with the outer step fixed to plain averaging: those are not options
+    with pytest.raises(
+        ValueError, match=r"unknown option 'outer_lr' for localsgd; valid: sync_every$"
+    ):
+        STRATEGIES.lookup("localsgd").config({"outer_lr": 0.5})
+    with pytest.raises(ValueError, match="unknown option 'x' for ddp; valid: none"):
+        STRATEGIES.lookup("ddp").config({"x": 1})
+
+
+def test_make_strategy_names_unknown_strategies_and_options() -> None:
+    model, opt = _setup()
+    with pytest.raises(ValueError, match=r"unknown strategy 'dilocoo' \(did you mean 'diloco'\?\)"):
+        make_strategy("dilocoo", None, model, opt)
+    with pytest.raises(ValueError, match=r"unknown option 'sync_evry' .*did you mean 'sync_every'"):
+        make_strategy("diloco", None, model, opt, sync_evry=4)
+    with pytest.raises(ValueError, match="unknown option 'schedule_obj'"):  # built, not an option
+        make_strategy("gossip", None, model, opt, total_steps=4, schedule_obj=None)
+    s = make_strategy("localsgd", None, model, opt, compression="int8", sync_every="3")
+    assert isinstance(s, LocalSGD) and s.config == LocalSGDConfig(sync_every=3)
+    assert (s.config.outer_lr, s.config.outer_momentum, s.config.nesterov) == (1.0, 0.0, False)
+    assert s.reducer.compressor is not None and s.inner is opt
+
+
+def test_one_constructor_for_every_strategy() -> None:
+    model, opt = _setup()
+    ddp = DDP(None, model, opt)
+    assert ddp.config == DDPConfig() and ddp.optimizer is opt and ddp.reducer.compressor is None
+    reducer = Reducer()
+    d = DiLoCo(None, model, opt, DiLoCoConfig(sync_every=2), reducer=reducer)
+    assert d.reducer is reducer and d.names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    with pytest.raises(TypeError, match="LocalSGD takes a LocalSGDConfig, got DiLoCoConfig"):
+        LocalSGD(None, model, opt, DiLoCoConfig())
+    with pytest.raises(ValueError, match="gossip needs total_steps"):
+        Gossip(None, model, opt)
+    g = Gossip(None, model, opt, GossipConfig(total_steps=3))
+    assert g.config.total_steps == 3
+    s = StreamingDiLoCo.from_options(
+        None, model, opt, Reducer(), sync_every=2, fragments=2, overlap=0
+    )
+    assert s.fragments == [[0, 1], [2, 3]]
+    custom = StreamingDiLoCo(None, model, opt, s.config, fragment_of=lambda n: 1 - int(n[0]))
+    assert custom.fragments == [[2, 3], [0, 1]]
