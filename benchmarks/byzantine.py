@@ -6,7 +6,7 @@ the reductions took. The peers are threads of this process, each with its own mo
 real :class:`~isthmus.strategies.ddp.DDP` (or DiLoCo) strategy and
 :class:`~isthmus.reduce.reducer.Reducer`, joined by real Gloo groups over loopback
 (``isthmus.testing.local_groups``); the attack is installed by the same code as in a peer process
-(``isthmus.job._install_attack``: attackers know their own update and the committed aggregates).
+(``isthmus.run.job.install_attack``: attackers know their own update and the committed aggregates).
 Only the coordinator is left out (every round commits), which keeps a run to a few seconds on two
 cores. Byte counts are Gloo's wire bytes as counted by ``Group``; times are wall-clock on a
 shared 2-core machine and only meaningful relative to plain mean in the same sweep.
@@ -38,9 +38,9 @@ import torch
 
 from isthmus.comm.group import Group
 from isthmus.data import Corpus, evaluate
-from isthmus.job import _install_attack
 from isthmus.models import GPT, GPTConfig
 from isthmus.reduce.reducer import Reducer
+from isthmus.run.job import install_attack
 from isthmus.strategies import make_strategy
 from isthmus.testing import local_groups, run_parallel
 
@@ -170,7 +170,7 @@ def run(cfg: RunConfig, corpus: Corpus) -> dict[str, Any]:
             **options,
         )
         byz = r >= n - k and cfg.attack != "none"
-        flips.append(_install_attack(cfg.attack, st) if byz else None)
+        flips.append(install_attack(cfg.attack, st) if byz else None)
         strategies.append((st, opt))
 
     def train(g: Group) -> None:

@@ -190,7 +190,7 @@ def run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- training sweep -----------------------------------------------------------------------------------
 def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from isthmus.demo.runner import DemoConfig, run_demo
+    from isthmus.run.builtin import run_demo
 
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
@@ -205,33 +205,34 @@ def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
             if (strategy, spec) in done:
                 continue
             run_dir = root / f"{strategy}-{spec.replace(':', '_').replace(',', '_')}"
-            cfg = DemoConfig(
-                peers=args.peers,
-                strategy=strategy,
-                steps=args.ddp_steps if strategy == "ddp" else args.diloco_steps,
-                compression=None if spec == "none" else spec,
-                model="tiny",
-                seed=args.seed,
-                corpus_bytes=args.corpus_bytes,
-                run_dir=str(run_dir),
-                progress=False,
+            s = run_demo(
+                {
+                    "peers": args.peers,
+                    "strategy": strategy,
+                    "steps": args.ddp_steps if strategy == "ddp" else args.diloco_steps,
+                    "compression": None if spec == "none" else spec,
+                    "model": "tiny",
+                    "seed": args.seed,
+                    "corpus_bytes": args.corpus_bytes,
+                    "run_dir": str(run_dir),
+                    "progress": False,
+                }
             )
-            s = run_demo(cfg)
             row = {
                 "strategy": strategy,
                 "compression": spec,
-                "steps": s["steps"],
-                "final_eval_loss": s["final_eval_loss"],
-                "initial_eval_loss": s["initial_eval_loss"],
-                "bytes_sent_total": s["bytes_sent_total"],
-                "peak_bytes_per_round": s["peak_bytes_per_round"],
-                "bytes_by_op": s["bytes_by_op"],
-                "rounds_committed": s["rounds_committed"],
-                "rounds_aborted": s["rounds_aborted"],
-                "resyncs": s["resyncs"],
-                "parity_failures": s["parity_failures"],
-                "peers_final": s["peers_final"],
-                "wall_s": s["wall_s"],
+                "steps": s.steps,
+                "final_eval_loss": s.final_eval_loss,
+                "initial_eval_loss": s.initial_eval_loss,
+                "bytes_sent_total": s.bytes_sent_total,
+                "peak_bytes_per_round": s.peak_bytes_per_round,
+                "bytes_by_op": s.bytes_by_op,
+                "rounds_committed": s.rounds_committed,
+                "rounds_aborted": s.rounds_aborted,
+                "resyncs": s.resyncs,
+                "parity_failures": s.parity_failures,
+                "peers_final": s.peers_final,
+                "wall_s": s.wall_s,
             }
             print(json.dumps(row), flush=True)
             results.append(row)

@@ -55,8 +55,8 @@ def train_peer(job: dict[str, Any], session: Any, corpus: Any) -> None:
     import torch
 
     from isthmus.data import evaluate
-    from isthmus.job import model_digest
     from isthmus.models import GPT, GPTConfig
+    from isthmus.run.job import model_digest
     from isthmus.strategies import make_strategy
 
     out = Path(job["out_dir"])

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.lab.bench import BenchConfig, format_bench, run_bench
-from isthmus.lab.measure import measure_run, validate_runs
-from isthmus.lab.run import LabOptions, run_lab
 from isthmus.lab.scenario import load_scenario, parse_scenario
+from isthmus.run.lab import LabOptions, run_lab
+from isthmus.run.measure import measure_run, validate_runs
+from isthmus.run.record import LabSummary, RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,17 +66,19 @@ def targets(out: Path, steps: int, eval_every: int, target: float | None) -> Non
     """The three 10 Mbit/s scenarios; the time each needs to reach the target eval losses."""
     for name in TARGET_SCENARIOS:
         sc = load_scenario(ROOT / "scenarios" / f"{name}.toml")
-        opts = LabOptions(
-            run_dir=str(out / name),
-            steps=steps,
-            eval_every=eval_every,
-            progress=False,
-            network="netns",
+        s = run_lab(
+            sc,
+            LabOptions(network="netns"),
+            overrides={
+                "run_dir": str(out / name),
+                "steps": steps,
+                "eval_every": eval_every,
+                "progress": False,
+            },
         )
-        s = run_lab(sc, opts)
-        s["load_average"] = _load()
-        (out / name / "summary.json").write_text(json.dumps(s, indent=1))
-        print(f"{name}: train {s['train_wall_s']} s, final eval {s['final_eval_loss']}", flush=True)
+        (out / name / "load_average.txt").write_text(_load())
+        assert s.lab is not None
+        print(f"{name}: train {s.lab.train_wall_s} s, final eval {s.final_eval_loss}", flush=True)
     report_targets(out, target)
 
 
@@ -84,27 +87,30 @@ def report_targets(out: Path, target: float | None) -> None:
     for the runs in ``out``; by default 3.0, 2.8, 2.6, 2.5 and the loosest of the best losses
     (every strategy reaches that one)."""
     summaries = {
-        n: json.loads((out / n / "summary.json").read_text())
+        n: RunDir(out / n).summary()
         for n in TARGET_SCENARIOS
         if (out / n / "summary.json").exists()
     }
-    loosest = max(min(c[2] for c in s["eval"]["curve"]) for s in summaries.values())
+    labs = {n: s.lab or LabSummary() for n, s in summaries.items()}
+    loosest = max(min(c[2] for c in lab.eval["curve"]) for lab in labs.values())
     goals = [target] if target is not None else [3.0, 2.8, 2.6, 2.5, loosest]
     rows = []
     for name, s in summaries.items():
+        lab = labs[name]
+        load = out / name / "load_average.txt"
         row: dict[str, Any] = {
             "scenario": name,
-            "train_wall_s": s["train_wall_s"],
-            "steps": s["steps"],
-            "final_eval_loss": s["final_eval_loss"],
-            "bytes_sent_total": s["bytes_sent_total"],
-            "rel_diff_data_plane": s["bytes_check"].get("rel_diff_data_plane"),
-            "round_latency_p50_s": s["round_latency_s"].get("p50"),
-            "load_average": s.get("load_average"),
+            "train_wall_s": lab.train_wall_s,
+            "steps": s.steps,
+            "final_eval_loss": s.final_eval_loss,
+            "bytes_sent_total": s.bytes_sent_total,
+            "rel_diff_data_plane": lab.bytes_check.get("rel_diff_data_plane"),
+            "round_latency_p50_s": lab.round_latency_s.get("p50"),
+            "load_average": load.read_text() if load.exists() else None,
             "time_to_target_s": {},
         }
         for goal in goals:
-            hit = next((c for c in s["eval"]["curve"] if c[2] <= goal), None)
+            hit = next((c for c in lab.eval["curve"] if c[2] <= goal), None)
             row["time_to_target_s"][f"{goal:.5g}"] = [hit[1], hit[0]] if hit else None
         rows.append(row)
     (out / "targets.json").write_text(json.dumps(rows, indent=1))
@@ -152,7 +158,8 @@ def validate(out: Path, peers: list[int]) -> None:
             run_dir = out / name
             run_lab(
                 parse_scenario(text, source=name),
-                LabOptions(run_dir=str(run_dir), progress=False, network="netns"),
+                LabOptions(network="netns"),
+                overrides={"run_dir": str(run_dir), "progress": False},
             )
             dirs.append(run_dir)
             print(f"ran {name} (load {_load()})", flush=True)

@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isthmus.demo.runner import DemoConfig, run_demo
+from isthmus.run.builtin import run_demo
+from isthmus.run.record import Summary
 
 
 def configs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
@@ -120,9 +121,9 @@ def overlapped_steps(strategy: str, options: dict[str, Any]) -> int:
     return 0
 
 
-def measure(summary: dict[str, Any]) -> dict[str, float]:
+def measure(summary: Summary) -> dict[str, float]:
     """Median step time and mean communication time per reduction, from the run directory."""
-    run = Path(summary["run_dir"])
+    run = Path(summary.run_dir)
     gaps: list[float] = []
     steady: list[float] = []
     comm = 0.0
@@ -187,37 +188,38 @@ def main(argv: list[str] | None = None) -> int:
         if only and label not in only:
             continue
         options = {**options, **overrides.get(label, {})}
-        cfg = DemoConfig(
-            peers=args.peers,
-            strategy=strategy,
-            steps=args.steps,
-            strategy_options=dict(options),
-            compression=None if strategy == "ddp" else args.compression,
-            model=args.model,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            corpus_bytes=args.corpus_bytes,
-            run_dir=str(out / label),
-            progress=False,
+        s = run_demo(
+            {
+                "peers": args.peers,
+                "strategy": strategy,
+                "steps": args.steps,
+                "option": dict(options),
+                "compression": None if strategy == "ddp" else args.compression,
+                "model": args.model,
+                "batch_size": args.batch_size,
+                "lr": args.lr,
+                "corpus_bytes": args.corpus_bytes,
+                "run_dir": str(out / label),
+                "progress": False,
+            }
         )
-        s = run_demo(cfg)
         m = measure(s)
         k = overlapped_steps(strategy, options)
         row = {
             "strategy": label,
             "options": options,
-            "compression": s["compression"],
-            "final_eval_loss": s["final_eval_loss"],
-            "bytes_sent_total": s["bytes_sent_total"],
-            "peak_bytes_per_round": s["peak_bytes_per_round"],
-            "overlap_fraction": s["overlap_fraction"],
+            "compression": s.compression,
+            "final_eval_loss": s.final_eval_loss,
+            "bytes_sent_total": s.bytes_sent_total,
+            "peak_bytes_per_round": s.peak_bytes_per_round,
+            "overlap_fraction": s.overlap_fraction,
             "steady_overlap_fraction": m["steady_overlap_fraction"],
             "comm_per_reduction_s": m["comm_per_reduction_s"],
             "overlapped_compute_s": k * m["step_s"],
             "step_s": m["step_s"],
-            "rounds_committed": s["rounds_committed"],
-            "peers_final": s["peers_final"],
-            "wall_s": s["wall_s"],
+            "rounds_committed": s.rounds_committed,
+            "peers_final": s.peers_final,
+            "wall_s": s.wall_s,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -42,8 +42,7 @@ from isthmus.strategies import (
     StreamingDiLoCo,
     make_strategy,
 )
-
-__version__ = "0.1.0"
+from isthmus.version import __version__ as __version__
 
 __all__ = [
     "CO2",

@@ -1,4 +1,5 @@
-"""Multi-process test harness: an embedded coordinator and real peer processes (isthmus.job)."""
+"""Multi-process test harness: an embedded coordinator and real peer processes running the
+built-in job (isthmus.run.job)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import torch
 from isthmus.comm.state import tensor_bytes
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
-from isthmus.job import TrainJob
 from isthmus.lab.netns import cleanup_stale, list_namespaces, unavailable_reason
+from isthmus.run.job import PeerJob
 
 TOKEN = "integration-test-token"
 
@@ -50,14 +51,17 @@ class Cluster:
         job.setdefault("connect_timeout", 10.0)
         job.setdefault("round_timeout", 60.0)
         job.setdefault("batch_size", 8)
-        j = TrainJob(
+        job.setdefault("strategy", "ddp")  # the harness's peers do data parallel unless told
+        if "strategy_options" in job:  # the flat name of strategy.options is "option"
+            job["option"] = job.pop("strategy_options")
+        j = PeerJob.from_flat(
             coordinator=self.coord.address, token=TOKEN, name=name, out_dir=str(self.dir), **job
         )
         path = self.dir / f"{name}.job.json"
         path.write_text(j.to_json())
         log = (self.dir / f"{name}.log").open("wb")
         p = subprocess.Popen(
-            [sys.executable, "-m", "isthmus.job", str(path)],
+            [sys.executable, "-m", "isthmus.run.job", str(path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -167,21 +167,22 @@ def test_a_timed_out_demo_does_not_count_the_peers_it_stops_as_kills(tmp_path):
     """Peer 1 is frozen (SIGSTOP) for good: peer 0 evicts it and finishes, the demo's bound
     runs out, and the teardown SIGKILLs the frozen process. That is the demo stopping a peer,
     not a kill the user asked for: the summary's ``kills`` stays 0."""
-    from isthmus.demo.runner import DemoConfig, run_demo
+    from isthmus.run.builtin import demo_config, run_builtin
 
-    s = run_demo(
-        DemoConfig(
-            peers=2,
-            strategy="ddp",
-            steps=12,
-            model="tiny",
-            corpus_bytes=200_000,
-            extra_faults={1: ["stop@step:step=4"]},
-            heartbeat_timeout=1.5,
-            timeout_s=25.0,
-            run_dir=str(tmp_path / "run"),
-            progress=False,
-        )
+    cfg = demo_config(
+        {
+            "peers": 2,
+            "strategy": "ddp",
+            "steps": 12,
+            "model": "tiny",
+            "corpus_bytes": 200_000,
+            "fault": {1: ["stop@step:step=4"]},
+            "heartbeat_timeout": 1.5,
+            "timeout": 25.0,
+            "run_dir": str(tmp_path / "run"),
+            "progress": False,
+        }
     )
-    assert s["kills"] == 0, s
-    assert s["peers_final"] == 1 and s["peers_started"] == 2, s
+    s, _, _ = run_builtin(cfg)
+    assert s.kills == 0, s
+    assert s.peers_final == 1 and s.peers_started == 2, s

@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from isthmus.cli import main as cli_main
-from isthmus.lab import run as run_mod
+from isthmus.lab import links as links_mod
+from isthmus.lab.churn import ChurnPlan
 from isthmus.lab.netns import LabUnavailable, list_namespaces, unavailable_reason
-from isthmus.lab.run import LabOptions, NamespaceLauncher, run_lab, scenario_steps
 from isthmus.lab.scenario import load_scenario, parse_scenario
+from isthmus.run import lab as lab_mod
+from isthmus.run.lab import LabOptions, NamespaceSpawner, lab_config, run_lab, scenario_steps
 
 REASON = unavailable_reason()
 FAST = {
@@ -31,7 +33,7 @@ FAST = {
     "batch_size": 8,
     "progress": False,
     "collective_timeout": 20.0,
-    "timeout_s": 240.0,
+    "timeout": 240.0,
 }
 
 
@@ -78,25 +80,31 @@ def test_run_on_shaped_namespaces_with_churn_and_byte_accounting(
     tmp_path: Path, prefix: str
 ) -> None:
     sc = parse_scenario(CHURN, source="churn.toml")
-    s = run_lab(sc, LabOptions(run_dir=str(tmp_path), prefix=prefix, step_delay=0.05, **FAST))
+    s = run_lab(
+        sc,
+        LabOptions(prefix=prefix),
+        overrides={"run_dir": str(tmp_path), "step_delay": 0.05, **FAST},
+    )
     assert not _ours(prefix), "the network must be gone when run_lab returns"
-    assert s["network"]["mode"] == "netns" and s["network"]["rates_mbit"] == [20, 20, 10]
-    done = {(c["action"], c["peer"]) for c in s["churn_applied"]}
-    assert done == {("kill", 2), ("join", 2), ("stop", 1), ("cont", 1)}, s["churn_skipped"]
-    kill = next(c for c in s["churn_applied"] if c["action"] == "kill")
+    lab = s.lab
+    assert lab is not None
+    assert lab.network["mode"] == "netns" and lab.network["rates_mbit"] == [20, 20, 10]
+    done = {(c["action"], c["peer"]) for c in lab.churn_applied}
+    assert done == {("kill", 2), ("join", 2), ("stop", 1), ("cont", 1)}, lab.churn_skipped
+    kill = next(c for c in lab.churn_applied if c["action"] == "kill")
     assert kill["how"] == "fault at step 5"
-    codes = s["exit_codes"]
+    codes = s.exit_codes
     assert codes["peer0"] == 0 and codes["peer1"] == 0 and codes["peer2"] == -signal.SIGKILL
     assert codes["peer2.1"] in (0, 4)  # joined, or came after the run ended (late joiner)
-    assert s["parity_failures"] == 0 and s["peers_final"] >= 2
-    assert s["kills"] == 1 and s["joins"] == 1
-    assert s["round_latency_s"]["rounds"] >= 25  # DDP: one round per step, 30 steps
-    assert s["world_size"][0][1] == 3 and min(w for _, w in s["world_size"]) == 2
-    assert s["time_lost_to_recovery_s"]["windows"], "a kill and a stop must cost some time"
+    assert s.parity_failures == 0 and s.peers_final >= 2
+    assert s.kills == 1 and s.joins == 1
+    assert lab.round_latency_s["rounds"] >= 25  # DDP: one round per step, 30 steps
+    assert lab.world_size[0][1] == 3 and min(w for _, w in lab.world_size) == 2
+    assert lab.time_lost_to_recovery_s["windows"], "a kill and a stop must cost some time"
 
     # bytes: every peer put more on the wire than its payload (headers), and once headers and
     # the control plane are taken out the wire agrees with isthmus's own accounting
-    bc = s["bytes_check"]
+    bc = lab.bytes_check
     assert set(bc["per_peer"]) == {"peer0", "peer1", "peer2"}
     for row in bc["per_peer"].values():
         assert row["wire_tx_bytes"] > row["accounted_bytes"] > 0
@@ -141,18 +149,22 @@ from_step = 4
 def test_loopback_fallback_runs_unshaped_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(run_mod, "unavailable_reason", lambda: "no root in this test")
+    monkeypatch.setattr(links_mod, "unavailable_reason", lambda: "no root in this test")
     sc = parse_scenario(LOOPBACK, source="loop.toml")
     with pytest.raises(LabUnavailable, match="no root in this test"):
-        run_lab(sc, LabOptions(run_dir=str(tmp_path / "strict"), network="netns", **FAST))
-    s = run_lab(sc, LabOptions(run_dir=str(tmp_path / "r"), network="auto", **FAST))
-    assert s["network"]["mode"] == "loopback" and s["network"]["reason"] == "no root in this test"
-    assert s["peers_final"] == 2 and s["parity_failures"] == 0
-    assert "per_peer" not in s["bytes_check"] and "loopback" in s["bytes_check"]["note"]
-    assert s["byzantine"] == {"peer1": "sign_flip"}
-    job = json.loads((tmp_path / "r" / "peer1.job.json").read_text())
+        run_lab(
+            sc, LabOptions(network="netns"), overrides={"run_dir": str(tmp_path / "strict"), **FAST}
+        )
+    s = run_lab(sc, LabOptions(network="auto"), overrides={"run_dir": str(tmp_path / "r"), **FAST})
+    assert s.lab is not None
+    net = s.lab.network
+    assert net["mode"] == "loopback" and net["reason"] == "no root in this test"
+    assert s.peers_final == 2 and s.parity_failures == 0
+    assert "per_peer" not in s.lab.bytes_check and "loopback" in s.lab.bytes_check["note"]
+    assert s.byzantine == {"peer1": "sign_flip"}
+    job = json.loads((tmp_path / "r" / "peer1.job.json").read_text())["peer"]
     assert job["attack"] == "sign_flip" and job["attack_from_step"] == 4
-    assert json.loads((tmp_path / "r" / "peer0.job.json").read_text())["attack"] is None
+    assert json.loads((tmp_path / "r" / "peer0.job.json").read_text())["peer"]["attack"] is None
     assert {r["node"] for r in _jsonl(tmp_path / "r" / "links.jsonl")} == {"lo"}
 
 
@@ -162,7 +174,7 @@ def test_tokens_become_steps_and_bad_options_fail_before_anything_starts(tmp_pat
     assert scenario_steps(sc, batch_size=8) == -(-10_000 // (2 * 8 * 32))
     bad = parse_scenario(LOOPBACK.replace("sync_every = 4", "sync_evry = 4"), source="b.toml")
     with pytest.raises(ValueError, match="sync_evry"):
-        run_lab(bad, LabOptions(run_dir=str(tmp_path), network="loopback", **FAST))
+        run_lab(bad, LabOptions(network="loopback"), overrides={"run_dir": str(tmp_path), **FAST})
     assert not list(tmp_path.iterdir()), "nothing may be written for a bad scenario"
     with pytest.raises(ValueError, match="network must be one of"):
         LabOptions(network="wan")
@@ -174,14 +186,14 @@ def test_an_error_inside_the_run_removes_the_network(
 ) -> None:
     seen: list[list[str]] = []
 
-    def boom(self: NamespaceLauncher, index: int, argv: list[str], log: object) -> None:
+    def boom(self: NamespaceSpawner, slot: int, argv: list[str], env: object, log: object) -> None:
         seen.append(_ours(prefix))
         raise RuntimeError("launcher exploded")
 
-    monkeypatch.setattr(NamespaceLauncher, "popen", boom)
+    monkeypatch.setattr(NamespaceSpawner, "popen", boom)
     sc = parse_scenario(LOOPBACK.split("[[byzantine]]")[0], source="e.toml")
     with pytest.raises(RuntimeError, match="launcher exploded"):
-        run_lab(sc, LabOptions(run_dir=str(tmp_path), prefix=prefix, **FAST))
+        run_lab(sc, LabOptions(prefix=prefix), overrides={"run_dir": str(tmp_path), **FAST})
     assert len(seen[0]) == 4  # coordinator, 2 peers, bridge existed while the run was going
     assert not _ours(prefix)
 
@@ -291,9 +303,10 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "scenarios").glob("*.to
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_shipped_scenario_builds_its_strategy(path: Path) -> None:
     # what `isthmus lab run` checks before it starts anything: options the strategy accepts,
-    # fragments the model can be split into, a compressor and aggregator that exist
+    # a compressor and aggregator that exist, attacks that parse
     sc = load_scenario(path)
-    run_mod._check_strategy(sc, scenario_steps(sc, batch_size=16))
+    cfg = lab_config(sc)
+    assert cfg.steps == scenario_steps(sc, batch_size=16) and cfg.peers == sc.peers
 
 
 PLAN = """
@@ -338,26 +351,23 @@ min_peers = 2
 """
 
 
-def test_churn_plan_gives_each_process_the_faults_of_its_lifetime(tmp_path: Path) -> None:
+def test_churn_plan_gives_each_process_the_faults_of_its_lifetime() -> None:
     sc = parse_scenario(PLAN, source="plan.toml")
-    assert run_mod._starting_slots(sc) == [0, 2]  # peer 1's first event is a join
-    runner = run_mod._Runner(sc, LabOptions(timeout_s=60), None, None, None, {}, tmp_path, [0, 2])
-    runner._plan()
-    slot = runner.slots[2]
+    assert lab_mod._starting(sc) == [0, 2]  # peer 1's first event is a join
+    plan = ChurnPlan(lab_mod._events(sc, 60.0))
     # the first process of peer 2 kills itself at step 5; the one started at step 8 stops at 12
-    # and kills itself at 20; cont and join are the runner's
-    assert runner._faults_for(slot, 0) == ["kill@step:step=5"]
-    assert runner._faults_for(slot, 8) == ["stop@step:step=12", "kill@step:step=20"]
-    assert runner._faults_for(slot, 21) == []
-    mine = [(p.action, p.slot, p.clock, p.when) for p in runner.pending if p.source == "scenario"]
+    # and kills itself at 20; cont and join are the launcher's
+    assert plan.faults_for(2, 0) == ["kill@step:step=5"]
+    assert plan.faults_for(2, 8) == ["stop@step:step=12", "kill@step:step=20"]
+    assert plan.faults_for(2, 21) == []
+    mine = [(p.action, p.slot, p.clock, p.when) for p in plan.pending if p.source == "scenario"]
     assert mine == [("join", 1, "seconds", 3.0), ("join", 2, "step", 8), ("cont", 2, "step", 15)]
-    rnd = [p for p in runner.pending if p.source == "random"]
+    rnd = [p for p in plan.pending if p.source == "random"]
     expected = sc.random_churn.schedule(peers=3, duration_s=60)  # type: ignore[union-attr]
     assert [(p.action, p.slot, p.when) for p in rnd] == [
         (e.action, e.peer, e.when) for e in expected
     ]
     assert rnd and all(p.clock == "seconds" and not p.by_fault for p in rnd)
-    runner._churn_file.close()
 
 
 def test_a_gossip_scenario_needs_no_total_steps() -> None:
@@ -377,7 +387,7 @@ peers = 3
 rate = "10mbit"
 """
     )
-    run_mod._check_strategy(sc, scenario_steps(sc, batch_size=16))
+    assert lab_config(sc).strategy.name == "gossip"
     with pytest.raises(ValueError, match="bogus"):
         bad = dataclasses.replace(sc.strategy, options={"bogus": 1})
-        run_mod._check_strategy(dataclasses.replace(sc, strategy=bad), 40)
+        lab_config(dataclasses.replace(sc, strategy=bad))

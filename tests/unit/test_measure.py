@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.cli import main as cli_main
-from isthmus.lab.measure import measure_run, simulator_for, validate_runs
+from isthmus.run.measure import measure_run, simulator_for, validate_runs
 
 
 def _write_run(
@@ -54,9 +54,18 @@ def _write_run(
                 {"ts": t, "step": step, "revision": revision, "bytes_sent": wire * revision}
             )
         (d / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-        (d / f"{name}.final.json").write_text(
-            json.dumps({"rounds": rounds, "bytes_sent": wire * revision})
-        )
+        final = {
+            "name": name,
+            "peer_id": names.index(name),
+            "step": steps,
+            "revision": revision,
+            "digest": "d",
+            "model_digest": "m",
+            "eval_loss": 1.0,
+            "rounds": rounds,
+            "bytes_sent": wire * revision,
+        }
+        (d / f"{name}.final.json").write_text(json.dumps(final))
     summary = {
         "strategy": strategy,
         "strategy_options": {"sync_every": sync_every} if strategy != "ddp" else {},

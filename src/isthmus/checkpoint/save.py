@@ -31,6 +31,7 @@ import torch
 from isthmus.checkpoint.manifest import Manifest, assign_parts
 from isthmus.checkpoint.store import CheckpointStore
 from isthmus.comm.state import SharedState, tensor_hash
+from isthmus.version import __version__
 
 __all__ = ["Checkpointer", "slot_of"]
 
@@ -110,9 +111,12 @@ class Checkpointer:
         r = self.session.revision
         return r > self.last_revision and r % self.every == 0
 
-    def maybe_save(self) -> bool:
-        """Snapshot and start writing if a checkpoint is due; True if one was started."""
-        if not self.due():
+    def maybe_save(self, *, force: bool = False) -> bool:
+        """Snapshot and start writing if a checkpoint is due (or, with ``force``, if this revision
+        is not saved yet: the end of a run); True if one was started. Every member of the round
+        must call it at the same revision, or that checkpoint never completes."""
+        r = self.session.revision
+        if not (self.due() or (force and r > self.last_revision)):
             return False
         t0 = time.monotonic()
         self.wait()  # one write at a time: a slow store costs a stall, never unbounded memory
@@ -186,8 +190,6 @@ class Checkpointer:
 
     def _finish(self, revision: int, parts: list[list[str]], answer: dict[str, Any]) -> None:
         s, store = self.session, self.store
-        from isthmus import __version__
-
         manifest = Manifest(
             run_id=s.run_id,
             revision=revision,

@@ -35,13 +35,12 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from isthmus.comm.config import RoundFailed, RoundTimeout, RunFinished, SessionConfig, StateMismatch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
 from isthmus.comm.state import SharedState
@@ -61,97 +60,6 @@ __all__ = [
 
 log = logging.getLogger("isthmus.session")
 T = TypeVar("T")
-
-
-class StateMismatch(CoordinatorError):
-    """This peer's shared state (names, shapes, dtypes) differs from the run's; it was refused."""
-
-
-class RoundTimeout(CoordinatorError):
-    """No round formed (or finished) within ``round_timeout``: too few peers, or a stuck run."""
-
-
-class RunFinished(CoordinatorError):
-    """The run ended (every member left) before this peer could take part."""
-
-
-class RoundFailed(RuntimeError):
-    """A round could not commit within ``max_attempts`` attempts."""
-
-
-@dataclass(kw_only=True)
-class SessionConfig:
-    """How a peer joins a run. Times are seconds; every wait in the session is bounded by one."""
-
-    coordinator: str
-    """The coordinator's ``host:port``."""
-    token: str
-    """The run's shared token."""
-    name: str | None = None
-    """A name for logs and ``/status`` (default: ``hostname-pid``)."""
-    interface: str | None = None
-    """Network interface Gloo should use (e.g. ``eth0``); default: resolve the hostname."""
-    hostname: str | None = None
-    """Address Gloo should bind and advertise (alternative to ``interface``)."""
-    backend: str = "auto"
-    """``gloo``, ``nccl``, or ``auto`` (NCCL when the shared state is on CUDA, else Gloo)."""
-    connect_timeout: float = 30.0
-    """How long calls keep retrying while the coordinator cannot be reached."""
-    collective_timeout: float = 60.0
-    """Bound on building a process group and on every collective; a silent peer is dropped
-    after at most this long (usually much sooner: the coordinator aborts the round)."""
-    round_timeout: float = 600.0
-    """Bound on waiting for a round to form (e.g. fewer than ``min_peers`` alive) or finish."""
-    max_attempts: int = 100
-    """How many times one round may abort and retry before :class:`RoundFailed`."""
-
-    def __post_init__(self) -> None:
-        if not self.token:
-            raise ValueError("SessionConfig.token is empty: pass the run's token")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        for n in ("connect_timeout", "collective_timeout", "round_timeout"):
-            if getattr(self, n) <= 0:
-                raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        if self.interface and self.hostname:
-            raise ValueError("give either interface or hostname for Gloo, not both")
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> SessionConfig:
-        """The config ``isthmus run`` hands a script through the environment:
-        ``ISTHMUS_COORDINATOR`` (host:port), ``ISTHMUS_TOKEN`` (or ``ISTHMUS_TOKEN_FILE``),
-        ``ISTHMUS_NAME``, and ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo. Keyword
-        arguments win over the environment (which never overrides what the script says).
-
-        Raises ValueError naming the missing variable when the script was not started by
-        ``isthmus run`` and none is given.
-        """
-        env = os.environ
-        values: dict[str, Any] = {}
-        for key, var in (
-            ("coordinator", "ISTHMUS_COORDINATOR"),
-            ("token", "ISTHMUS_TOKEN"),
-            ("name", "ISTHMUS_NAME"),
-            ("hostname", "ISTHMUS_HOSTNAME"),
-            ("interface", "ISTHMUS_INTERFACE"),
-        ):
-            if env.get(var):
-                values[key] = env[var]
-        if "token" not in values and env.get("ISTHMUS_TOKEN_FILE"):
-            try:
-                values["token"] = Path(env["ISTHMUS_TOKEN_FILE"]).read_text().strip()
-            except OSError as e:
-                raise ValueError(f"cannot read ISTHMUS_TOKEN_FILE: {e}") from None
-        values.update(overrides)
-        for key, var in (("coordinator", "ISTHMUS_COORDINATOR"), ("token", "ISTHMUS_TOKEN")):
-            if not values.get(key):
-                raise ValueError(
-                    f"{var} is not set: start this script with `isthmus run --peers N script.py`, "
-                    f"or set {var} (or pass {key}=...)"
-                )
-        return cls(**values)
 
 
 class Round:

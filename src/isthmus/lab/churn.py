@@ -20,11 +20,22 @@ The executor (:mod:`isthmus.run.churn`) observes processes and applies what this
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+import math
+import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["ChurnPlan", "Decision", "Planned", "SlotState", "starting_slots"]
+__all__ = [
+    "ChurnPlan",
+    "Decision",
+    "Planned",
+    "SlotState",
+    "check_sequences",
+    "random_schedule",
+    "starting_slots",
+]
 
 SlotState = Literal["absent", "running", "stopped", "exited"]
 """A slot's state: never started, running, frozen (SIGSTOP), or its last process exited."""
@@ -164,3 +175,118 @@ class ChurnPlan:
         for fired in self.fired.values():
             out += [(p, "the peer never reached that step") for p in fired]
         return out
+
+
+def random_schedule(
+    *,
+    failures_per_minute: float,
+    seed: int,
+    kind: Literal["kill", "stop"],
+    recover_after_seconds: float | None,
+    min_peers: int,
+    peers: int,
+    duration_s: float,
+) -> list[tuple[str, int, float]]:
+    """Failures arriving as a Poisson process, as ``(action, peer, seconds)`` in time order.
+
+    Gaps are exponential; each failure picks a uniformly random running peer, unless that would
+    leave fewer than ``min_peers`` running (then it is skipped). A failed peer comes back
+    (``join`` after a kill, ``cont`` after a stop) ``recover_after_seconds`` later, or never;
+    recoveries after ``duration_s`` are dropped. The same seed gives the same events.
+    """
+    rng = random.Random(seed)
+    recover = "join" if kind == "kill" else "cont"
+    rate_per_s = failures_per_minute / 60.0
+    down_until: dict[int, float] = {}  # peer -> when it is back (inf: never)
+    events: list[tuple[str, int, float]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t >= duration_s:
+            break
+        running = [p for p in range(peers) if down_until.get(p, -1.0) <= t]
+        if len(running) - 1 < min_peers:
+            continue
+        victim = rng.choice(running)
+        events.append((kind, victim, round(t, 6)))
+        if recover_after_seconds is None:
+            down_until[victim] = math.inf
+        else:
+            back = t + recover_after_seconds
+            down_until[victim] = back
+            if back < duration_s:
+                events.append((recover, victim, round(back, 6)))
+    events.sort(key=lambda e: e[2])
+    return events
+
+
+# transitions allowed per action: state before -> state after
+_MOVES = {
+    "kill": ({"running", "stopped"}, "dead"),
+    "join": ({"dead"}, "running"),
+    "stop": ({"running"}, "stopped"),
+    "cont": ({"stopped"}, "running"),
+}
+
+
+def check_sequences(events: Sequence[Any], peers: int) -> tuple[str, str] | None:
+    """Whether a scenario's churn makes sense: ``(key, problem)`` for the first event that does
+    not, else None. Events have ``action``, ``peer``, ``clock`` and ``when``.
+
+    Per peer (when its events share one clock): no two events at the same time, and each action
+    needs the state it acts on (kill a running or stopped peer, join a dead or absent one, stop
+    a running one, cont a stopped one). When every event is on one clock, the whole run is
+    replayed (at equal times arrivals before departures) to make sure someone always runs.
+    Steps and seconds cannot be ordered against each other: such peers are left to the run.
+    """
+    indexed = list(enumerate(events))
+    state: dict[int, str] = {}
+    for peer in {ev.peer for ev in events}:
+        mine = sorted(
+            ((i, ev) for i, ev in indexed if ev.peer == peer), key=lambda x: (x[1].clock, x[1].when)
+        )
+        if len({ev.clock for _, ev in mine}) > 1:
+            state[peer] = "unknown"
+            continue
+        for (_, a), (j, b) in itertools.pairwise(mine):
+            if a.when == b.when:
+                return (
+                    f"churn[{j}]",
+                    f"two events for peer {peer} at the same {a.clock} {b.when:g}; their order "
+                    "would be undefined",
+                )
+        current = "dead" if mine[0][1].action == "join" else "running"
+        state[peer] = current
+        for i, ev in mine:
+            allowed, after = _MOVES[ev.action]
+            if current not in allowed:
+                return (
+                    f"churn[{i}].action",
+                    f"cannot {ev.action} peer {peer} at {ev.clock} {ev.when:g}: it is {current} "
+                    f"then ({ev.action} needs a {' or '.join(sorted(allowed))} peer)",
+                )
+            current = after
+    if len({ev.clock for ev in events}) != 1 or "unknown" in state.values():
+        return None
+    running = set(range(peers))
+    for peer in state:
+        first = min((ev for ev in events if ev.peer == peer), key=lambda e: e.when)
+        if first.action == "join":
+            running.discard(peer)
+    if not running:
+        return (
+            "churn",
+            "every peer starts absent (first event is a join); at least one must run from the start",
+        )
+    for i, ev in sorted(indexed, key=lambda x: (x[1].when, x[1].action in ("kill", "stop"))):
+        if ev.action in ("kill", "stop"):
+            running.discard(ev.peer)
+        else:
+            running.add(ev.peer)
+        if not running:
+            return (
+                f"churn[{i}]",
+                f"after this event no peer is left running (at {ev.clock} {ev.when:g}); "
+                "keep at least one peer alive",
+            )
+    return None

@@ -15,16 +15,26 @@ numbers); the strategy factory validates their meaning when the run is built.
 
 from __future__ import annotations
 
-import difflib
-import itertools
-import math
-import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from isthmus.lab.checks import (
+    OptionValue,
+    ScenarioError,
+    check_float,
+    check_int,
+    check_options,
+    check_spec,
+    check_str,
+    one_of,
+    rate_or_unlimited,
+    suggest,
+)
+from isthmus.lab.churn import check_sequences, random_schedule
+from isthmus.lab.rates import format_rate, parse_rate
 from isthmus.strategies import STRATEGIES as _strategy_registry
 
 try:
@@ -56,187 +66,9 @@ CHURN_ACTIONS = ("kill", "join", "stop", "cont")
 MAX_LAB_PEERS = 252
 """The lab's /24 holds a coordinator and 252 peers; larger runs belong in the simulator."""
 
-Scalar = str | int | float | bool
-OptionValue = Scalar | tuple[Scalar, ...]
-
 
 #: what a TCP congestion control name may look like (``reno``, ``bbr``, ``cubic``, ...)
 CONGESTION_CONTROL_NAME = re.compile(r"[a-z0-9_]+")
-
-
-class ScenarioError(ValueError):
-    """A scenario is malformed. ``source`` is the file, ``key`` the dotted key, ``problem`` what is
-    wrong and what to write instead."""
-
-    def __init__(self, problem: str, *, key: str = "", source: str = "<scenario>") -> None:
-        self.problem = problem
-        self.key = key
-        self.source = source
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        where = f"{self.source}: {self.key}" if self.key else self.source
-        return f"{where}: {self.problem}"
-
-    def within(self, prefix: str, source: str | None = None) -> ScenarioError:
-        """The same error with ``prefix`` put in front of its key (and ``source`` set)."""
-        if not prefix:
-            key = self.key
-        elif not self.key:
-            key = prefix
-        else:
-            key = f"{prefix}{self.key}" if self.key.startswith("[") else f"{prefix}.{self.key}"
-        return ScenarioError(self.problem, key=key, source=source or self.source)
-
-
-def _suggest(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _one_of(value: str, choices: Sequence[str], what: str, key: str) -> None:
-    if value not in choices:
-        raise ScenarioError(
-            f"unknown {what} {value!r}{_suggest(value, choices)}; choose one of {', '.join(choices)}",
-            key=key,
-        )
-
-
-# ---------------------------------------------------------------------------- rates
-
-_RATE_RE = re.compile(r"^\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]+)\s*$")
-_RATE_UNITS = {
-    "bit": 1.0,
-    "kbit": 1e3,
-    "mbit": 1e6,
-    "gbit": 1e9,
-    "tbit": 1e12,
-    "kibit": 2.0**10,
-    "mibit": 2.0**20,
-    "gibit": 2.0**30,
-    "tibit": 2.0**40,
-}
-_UNITS_HINT = (
-    "write a positive number and a unit: bit, kbit, mbit, gbit, tbit (or kibit, mibit, gibit)"
-)
-
-
-def parse_rate(text: str) -> float:
-    """Parse a link rate such as ``"100mbit"``, ``"10Mbit"``, ``"1gbit"`` into bits per second.
-
-    Units follow tc: ``kbit`` = 1000 bit, ``kibit`` = 1024 bit, case-insensitive. Byte-based
-    spellings (``mbps``, ``MB``) are refused, because tc reads ``mbps`` as megabytes per second
-    while people usually mean megabits. Raises ``ValueError`` saying what to write for anything
-    that is not a finite positive rate with a unit ("-5mbit", "fast", "100", "0gbit").
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"a rate must be a string such as '100mbit', got {text!r}")
-    m = _RATE_RE.match(text)
-    if m is None:
-        raise ValueError(f"{text!r} is not a rate: {_UNITS_HINT}, e.g. '100mbit'")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    if unit not in _RATE_UNITS:
-        if unit.endswith("bps") or unit.endswith("b") or unit.endswith("byte"):
-            raise ValueError(
-                f"{text!r}: unit {m.group(2)!r} is ambiguous (tc reads 'mbps' as megaBYTES per "
-                f"second); write megabits as '{m.group(1)}mbit'"
-            )
-        raise ValueError(
-            f"{text!r}: unknown unit {m.group(2)!r}{_suggest(unit, list(_RATE_UNITS))}; {_UNITS_HINT}"
-        )
-    bps = number * _RATE_UNITS[unit]
-    if not math.isfinite(bps) or bps <= 0:
-        raise ValueError(f"{text!r}: a rate must be finite and above zero; {_UNITS_HINT}")
-    return bps
-
-
-def format_rate(bps: float | None) -> str:
-    """``1e8`` -> ``"100mbit"``; ``None`` -> ``"unlimited"`` (the inverse of :func:`parse_rate`)."""
-    if bps is None:
-        return "unlimited"
-    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g}{unit}"
-    return f"{bps:g}bit"
-
-
-def _rate_or_unlimited(value: Any, key: str) -> float | None:
-    if isinstance(value, str) and value.strip().lower() == "unlimited":
-        return None
-    try:
-        return parse_rate(value)
-    except ValueError as e:
-        raise ScenarioError(f"{e} (or 'unlimited' for an unshaped link)", key=key) from None
-
-
-# ---------------------------------------------------------------------------- value checks
-
-
-def _check_int(value: Any, key: str, *, minimum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ScenarioError(f"must be an integer, got {value!r}", key=key)
-    if minimum is not None and value < minimum:
-        raise ScenarioError(f"must be at least {minimum}, got {value}", key=key)
-    return value
-
-
-def _check_float(
-    value: Any, key: str, *, minimum: float | None = None, positive: bool = False
-) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ScenarioError(f"must be a number, got {value!r}", key=key)
-    if not math.isfinite(value):
-        raise ScenarioError(f"must be finite, got {value!r}", key=key)
-    if positive and value <= 0:
-        raise ScenarioError(f"must be above zero, got {value}", key=key)
-    if minimum is not None and value < minimum:
-        raise ScenarioError(f"must be at least {minimum}, got {value}", key=key)
-    return float(value)
-
-
-def _check_str(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ScenarioError(f"must be a non-empty string, got {value!r}", key=key)
-    return value
-
-
-def _check_scalar(value: Any, key: str) -> Scalar:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ScenarioError(f"must be finite, got {value!r}", key=key)
-    if isinstance(value, (str, int, float, bool)):
-        return value
-    kind = "a table" if isinstance(value, Mapping) else type(value).__name__
-    raise ScenarioError(
-        f"options are strings, numbers, booleans or lists of those; got {kind}", key=key
-    )
-
-
-def _check_options(value: Any, key: str) -> dict[str, OptionValue]:
-    if not isinstance(value, Mapping):
-        raise ScenarioError(f"must be a table of options, got {value!r}", key=key)
-    out: dict[str, OptionValue] = {}
-    for name, item in value.items():
-        if isinstance(item, (list, tuple)):
-            out[name] = tuple(_check_scalar(x, f"{key}.{name}[{i}]") for i, x in enumerate(item))
-        else:
-            out[name] = _check_scalar(item, f"{key}.{name}")
-    return out
-
-
-def _check_spec(value: Any, key: str, kind: str) -> str:
-    """Check a component spec with the factory that will build it (imported lazily: it needs torch)."""
-    text = _check_str(value, key).strip()
-    if kind == "compression":
-        from isthmus.reduce.compress import make_compressor as factory
-    elif kind == "aggregator":
-        from isthmus.reduce.aggregate import make_aggregator as factory
-    else:
-        from isthmus.reduce.aggregate.attacks import make_attack as factory
-    try:
-        factory(text)
-    except (ValueError, TypeError) as e:
-        raise ScenarioError(f"bad {kind} spec {text!r}: {e}", key=key) from None
-    return text
 
 
 # ---------------------------------------------------------------------------- the parts
@@ -258,7 +90,7 @@ class RunSpec:
     """Model preset: ``tiny`` (tests, seconds per step on a laptop) or ``default``."""
 
     def __post_init__(self) -> None:
-        _check_str(self.name, "name")
+        check_str(self.name, "name")
         if (self.steps is None) == (self.tokens is None):
             raise ScenarioError(
                 "give exactly one of run.steps (inner steps per peer) or run.tokens "
@@ -266,11 +98,11 @@ class RunSpec:
                 key="steps",
             )
         if self.steps is not None:
-            _check_int(self.steps, "steps", minimum=1)
+            check_int(self.steps, "steps", minimum=1)
         if self.tokens is not None:
-            _check_int(self.tokens, "tokens", minimum=1)
-        _check_int(self.seed, "seed", minimum=0)
-        _one_of(self.model, MODEL_PRESETS, "model preset", "model")
+            check_int(self.tokens, "tokens", minimum=1)
+        check_int(self.seed, "seed", minimum=0)
+        one_of(self.model, MODEL_PRESETS, "model preset", "model")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,13 +119,13 @@ class StrategySpec:
     """Aggregator spec, e.g. ``"krum"`` or ``"nnm+multi_krum:m=3"``; ``None``: plain mean."""
 
     def __post_init__(self) -> None:
-        _check_str(self.name, "name")
-        _one_of(self.name, STRATEGIES, "strategy", "name")
-        object.__setattr__(self, "options", _check_options(self.options, "options"))
+        check_str(self.name, "name")
+        one_of(self.name, STRATEGIES, "strategy", "name")
+        object.__setattr__(self, "options", check_options(self.options, "options"))
         if self.compression is not None:
-            _check_spec(self.compression, "compression", "compression")
+            check_spec(self.compression, "compression", "compression")
         if self.aggregator is not None:
-            _check_spec(self.aggregator, "aggregator", "aggregator")
+            check_spec(self.aggregator, "aggregator", "aggregator")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,7 +142,7 @@ class NetworkSpec:
     """TCP congestion control in every namespace (e.g. ``reno``, ``bbr``); ``None``: the host's."""
 
     def __post_init__(self) -> None:
-        _check_int(self.peers, "peers", minimum=1)
+        check_int(self.peers, "peers", minimum=1)
         if self.peers > MAX_LAB_PEERS:
             raise ScenarioError(
                 f"{self.peers} peers do not fit the lab's /24 (at most {MAX_LAB_PEERS}); use the "
@@ -326,7 +158,7 @@ class NetworkSpec:
         for i, r in enumerate([*rates, self.coordinator_rate_bps]):
             if r is not None:
                 name = "coordinator_rate" if i == len(rates) else f"rate[{i}]"
-                _check_float(r, name, positive=True)
+                check_float(r, name, positive=True)
         cc = self.congestion_control
         if cc is not None and not (isinstance(cc, str) and CONGESTION_CONTROL_NAME.fullmatch(cc)):
             raise ScenarioError(
@@ -354,19 +186,19 @@ class ChurnEvent:
     """Seconds after the run starts. Exactly one of ``at_step``/``at_seconds``."""
 
     def __post_init__(self) -> None:
-        _check_str(self.action, "action")
-        _one_of(self.action, CHURN_ACTIONS, "churn action", "action")
-        _check_int(self.peer, "peer", minimum=0)
+        check_str(self.action, "action")
+        one_of(self.action, CHURN_ACTIONS, "churn action", "action")
+        check_int(self.peer, "peer", minimum=0)
         if (self.at_step is None) == (self.at_seconds is None):
             raise ScenarioError(
                 "give exactly one of at_step (a step number) or at_seconds (time since start)",
                 key="at_step",
             )
         if self.at_step is not None:
-            _check_int(self.at_step, "at_step", minimum=0)
+            check_int(self.at_step, "at_step", minimum=0)
         if self.at_seconds is not None:
             object.__setattr__(
-                self, "at_seconds", _check_float(self.at_seconds, "at_seconds", minimum=0.0)
+                self, "at_seconds", check_float(self.at_seconds, "at_seconds", minimum=0.0)
             )
 
     @property
@@ -396,13 +228,13 @@ class RandomChurn:
     """Never fail a peer if fewer than this many would be left running."""
 
     def __post_init__(self) -> None:
-        _check_float(self.failures_per_minute, "failures_per_minute", positive=True)
-        _check_int(self.seed, "seed", minimum=0)
-        _check_str(self.kind, "kind")
-        _one_of(self.kind, ("kill", "stop"), "failure kind", "kind")
+        check_float(self.failures_per_minute, "failures_per_minute", positive=True)
+        check_int(self.seed, "seed", minimum=0)
+        check_str(self.kind, "kind")
+        one_of(self.kind, ("kill", "stop"), "failure kind", "kind")
         if self.recover_after_seconds is not None:
-            _check_float(self.recover_after_seconds, "recover_after_seconds", positive=True)
-        _check_int(self.min_peers, "min_peers", minimum=1)
+            check_float(self.recover_after_seconds, "recover_after_seconds", positive=True)
+        check_int(self.min_peers, "min_peers", minimum=1)
 
     def schedule(self, *, peers: int, duration_s: float) -> list[ChurnEvent]:
         """The concrete events for a run of ``duration_s`` seconds with ``peers`` peers.
@@ -411,34 +243,20 @@ class RandomChurn:
         that would leave fewer than ``min_peers`` running (then the failure is skipped). Recoveries
         that would fall after ``duration_s`` are dropped. Deterministic for a given seed.
         """
-        _check_int(peers, "peers", minimum=1)
-        _check_float(duration_s, "duration_s", minimum=0.0)
-        rng = random.Random(self.seed)
-        recover_action = "join" if self.kind == "kill" else "cont"
-        rate_per_s = self.failures_per_minute / 60.0
-        down_until: dict[int, float] = {}  # peer -> when it is back (inf: never)
-        events: list[ChurnEvent] = []
-        t = 0.0
-        while True:
-            t += rng.expovariate(rate_per_s)
-            if t >= duration_s:
-                break
-            running = [p for p in range(peers) if down_until.get(p, -1.0) <= t]
-            if len(running) - 1 < self.min_peers:
-                continue
-            victim = rng.choice(running)
-            events.append(ChurnEvent(action=self.kind, peer=victim, at_seconds=round(t, 6)))
-            if self.recover_after_seconds is None:
-                down_until[victim] = math.inf
-            else:
-                back = t + self.recover_after_seconds
-                down_until[victim] = back
-                if back < duration_s:
-                    events.append(
-                        ChurnEvent(action=recover_action, peer=victim, at_seconds=round(back, 6))
-                    )
-        events.sort(key=lambda e: e.when)
-        return events
+        check_int(peers, "peers", minimum=1)
+        check_float(duration_s, "duration_s", minimum=0.0)
+        return [
+            ChurnEvent(action=action, peer=peer, at_seconds=t)
+            for action, peer, t in random_schedule(
+                failures_per_minute=self.failures_per_minute,
+                seed=self.seed,
+                kind=self.kind,
+                recover_after_seconds=self.recover_after_seconds,
+                min_peers=self.min_peers,
+                peers=peers,
+                duration_s=duration_s,
+            )
+        ]
 
 
 _ATTACK_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -459,22 +277,22 @@ class ByzantineSpec:
     """First step at which the peer misbehaves."""
 
     def __post_init__(self) -> None:
-        _check_int(self.peer, "peer", minimum=0)
-        _check_str(self.attack, "attack")
+        check_int(self.peer, "peer", minimum=0)
+        check_str(self.attack, "attack")
         if not _ATTACK_RE.match(self.attack):
             raise ScenarioError(
                 f"attack names are lowercase identifiers such as 'sign_flip', got {self.attack!r}",
                 key="attack",
             )
-        options = _check_options(self.options, "options")
+        options = check_options(self.options, "options")
         for name, value in options.items():
             if isinstance(value, tuple):
                 raise ScenarioError(
                     "attack options are single values, not lists", key=f"options.{name}"
                 )
         object.__setattr__(self, "options", options)
-        _check_int(self.from_step, "from_step", minimum=0)
-        _check_spec(self.spec, "attack", "attack")
+        check_int(self.from_step, "from_step", minimum=0)
+        check_spec(self.spec, "attack", "attack")
 
     @property
     def spec(self) -> str:
@@ -555,73 +373,10 @@ class Scenario:
             )
 
     def _check_churn_sequences(self) -> None:
-        # transitions allowed per action: state before -> state after
-        moves = {
-            "kill": ({"running", "stopped"}, "dead"),
-            "join": ({"dead"}, "running"),
-            "stop": ({"running"}, "stopped"),
-            "cont": ({"stopped"}, "running"),
-        }
-        indexed = list(enumerate(self.churn))
-        state: dict[int, str] = {}
-        for peer in {ev.peer for ev in self.churn}:
-            mine = sorted(
-                ((i, ev) for i, ev in indexed if ev.peer == peer),
-                key=lambda x: (x[1].clock, x[1].when),
-            )
-            if len({ev.clock for _, ev in mine}) > 1:
-                # steps and seconds cannot be ordered against each other; the runner applies them
-                # as they come
-                state[peer] = "unknown"
-                continue
-            for (_, a), (j, b) in itertools.pairwise(mine):
-                if a.when == b.when:
-                    raise ScenarioError(
-                        f"two events for peer {peer} at the same {a.clock} {b.when:g}; their order "
-                        "would be undefined",
-                        key=f"churn[{j}]",
-                        source=self.source,
-                    )
-            current = "dead" if mine[0][1].action == "join" else "running"
-            state[peer] = current
-            for i, ev in mine:
-                allowed, after = moves[ev.action]
-                if current not in allowed:
-                    raise ScenarioError(
-                        f"cannot {ev.action} peer {peer} at {ev.clock} {ev.when:g}: it is {current} "
-                        f"then ({ev.action} needs a {' or '.join(sorted(allowed))} peer)",
-                        key=f"churn[{i}].action",
-                        source=self.source,
-                    )
-                current = after
-        clocks = {ev.clock for ev in self.churn}
-        if len(clocks) != 1 or "unknown" in state.values():
-            return
-        # one clock for everything: replay the whole run and make sure someone is always running
-        running = set(range(self.network.peers))
-        for peer in state:
-            first = min((ev for ev in self.churn if ev.peer == peer), key=lambda e: e.when)
-            if first.action == "join":
-                running.discard(peer)
-        if not running:
-            raise ScenarioError(
-                "every peer starts absent (first event is a join); at least one must run from the start",
-                key="churn",
-                source=self.source,
-            )
-        # at equal times, arrivals count before departures
-        for i, ev in sorted(indexed, key=lambda x: (x[1].when, x[1].action in ("kill", "stop"))):
-            if ev.action in ("kill", "stop"):
-                running.discard(ev.peer)
-            else:
-                running.add(ev.peer)
-            if not running:
-                raise ScenarioError(
-                    f"after this event no peer is left running (at {ev.clock} {ev.when:g}); "
-                    "keep at least one peer alive",
-                    key=f"churn[{i}]",
-                    source=self.source,
-                )
+        problem = check_sequences(self.churn, self.network.peers)
+        if problem is not None:
+            key, text = problem
+            raise ScenarioError(text, key=key, source=self.source)
 
     @property
     def peers(self) -> int:
@@ -639,7 +394,7 @@ def _keys(
         raise ScenarioError(f"must be a table, got {table!r}", key=key)
     for k in table:
         if k not in allowed:
-            hint = _suggest(k, allowed)
+            hint = suggest(k, allowed)
             if k in ("latency", "delay", "loss", "jitter") and key == "network":
                 hint = (
                     " (the lab cannot emulate delay or loss: netem is not available in this "
@@ -679,14 +434,14 @@ def _section_network(raw: Any) -> NetworkSpec:
         ["peers", "rate", "coordinator_rate", "congestion_control"],
         ["peers", "rate"],
     )
-    peers = _check_int(t["peers"], "network.peers", minimum=1)
+    peers = check_int(t["peers"], "network.peers", minimum=1)
     rate = t["rate"]
     if isinstance(rate, list):
-        rates = tuple(_rate_or_unlimited(r, f"network.rate[{i}]") for i, r in enumerate(rate))
+        rates = tuple(rate_or_unlimited(r, f"network.rate[{i}]") for i, r in enumerate(rate))
     else:
-        rates = (_rate_or_unlimited(rate, "network.rate"),) * peers
+        rates = (rate_or_unlimited(rate, "network.rate"),) * peers
     coord = t.get("coordinator_rate", "unlimited")
-    coord_bps = _rate_or_unlimited(coord, "network.coordinator_rate")
+    coord_bps = rate_or_unlimited(coord, "network.coordinator_rate")
     return _build(
         NetworkSpec,
         "network",

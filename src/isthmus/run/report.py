@@ -1,6 +1,6 @@
 """Reports for a run directory: plots a person would rather look at than read, and a page.
 
-Works on any run directory written by the demo or the lab (``metrics.jsonl`` with one record per
+Works on any run directory written by the launcher (demo, lab, ``isthmus run``) (``metrics.jsonl`` with one record per
 peer and step, ``events.jsonl`` with the coordinator's membership events, ``summary.json``, and in
 lab runs ``links.jsonl`` with interface counters). Writes:
 
@@ -19,48 +19,48 @@ import itertools
 import json
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare_runs", "load_run", "plot_run", "write_report"]
+from isthmus.run.record import RunDir, Summary
+
+__all__ = ["LoadedRun", "compare_runs", "load_run", "plot_run", "write_report"]
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a peer killed mid-write leaves a torn last line
-    return out
+@dataclass
+class LoadedRun:
+    """A run directory's records, read once for plotting."""
+
+    dir: Path
+    metrics: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    links: list[dict[str, Any]]
+    churn: list[dict[str, Any]]
+    summary: Summary | None
 
 
-def load_run(run_dir: str | Path) -> dict[str, Any]:
-    """Read a run directory into ``{"metrics", "events", "summary", "links", "dir"}``.
+def load_run(run_dir: str | Path) -> LoadedRun:
+    """Read a run directory's records (its summary too, if it has one).
 
     Raises FileNotFoundError naming the directory if it holds no ``metrics.jsonl``.
     """
-    d = Path(run_dir)
-    if not (d / "metrics.jsonl").exists():
+    d = RunDir(run_dir)
+    if not (d.path / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{d} is not a run directory (no metrics.jsonl)")
-    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-    return {
-        "dir": d,
-        "metrics": _jsonl(d / "metrics.jsonl"),
-        "events": _jsonl(d / "events.jsonl"),
-        "links": _jsonl(d / "links.jsonl"),
-        "churn": _jsonl(d / "churn.jsonl"),
-        "summary": summary,
-    }
+    return LoadedRun(
+        dir=d.path,
+        metrics=d.metrics(),
+        events=d.events(),
+        links=d.links(),
+        churn=d.churn(),
+        summary=d.summary() if d.summary_path.exists() else None,
+    )
 
 
-def _t0(run: dict[str, Any]) -> float:
-    stamps = [r["ts"] for r in run["metrics"] if "ts" in r] + [
-        e["ts"] for e in run["events"] if "ts" in e
+def _t0(run: LoadedRun) -> float:
+    stamps = [r["ts"] for r in run.metrics if "ts" in r] + [
+        e["ts"] for e in run.events if "ts" in e
     ]
     return min(stamps) if stamps else 0.0
 
@@ -87,13 +87,15 @@ def _smooth(ys: list[float], k: int = 5) -> list[float]:
     return out
 
 
-def _label(run: dict[str, Any]) -> str:
-    s = run["summary"]
-    parts = [str(s.get("strategy", run["dir"].name))]
-    if s.get("compression") not in (None, "none"):
-        parts.append(str(s["compression"]))
-    if s.get("aggregator") not in (None, "mean"):
-        parts.append(str(s["aggregator"]))
+def _label(run: LoadedRun) -> str:
+    s = run.summary
+    if s is None:
+        return run.dir.name
+    parts = [s.strategy or run.dir.name]
+    if s.compression not in (None, "none"):
+        parts.append(s.compression)
+    if s.aggregator not in (None, "mean"):
+        parts.append(s.aggregator)
     return " ".join(parts)
 
 
@@ -105,10 +107,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run = load_run(run_dir)
-    d: Path = run["dir"]
+    d: Path = run.dir
     t0 = _t0(run)
     by_peer: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in run["metrics"]:
+    for r in run.metrics:
         by_peer[r.get("peer", "?")].append(r)
     for recs in by_peer.values():
         recs.sort(key=lambda r: (r.get("ts", 0.0), r["step"]))
@@ -128,12 +130,12 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             if ev:
                 ax.scatter(*zip(*ev, strict=True), s=14, marker="o")
         if kind == "step":
-            steps, mean = _mean_by_step(run["metrics"])
+            steps, mean = _mean_by_step(run.metrics)
             ax.plot(steps, _smooth(mean), color="black", lw=2, label="mean")
-            s = run["summary"]
-            if s.get("final_eval_loss") is not None and s.get("steps"):
+            s = run.summary
+            if s is not None and s.final_eval_loss is not None and s.steps:
                 ax.scatter(
-                    [s["steps"]], [s["final_eval_loss"]], color="red", zorder=5, label="final eval"
+                    [s.steps], [s.final_eval_loss], color="red", zorder=5, label="final eval"
                 )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("training loss (smoothed)")
@@ -147,7 +149,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         written.append(p)
 
     # world size with events
-    epochs = [e for e in run["events"] if e["kind"] == "epoch"]
+    epochs = [e for e in run.events if e["kind"] == "epoch"]
     if epochs:
         fig, ax = plt.subplots(figsize=(7, 3.2))
 
@@ -155,7 +157,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             return float(e["ts"]) - t0 if "ts" in e else float(e["t"])
 
         # the line runs on to the run's last event, so the final membership is visible
-        xs = [when(e) for e in epochs] + [max(when(e) for e in run["events"])]
+        xs = [when(e) for e in epochs] + [max(when(e) for e in run.events)]
         ys = [e["world"] for e in epochs] + [epochs[-1]["world"]]
         ax.step(xs, ys, where="post", color="black", label="peers in the run")
         marks = {
@@ -166,7 +168,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         }
         top = max(e["world"] for e in epochs) + 0.5
         for kind, (color, marker, label) in marks.items():
-            pts = [when(e) for e in run["events"] if e["kind"] == kind]
+            pts = [when(e) for e in run.events if e["kind"] == kind]
             if pts:
                 ax.scatter(pts, [top] * len(pts), color=color, marker=marker, label=label, s=30)
         # the lab's churn actions (what was done to the peers, as opposed to what the
@@ -180,7 +182,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         for action, (color, marker) in churn_marks.items():
             pts = [
                 float(c["ts"]) - t0
-                for c in run["churn"]
+                for c in run.churn
                 if c.get("action") == action and not c.get("skipped") and "ts" in c
             ]
             if pts:
@@ -204,7 +206,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(p)
 
-    if run["links"]:
+    if run.links:
         p = _plot_links(run, d, t0, plt)
         written.append(p)
     written.append(write_report(run, [w.name for w in written]))
@@ -219,10 +221,10 @@ def _x(r: dict[str, Any], kind: str, t0: float) -> float:
     return float(r.get("bytes_sent", 0)) / 1e6
 
 
-def _plot_links(run: dict[str, Any], d: Path, t0: float, plt: Any) -> Path:
+def _plot_links(run: LoadedRun, d: Path, t0: float, plt: Any) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in run["links"]:
+    for r in run.links:
         by[r["node"]].append(r)
     for node, recs in sorted(by.items()):
         recs.sort(key=lambda r: r["ts"])
@@ -248,9 +250,9 @@ def _plot_links(run: dict[str, Any], d: Path, t0: float, plt: Any) -> Path:
     return p
 
 
-def write_report(run: dict[str, Any], images: list[str]) -> Path:
+def write_report(run: LoadedRun, images: list[str]) -> Path:
     """``report.md``: the summary as a table, then the plots."""
-    d: Path = run["dir"]
+    d: Path = run.dir
     lines = [
         f"# Run report: {_label(run)}",
         "",
@@ -259,7 +261,7 @@ def write_report(run: dict[str, Any], images: list[str]) -> Path:
         "| key | value |",
         "|---|---|",
     ]
-    for k, v in run["summary"].items():
+    for k, v in (run.summary.to_json() if run.summary is not None else {}).items():
         if isinstance(v, (dict, list)):
             v = json.dumps(v)
         lines.append(f"| {k} | {v} |")
@@ -287,16 +289,16 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for run in runs:
             t0 = _t0(run)
-            steps, mean = _mean_by_step(run["metrics"])
+            steps, mean = _mean_by_step(run.metrics)
             if kind == "step":
                 xs = steps
             else:
                 per_step: dict[int, float] = {}
-                for r in run["metrics"]:
+                for r in run.metrics:
                     x = _x(r, "time", t0) if kind == "time" else 0.0
                     per_step[int(r["step"])] = max(per_step.get(int(r["step"]), 0.0), x)
                 if kind == "bytes":
-                    total = _bytes_by_step(run["metrics"])
+                    total = _bytes_by_step(run.metrics)
                     xs = [total.get(s, 0.0) / 1e6 for s in steps]
                 else:
                     xs = [per_step[s] for s in steps]
@@ -336,11 +338,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         "|" + "---|" * (len(keys) + 1),
     ]
     for run in runs:
-        lines.append(
-            f"| {run['dir'].name} | "
-            + " | ".join(str(run["summary"].get(k, "")) for k in keys)
-            + " |"
-        )
+        row = run.summary.to_json() if run.summary is not None else {}
+        lines.append(f"| {run.dir.name} | " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
     lines.append("")
     lines += [f"![{p.name}]({p.name})" for p in written]
     md = out / "compare.md"

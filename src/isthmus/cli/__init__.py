@@ -1,0 +1,49 @@
+"""The ``isthmus`` command line: coordinator, run, demo, lab (run, compare, sim, cleanup), bench.
+
+Run settings' flags are generated from :class:`isthmus.run.config.RunConfig`
+(:mod:`isthmus.run.flags`); each subcommand lives in a module of this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from isthmus.cli import lab, runs, tools
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="isthmus",
+        description="Train one PyTorch model across machines that fail, come and go, and talk over thin links.",
+    )
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = p.add_subparsers(dest="command", required=True)
+    runs.add_parsers(sub)
+    lab.add_parsers(sub)
+    tools.add_parsers(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        # the commands tear down what they started (peers, namespaces) before this arrives
+        print(f"isthmus {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        # a port in use, a run directory we may not write, a missing file: say which, no trace
+        print(f"isthmus {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

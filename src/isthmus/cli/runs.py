@@ -1,0 +1,202 @@
+"""``isthmus coordinator``, ``isthmus demo`` and ``isthmus run``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any
+
+from isthmus.cli.common import print_summary, read_token, strategy_names
+from isthmus.run.flags import add_config_flags
+
+__all__ = ["add_parsers"]
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from isthmus.coordinator.membership import MembershipConfig
+    from isthmus.coordinator.server import Coordinator, CoordinatorConfig
+
+    cfg = CoordinatorConfig(
+        token=read_token(args) or "",
+        host=args.host,
+        port=args.port,
+        store_port=args.store_port,
+        heartbeat_interval=args.heartbeat_interval,
+        membership=MembershipConfig(
+            min_peers=args.min_peers,
+            start_peers=args.start_peers,
+            heartbeat_timeout=args.heartbeat_timeout,
+            parity_every=args.parity_every,
+            begin_timeout=args.begin_timeout,
+            commit_timeout=args.commit_timeout,
+        ),
+    )
+    coord = Coordinator(cfg)
+    print(
+        f"isthmus coordinator on {args.host}:{args.port} (Ctrl-C to stop); "
+        f"status: curl -H 'Authorization: Bearer <token>' http://{coord.address}/v1/status",
+        file=sys.stderr,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        coord.serve_forever()
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from isthmus.run.builtin import demo_config, publish, run_builtin
+    from isthmus.run.flags import overrides_from
+
+    try:
+        cfg = demo_config(overrides_from(args))
+        summary, _, run_dir = run_builtin(cfg, max_restarts=args.max_restarts)
+    except (ValueError, FileExistsError) as e:
+        print(f"isthmus demo: {e}", file=sys.stderr)
+        return 2
+    publish(summary, run_dir, also=cfg.output.summary_json)
+    print_summary(summary)
+    return 0 if summary.ok else 1
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from isthmus.run.config import TimeoutConfig
+    from isthmus.run.script import run_script
+
+    token = read_token(args, required=args.coordinator is not None)
+    try:
+        timeouts = TimeoutConfig(
+            heartbeat_timeout=args.heartbeat_timeout,
+            connect_timeout=args.connect_timeout,
+            run_timeout=args.timeout,
+        )
+        summary, run_dir = run_script(
+            args.script,
+            args.args,
+            peers=args.peers,
+            max_restarts=args.max_restarts,
+            coordinator=args.coordinator,
+            token=token,
+            timeouts=timeouts,
+            run_dir=args.run_dir,
+            steps=args.steps,
+            progress=not args.no_progress,
+            summary_json=args.summary_json,
+        )
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"isthmus run: {e}", file=sys.stderr)
+        return 2
+    print_summary(summary, title=f"isthmus run: {args.script}")
+    failed = {n: rc for n, rc in summary.exit_codes.items() if rc != 0}
+    final = _final_codes(summary)
+    for name, rc in failed.items():
+        print(
+            f"{name} exited with {rc}; the end of its output ({run_dir.log(name)}):",
+            file=sys.stderr,
+        )
+        for line in run_dir.tail(name).splitlines():
+            print(f"  | {line}", file=sys.stderr)
+    return 0 if final and all(rc == 0 for rc in final.values()) else 1
+
+
+def _final_codes(summary: Any) -> dict[str, int | None]:
+    """Each slot's last process's exit code (earlier ones were restarted)."""
+    last: dict[str, tuple[str, int | None]] = {}
+    for name, rc in summary.exit_codes.items():
+        last[name.split(".")[0]] = (name, rc)
+    return {n: rc for n, rc in last.values()}
+
+
+def add_parsers(sub: Any) -> None:
+    c = sub.add_parser("coordinator", help="run the membership server for a run")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    c.add_argument("--port", type=int, default=29400, help="HTTP port (default 29400)")
+    c.add_argument(
+        "--store-port", type=int, default=29401, help="rendezvous store port (default 29401)"
+    )
+    c.add_argument("--token", help="shared secret every peer must present")
+    c.add_argument("--token-file", help="read the token from this file instead")
+    c.add_argument(
+        "--min-peers", type=int, default=1, help="rounds wait for at least this many peers"
+    )
+    c.add_argument(
+        "--start-peers", type=int, default=None, help="the first round waits for this many"
+    )
+    c.add_argument(
+        "--heartbeat-timeout", type=float, default=5.0, help="evict a silent peer after this"
+    )
+    c.add_argument("--heartbeat-interval", type=float, default=1.0, help="peers' heartbeat period")
+    c.add_argument(
+        "--parity-every", type=int, default=1, help="compare state hashes every N rounds"
+    )
+    c.add_argument(
+        "--begin-timeout",
+        type=float,
+        default=600.0,
+        help="evict a live member that has not begun the next round this long after the first did "
+        "(raise it when peers compute for long between rounds)",
+    )
+    c.add_argument(
+        "--commit-timeout",
+        type=float,
+        default=600.0,
+        help="evict a live member that has not reported a round this long after it formed",
+    )
+    c.set_defaults(func=_cmd_coordinator)
+
+    d = sub.add_parser(
+        "demo",
+        help="train the tiny GPT on local peers with an embedded coordinator",
+        description="Train the built-in GPT on local peers. Strategies: "
+        + ", ".join(strategy_names())
+        + ". Defaults: 3 peers, diloco, 150 steps for ddp and 200 for the others, H=20.",
+    )
+    add_config_flags(d, shortcuts=True)
+    d.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start a crashed peer again (as a joiner) up to this many times per peer",
+    )
+    d.set_defaults(func=_cmd_demo)
+
+    r = sub.add_parser(
+        "run",
+        help="run your own training script on N local peers (like torchrun)",
+        description="Start N processes of `python SCRIPT ARGS...`, each told the run through "
+        "ISTHMUS_COORDINATOR, ISTHMUS_TOKEN and ISTHMUS_NAME (isthmus.SessionConfig.from_env()). "
+        "Without --coordinator an embedded coordinator is started on this machine.",
+    )
+    r.add_argument(
+        "--peers", type=int, default=1, help="peer processes on this machine (default 1)"
+    )
+    r.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start a crashed peer again (as a joiner) up to this many times per peer",
+    )
+    r.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="join this coordinator (isthmus coordinator) instead of starting one here",
+    )
+    r.add_argument("--token", help="the run's token (with --coordinator)")
+    r.add_argument("--token-file", help="read the token from this file")
+    r.add_argument(
+        "--run-dir", default=None, help="logs and summary (default runs/<time>-<script>)"
+    )
+    r.add_argument("--summary-json", default=None, help="also write the summary JSON here")
+    r.add_argument("--steps", type=int, default=None, help="the run's length, for the progress bar")
+    r.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    r.add_argument("--connect-timeout", type=float, default=30.0)
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="bound on the whole run, seconds (default 1800)",
+    )
+    r.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    r.add_argument("script", help="the training script")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    r.set_defaults(func=_cmd_run)

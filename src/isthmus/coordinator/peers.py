@@ -1,0 +1,72 @@
+"""The rules of a run (:class:`MembershipConfig`) and what the coordinator knows of each peer
+(:class:`Peer`, :class:`PeerState`); the state machine that uses them is :mod:`.membership`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MembershipConfig", "Peer", "PeerState"]
+
+
+@dataclass(kw_only=True)
+class MembershipConfig:
+    """Rules of one run. All times are seconds."""
+
+    min_peers: int = 1
+    """A round forms only with at least this many ready peers; fewer means rounds wait."""
+    start_peers: int | None = None
+    """The very first round waits for this many peers (default: ``min_peers``) or ``start_timeout``."""
+    start_timeout: float = 30.0
+    """How long the first round waits for ``start_peers`` before starting with whoever is there."""
+    heartbeat_timeout: float = 5.0
+    """A peer silent for this long is evicted (a stopped or partitioned process)."""
+    begin_timeout: float = 600.0
+    """A live member of the last epoch that has not called begin this long after another member
+    did is evicted (joiners waiting do not start this clock).
+    Generous on purpose: peers compute at different speeds between rounds."""
+    commit_timeout: float = 600.0
+    """A member that has not reported commit this long after the round formed is evicted."""
+    parity_every: int = 1
+    """Compare state hashes every this many rounds (joiners and stale peers are always checked)."""
+
+    def __post_init__(self) -> None:
+        if self.min_peers < 1:
+            raise ValueError(f"min_peers must be >= 1, got {self.min_peers}")
+        if self.start_peers is not None and self.start_peers < self.min_peers:
+            raise ValueError(
+                f"start_peers ({self.start_peers}) must be >= min_peers ({self.min_peers})"
+            )
+        for name in ("start_timeout", "heartbeat_timeout", "begin_timeout", "commit_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.parity_every < 1:
+            raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+
+
+class PeerState(str, enum.Enum):
+    ACTIVE = "active"  # registered and alive (waiting or member)
+    LEFT = "left"
+    DEAD = "dead"
+    REFUSED = "refused"
+
+
+@dataclass
+class Peer:
+    id: int
+    name: str
+    registered_at: float
+    last_seen: float
+    state: PeerState = PeerState.ACTIVE
+    reason: str = ""
+    revision: int | None = None
+    hashes: dict[str, str] | None = None
+    ready_nonce: str | None = None  # the begin attempt this peer is waiting with
+    ready_since: float | None = None  # when that attempt began
+    in_sync: bool = False  # holds the canonical state of the run's current revision
+    schema_ok: bool = False  # its shared-state schema was checked against the run's
+    # its local work must not count until a round it is in commits: registered after the run
+    # started, or repaired in an attempt that aborted
+    uncounted: bool = False
+    info: dict[str, Any] = field(default_factory=dict)

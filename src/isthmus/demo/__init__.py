@@ -1,1 +1,0 @@
-"""isthmus.demo."""

@@ -1,0 +1,148 @@
+"""The built-in job on local peers: what ``isthmus demo`` runs, and what the lab runs in namespaces.
+
+:func:`demo_config` is the demo's preset (short runs: 150 steps of DDP or 200 of the others,
+``sync_every`` 20 for strategies that have one, whose library defaults of 48-50 suit long runs);
+:func:`run_builtin` launches a :class:`~isthmus.run.config.RunConfig` through the one launcher,
+with its planned kills and joins, and writes the run directory: per-peer files, ``metrics.jsonl``,
+``events.jsonl``, ``churn.jsonl``, ``config.json``, ``summary.json``, plots and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from isthmus.run.churn import ChurnHook, plan_from_config
+from isthmus.run.config import RunConfig, apply_overrides
+from isthmus.run.launch import BuiltinJob, Hook, Launcher, Outcome, Spawner
+from isthmus.run.record import RunDir, Summary
+from isthmus.run.summarize import collect_metrics, summarize
+from isthmus.spec import option_names
+
+__all__ = ["DEMO_SYNC_EVERY", "demo_config", "initial_eval", "publish", "run_builtin", "run_demo"]
+
+DEMO_SYNC_EVERY = 20
+"""H of the demo's (and the lab's) short runs, for strategies that have a ``sync_every``."""
+
+
+def demo_config(overrides: dict[str, Any] | None = None) -> RunConfig:
+    """The demo's preset with ``overrides`` (flat names or dotted paths) applied: 150 steps for
+    DDP and 200 for the others unless ``steps`` is given, ``sync_every`` 20 for strategies that
+    have it unless the options name it."""
+    overrides = dict(overrides or {})
+    cfg = apply_overrides(RunConfig(), overrides)
+    changes: dict[str, Any] = {}
+    if "steps" not in overrides:
+        changes["steps"] = 150 if cfg.strategy.name == "ddp" else 200
+    with_h = with_short_h(cfg.strategy.name, cfg.strategy.options)
+    if with_h != cfg.strategy.options:
+        changes["option"] = with_h
+    return apply_overrides(cfg, changes) if changes else cfg
+
+
+def with_short_h(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``sync_every`` = :data:`DEMO_SYNC_EVERY` if the strategy has one and the
+    options do not name it."""
+    from isthmus.strategies import STRATEGIES
+
+    cls = STRATEGIES.lookup(strategy).config_cls
+    if cls is not None and "sync_every" in option_names(cls) and "sync_every" not in options:
+        return {**options, "sync_every": DEMO_SYNC_EVERY}
+    return dict(options)
+
+
+def initial_eval(run: RunConfig) -> tuple[float, int]:
+    """Eval loss of the initial model (every peer's, before training) and its parameter count."""
+    import torch
+
+    from isthmus.data import evaluate
+    from isthmus.run.job import build_corpus, build_model
+
+    torch.set_num_threads(1)
+    model = build_model(run)
+    loss = evaluate(
+        model, build_corpus(run), batch_size=run.data.batch_size, n_batches=run.eval.eval_batches
+    )
+    return loss, model.num_parameters()
+
+
+def run_builtin(
+    run: RunConfig,
+    *,
+    spawner: Spawner | None = None,
+    hooks: list[Hook] | None = None,
+    churn: ChurnHook | None = None,
+    run_dir: RunDir | None = None,
+    max_restarts: int = 0,
+    slots: int | None = None,
+) -> tuple[Summary, Outcome, RunDir]:
+    """Launch ``run`` end to end and return its summary, the launch's outcome and the run
+    directory (holding every peer's files, ``metrics.jsonl``, ``events.jsonl``, ``churn.jsonl``
+    and ``config.json``; :func:`publish` adds the summary and the report). ``churn`` replaces the churn planned by ``run.faults`` (the lab passes
+    its scenario's); ``slots`` the number of peer positions (default: ``run.everyone``).
+
+    Raises FileExistsError if the run directory already holds a run; re-raises
+    KeyboardInterrupt after tearing everything down.
+    """
+    run_dir = run_dir or RunDir.create(run.output.run_dir, run.name)
+    if churn is None:
+        events, n = plan_from_config(run)
+        churn = ChurnHook(
+            events, static_faults=run.faults.peer_faults, log_path=run_dir.path / "churn.jsonl"
+        )
+        slots = slots or n
+    slots = slots or run.everyone
+    run_dir.write_json("config.json", dataclasses.asdict(run))
+    starting = churn.starting(slots)
+    launcher = Launcher(
+        BuiltinJob(run),
+        run_dir=run_dir,
+        slots=slots,
+        starting=starting,
+        timeouts=run.timeouts,
+        spawner=spawner,
+        max_restarts=max_restarts,
+        hooks=[churn, *(hooks or [])],
+        total_steps=run.steps,
+        label=run.name,
+        progress=run.output.progress,
+        checkpoint_dir=run.checkpoint.checkpoint_dir,
+    )
+    outcome = launcher.run()
+    initial_loss, n_params = initial_eval(run)
+    s = run.strategy
+    summary = summarize(
+        outcome,
+        run_dir,
+        strategy=s.name,
+        strategy_options=s.options,
+        compression=s.compression,
+        aggregator=s.aggregator,
+        steps=run.steps,
+        n_params=n_params,
+        initial_loss=initial_loss,
+        byzantine={f"peer{b.peer}": b.attack for b in run.faults.byzantine},
+        starting=len(starting),
+    )
+    collect_metrics(outcome, run_dir)
+    return summary, outcome, run_dir
+
+
+def publish(summary: Summary, run_dir: RunDir, *, also: str | None = None) -> None:
+    """Write ``summary.json`` (and a copy at ``also``), the plots and ``report.md``. A failure to
+    plot never loses the run's results."""
+    run_dir.write_summary(summary, also=also)
+    with contextlib.suppress(Exception):
+        from isthmus.run.report import plot_run
+
+        plot_run(run_dir.path)
+
+
+def run_demo(overrides: dict[str, Any] | None = None, *, max_restarts: int = 0) -> Summary:
+    """The demo end to end from Python (benchmarks use it): :func:`demo_config` with
+    ``overrides``, launched, its summary and report written; returns the summary."""
+    cfg = demo_config(overrides)
+    summary, _, run_dir = run_builtin(cfg, max_restarts=max_restarts)
+    publish(summary, run_dir, also=cfg.output.summary_json)
+    return summary

@@ -1,0 +1,337 @@
+"""The built-in job one peer runs: the tiny GPT on the stdlib corpus with the run's strategy.
+
+The launcher starts it as ``python -m isthmus.run.job <name>.job.json``. A :class:`PeerJob` is the
+run's :class:`~isthmus.run.config.RunConfig` plus what differs per peer (:class:`PeerSpec`: its
+name, the coordinator, its injected faults and attack, where Gloo binds). The job trains until the
+run's step counter reaches ``run.steps``, appends one JSON line per step to ``<name>.jsonl``, and
+at the end writes ``<name>.final.json`` (a :class:`~isthmus.run.record.PeerResult`) and
+``<name>.state.pt`` (the shared state, for bitwise comparisons).
+
+Exit codes (:data:`EXIT_CODES`): 0 finished; 2 refused by the coordinator (shared state mismatch),
+a bad token or a bad config; 3 the coordinator was unreachable or no round formed in time; 4 the
+run was over before this peer could join; 1 anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from isthmus.checkpoint import (
+    Checkpointer,
+    CheckpointMismatch,
+    StorageError,
+    load_latest,
+    slot_of,
+)
+from isthmus.comm.faults import Fault, FaultInjector
+from isthmus.comm.session import RoundTimeout, RunFinished, Session, SessionConfig, StateMismatch
+from isthmus.comm.state import tensor_bytes
+from isthmus.coordinator.client import AuthError, CoordinatorUnreachable
+from isthmus.data import Corpus, evaluate
+from isthmus.models import GPT, GPTConfig
+from isthmus.run.config import RunConfig, from_dict, from_flat, strategy_options
+from isthmus.run.record import PeerResult, RunDir
+from isthmus.spec import SpecError
+from isthmus.strategies import Strategy, make_strategy
+
+__all__ = [
+    "EXIT_CODES",
+    "PeerJob",
+    "PeerSpec",
+    "build_corpus",
+    "build_model",
+    "model_digest",
+    "run_job",
+]
+
+log = logging.getLogger("isthmus.job")
+
+EXIT_CODES = {
+    0: "finished",
+    1: "failed",
+    2: "refused",
+    3: "no coordinator or no round",
+    4: "too late",
+}
+"""What a peer's exit code means (negative: killed by that signal)."""
+
+
+@dataclass(kw_only=True)
+class PeerSpec:
+    """What differs from one peer to the next."""
+
+    name: str
+    coordinator: str
+    """The coordinator's ``host:port``."""
+    token: str
+    out_dir: str
+    """The run directory."""
+    faults: list[str] = field(default_factory=list)
+    """Fault specs this peer fires on itself (see :mod:`isthmus.comm.faults`)."""
+    attack: str | None = None
+    """Make this peer byzantine: an attack spec (lab and tests)."""
+    attack_from_step: int = 0
+    """The byzantine peer behaves honestly before this step."""
+    interface: str | None = None
+    hostname: str | None = None
+    """Address Gloo binds and advertises (the lab's namespace address)."""
+    save_state: bool = True
+
+    def __post_init__(self) -> None:
+        for f in self.faults:
+            Fault.parse(f)
+
+
+@dataclass(kw_only=True)
+class PeerJob:
+    """Everything one peer needs; serialized to ``<name>.job.json``."""
+
+    run: RunConfig
+    peer: PeerSpec
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"run": dataclasses.asdict(self.run), "peer": dataclasses.asdict(self.peer)}
+        )
+
+    @staticmethod
+    def from_json(text: str) -> PeerJob:
+        data = json.loads(text)
+        return PeerJob(run=from_dict(data["run"]), peer=PeerSpec(**data["peer"]))
+
+    @staticmethod
+    def from_flat(**values: Any) -> PeerJob:
+        """A job from flat names: :class:`PeerSpec` fields plus any of the run's flat names
+        (``steps=30, model="tiny", strategy="diloco", option={...}``)."""
+        peer_keys = {f.name for f in dataclasses.fields(PeerSpec)}
+        peer = {k: values.pop(k) for k in list(values) if k in peer_keys}
+        return PeerJob(run=from_flat(**values), peer=PeerSpec(**peer))
+
+
+def model_config(preset: str) -> GPTConfig:
+    return GPTConfig.tiny() if preset == "tiny" else GPTConfig.default()
+
+
+def build_corpus(run: RunConfig) -> Corpus:
+    return Corpus.from_stdlib(max_bytes=run.data.corpus_bytes, seed=run.data.seed)
+
+
+def build_model(run: RunConfig) -> GPT:
+    return GPT(model_config(run.model.preset), seed=run.model.seed)
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """Hash of the model's parameters (names and bytes): equal on peers that hold the same model,
+    also for strategies whose shared state does not include the parameters (gossip)."""
+    h = xxhash.xxh3_64()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(tensor_bytes(p))
+    return h.hexdigest()
+
+
+def install_attack(spec: str, strategy: Strategy, from_step: int = 0) -> Any:
+    """Make this peer byzantine (from step ``from_step`` on). Vector attacks forge this peer's
+    update from what it can know: its own honest update and the committed aggregates (see
+    :class:`~isthmus.reduce.aggregate.attacks.PeerAttack`); data attacks corrupt its training
+    targets. Returns the target corruption function for data attacks, else None."""
+    from isthmus.reduce.aggregate.attacks import PeerAttack, make_attack
+
+    attack = make_attack(spec)
+    log.warning("this peer is byzantine: attack %s", attack.spec)
+    if attack.level == "data":
+        return attack.corrupt_targets
+    if strategy.reducer is None:
+        raise ValueError(f"strategy {strategy.name} has no reducer to attack")
+    strategy.reducer.attack = PeerAttack(attack, active=lambda: strategy.step_count >= from_step)
+    return None
+
+
+def resume(run: RunConfig, session: Session, strategy: Strategy, name: str) -> int | None:
+    """Load the latest complete checkpoint of ``run.checkpoint.resume`` (shared state, and this
+    peer slot's local state if it has one) before the first round; returns its revision, or
+    None when not resuming. Raises what :func:`isthmus.checkpoint.load_latest` raises (no
+    checkpoint, another model's, an unreadable location): the peer then starts nothing."""
+    url = run.checkpoint.resume
+    if not url:
+        return None
+    manifest, local = load_latest(
+        url, session.state, slot=slot_of(name), local_template=strategy.local_state()
+    )
+    if local is not None:
+        strategy.load_local_state(local)
+    session.revision = manifest.revision
+    log.info("%s resumed from revision %d of %s", name, manifest.revision, url)
+    return manifest.revision
+
+
+def checkpointer_for(run: RunConfig, session: Session, strategy: Strategy) -> Checkpointer | None:
+    """The run's checkpointer, or None without ``checkpoint_dir``."""
+    ck = run.checkpoint
+    if not ck.checkpoint_dir:
+        return None
+    return Checkpointer(
+        session,
+        ck.checkpoint_dir,
+        # 0: only at the end (maybe_save(force=True) after the last step)
+        every=ck.checkpoint_every or 1 << 62,
+        keep=ck.checkpoint_keep,
+        local_state=strategy.local_state,
+        strategy=run.strategy.name,
+        strategy_config=run.strategy.options,
+        model_keys=strategy.model_keys(),
+    )
+
+
+def run_job(job: PeerJob) -> PeerResult:
+    """Train as one peer until the run reaches ``job.run.steps``. Returns the final record."""
+    run, me = job.run, job.peer
+    torch.set_num_threads(run.threads)
+    out = RunDir(me.out_dir)
+    out.path.mkdir(parents=True, exist_ok=True)
+    corpus = build_corpus(run)
+    model = build_model(run)
+    block_size = model.config.block_size
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=run.optim.lr, weight_decay=run.optim.weight_decay, betas=(0.9, 0.95)
+    )
+    t = run.timeouts
+    session = Session(
+        SessionConfig(
+            coordinator=me.coordinator,
+            token=me.token,
+            name=me.name,
+            interface=me.interface,
+            hostname=me.hostname,
+            collective_timeout=t.collective_timeout,
+            connect_timeout=t.connect_timeout,
+            round_timeout=t.round_timeout,
+        ),
+        faults=FaultInjector([Fault.parse(f) for f in me.faults]),
+    )
+    session.report(corpus=corpus.fingerprint, pid=os.getpid())
+    s = run.strategy
+    strategy = make_strategy(
+        s.name,
+        session,
+        model,
+        optimizer,
+        compression=s.compression,
+        aggregator=s.aggregator,
+        byzantine_f=s.byzantine_f,
+        **strategy_options(s.name, s.options, run.steps),
+    )
+    flip = install_attack(me.attack, strategy, me.attack_from_step) if me.attack else None
+    resumed = resume(run, session, strategy, me.name)
+    checkpointer = checkpointer_for(run, session, strategy)
+    metrics = out.records_path(me.name).open("w", buffering=1)
+    t0 = time.monotonic()
+    ev = run.eval
+    try:
+        while strategy.step_count < run.steps:
+            step = strategy.step_count
+            x, y = corpus.batch(
+                step=step,
+                rank=session.rank,
+                world=session.world,
+                batch_size=run.data.batch_size,
+                block_size=block_size,
+                seed=run.data.seed,
+                shard=run.data.shard,
+            )
+            if flip is not None and step >= me.attack_from_step:
+                y = flip(y)
+            _, loss = model(x, y)
+            assert loss is not None
+            loss.backward()
+            strategy.step()
+            optimizer.zero_grad(set_to_none=False)
+            record: dict[str, Any] = {
+                "ts": round(time.time(), 4),
+                "t": round(time.monotonic() - t0, 4),
+                "step": step,
+                "loss": loss.item(),
+                "world": session.world,
+                "revision": session.revision,
+                "bytes_sent": session.stats.bytes_sent,
+            }
+            if ev.eval_every and strategy.step_count % ev.eval_every == 0:
+                record["eval_loss"] = evaluate(
+                    model, corpus, batch_size=run.data.batch_size, n_batches=ev.eval_batches
+                )
+            metrics.write(json.dumps(record) + "\n")
+            session.report(step=strategy.step_count, loss=record["loss"])
+            if checkpointer is not None:
+                checkpointer.maybe_save()
+            if run.step_delay:
+                time.sleep(run.step_delay)
+        strategy.finish()
+        if checkpointer is not None:
+            checkpointer.maybe_save(force=True)  # the run's end, so a resume continues from it
+            checkpointer.wait(max(60.0, t.collective_timeout))
+        result = PeerResult(
+            name=me.name,
+            peer_id=session.peer_id,
+            step=strategy.step_count,
+            revision=session.revision,
+            digest=session.state.digest(),
+            model_digest=model_digest(model),
+            eval_loss=evaluate(
+                model, corpus, batch_size=run.data.batch_size, n_batches=ev.eval_batches
+            ),
+            bytes_sent=session.stats.bytes_sent,
+            bytes_by_op=session.stats.by_op,
+            evictions=session.evictions,
+            rounds=session.rounds,
+            wall_s=round(time.monotonic() - t0, 3),
+            strategy=strategy.metrics(),
+            checkpoint=checkpointer.metrics() if checkpointer is not None else {},
+            resumed_from=resumed,
+        )
+        if me.save_state:
+            torch.save(session.state.snapshot(), out.state_path(me.name))
+        out.final_path(me.name).write_text(json.dumps(dataclasses.asdict(result), indent=1))
+        return result
+    finally:
+        metrics.close()
+        session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m isthmus.run.job JOB.json", file=sys.stderr)
+        return 1
+    name = Path(args[0]).name.removesuffix(".job.json")
+    logging.basicConfig(
+        level=os.environ.get("ISTHMUS_LOG", "INFO"),
+        format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        job = PeerJob.from_json(Path(args[0]).read_text())
+        run_job(job)
+    except (StateMismatch, AuthError, SpecError, CheckpointMismatch, StorageError) as e:
+        log.error("%s", e)
+        return 2
+    except (CoordinatorUnreachable, RoundTimeout) as e:
+        log.error("%s", e)
+        return 3
+    except RunFinished as e:
+        log.warning("%s", e)
+        return 4
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

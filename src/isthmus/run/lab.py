@@ -1,0 +1,320 @@
+"""``isthmus lab run``: one scenario end to end, the same launcher inside network namespaces.
+
+What happens, in order:
+
+1. **Config.** The scenario becomes a :class:`~isthmus.run.config.RunConfig` (:func:`lab_config`)
+   with the command line's overrides applied, validated before anything is built.
+2. **Network.** :func:`~isthmus.lab.links.open_network` builds one namespace per peer and one for
+   the coordinator on a bridge, each link shaped with tc tbf at the scenario's rate, or falls back
+   to loopback without shaping and says so (``network.mode`` in the summary), unless ``netns``
+   was demanded.
+3. **Coordinator.** Embedded in this process, as in the demo, but started from *inside* the
+   coordinator's namespace (:class:`NamespaceSpawner`): its sockets live there, reachable at the
+   bridge address from every peer namespace, while this process's main thread stays in the host
+   namespace to run ``ip``/``tc``, read counters and own the teardown (one process owns the
+   network, so :class:`~isthmus.lab.wan.WanNetwork`'s teardown covers every exit path).
+4. **Peers** run the built-in job inside their namespaces, Gloo bound to the namespace's address,
+   through :func:`~isthmus.run.builtin.run_builtin`, the demo's own path.
+5. **Churn.** The scenario's ``[[churn]]`` and ``[random_churn]`` become a
+   :class:`~isthmus.lab.churn.ChurnPlan` applied by :class:`~isthmus.run.churn.ChurnHook`
+   (``kill``/``stop`` at a step are faults the peer fires on itself; the rest is applied when due;
+   timed events count from the first round).
+6. **Measurements.** :class:`~isthmus.lab.links.LinkSampler` records every link's counters; the
+   summary gets a :class:`~isthmus.run.record.LabSummary` (bytes on the wire against isthmus's
+   accounting, round latency, world size, time lost to recovery, eval curve), and ``report.md``
+   a lab section.
+
+Failures: a bad scenario or override raises a ValueError (ScenarioError, SpecError) before
+anything starts; a network that cannot be built raises :class:`~isthmus.lab.netns.LabError`
+(or falls back, see 2). Ctrl-C and errors tear the network down and stop every peer first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from isthmus.lab.churn import Planned
+from isthmus.lab.links import NETWORK_MODES, LinkSampler, open_network
+from isthmus.lab.netns import inside_namespace
+from isthmus.lab.rates import format_rate
+from isthmus.lab.scenario import Scenario
+from isthmus.lab.wan import WanNetwork
+from isthmus.run import measure
+from isthmus.run.builtin import publish, run_builtin, with_short_h
+from isthmus.run.churn import ChurnHook
+from isthmus.run.config import ByzantinePeer, RunConfig, apply_overrides
+from isthmus.run.launch import Hook, Launcher, Outcome, Spawner
+from isthmus.run.record import LabSummary, RunDir, Summary
+
+__all__ = ["LabOptions", "NamespaceSpawner", "lab_config", "run_lab", "scenario_steps"]
+
+
+@dataclass(kw_only=True)
+class LabOptions:
+    """How to run a scenario where the scenario file and the run config say nothing."""
+
+    network: str = "auto"
+    """``auto``: namespaces if possible, else loopback (with a message); ``netns``: namespaces or
+    fail (``LabUnavailable``); ``loopback``: never build namespaces (no shaping, no per-peer
+    counters)."""
+    prefix: str = "isth"
+    """Prefix of the namespace names (1-12 lowercase letters/digits)."""
+    sample_interval_s: float = 0.5
+    """How often link counters are sampled into ``links.jsonl``."""
+
+    def __post_init__(self) -> None:
+        if self.network not in NETWORK_MODES:
+            raise ValueError(
+                f"network must be one of {', '.join(NETWORK_MODES)}, got {self.network!r}"
+            )
+        v = self.sample_interval_s
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"sample_interval_s must be a positive number of seconds, got {v!r}")
+
+
+def scenario_steps(scenario: Scenario, *, batch_size: int) -> int:
+    """Inner steps per peer for the scenario: ``run.steps``, or ``run.tokens`` divided by the
+    tokens one step of all starting peers consumes (peers at the start x batch x block size)."""
+    if scenario.run.steps is not None:
+        return scenario.run.steps
+    from isthmus.run.job import model_config
+
+    start = len(_starting(scenario))
+    per_step = start * batch_size * model_config(scenario.run.model).block_size
+    return max(1, math.ceil(int(scenario.run.tokens or 0) / per_step))
+
+
+def _events(scenario: Scenario, duration_s: float) -> list[Planned]:
+    out = [
+        Planned(action=e.action, slot=e.peer, clock=e.clock, when=e.when, source="scenario")  # type: ignore[arg-type]
+        for e in scenario.churn
+    ]
+    if scenario.random_churn is not None:
+        for e in scenario.random_churn.schedule(peers=scenario.peers, duration_s=duration_s):
+            out.append(
+                Planned(action=e.action, slot=e.peer, clock="seconds", when=e.when, source="random")  # type: ignore[arg-type]
+            )
+    return out
+
+
+def _starting(scenario: Scenario) -> list[int]:
+    from isthmus.lab.churn import starting_slots
+
+    return starting_slots(scenario.peers, _events(scenario, 0.0))
+
+
+def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """The scenario as a run config (every peer slot of ``network.peers`` counts as a peer), with
+    ``overrides`` (flat names or dotted paths) applied. ``steps`` comes from ``run.steps`` or
+    ``run.tokens`` unless overridden. Raises ValueError naming a bad setting."""
+    over = dict(overrides or {})
+    st = scenario.strategy
+    base = RunConfig(
+        name=scenario.run.name,
+        peers=scenario.peers,
+        steps=max(1, scenario.run.steps or 1),
+        model=dataclasses.replace(
+            RunConfig().model, preset=scenario.run.model, seed=scenario.run.seed
+        ),  # type: ignore[arg-type]
+    )
+    cfg = apply_overrides(
+        base,
+        {
+            "strategy": st.name,
+            "option": with_short_h(
+                st.name, {k: list(v) if isinstance(v, tuple) else v for k, v in st.options.items()}
+            ),
+            "compression": st.compression,
+            "aggregator": st.aggregator,
+            "byzantine_f": len(scenario.byzantine) if st.aggregator else 0,
+            "byzantine": [
+                ByzantinePeer(peer=b.peer, attack=b.spec, from_step=b.from_step)
+                for b in scenario.byzantine
+            ],
+            **{k: v for k, v in over.items() if k != "steps"},
+        },
+    )
+    steps = over.get("steps") or scenario_steps(scenario, batch_size=cfg.data.batch_size)
+    return apply_overrides(cfg, {"steps": steps, "name": scenario.run.name})
+
+
+class NamespaceSpawner(Spawner):
+    """Starts slot ``i``'s processes inside its namespace of ``net`` with Gloo bound to its
+    address, and the embedded coordinator inside the coordinator's namespace."""
+
+    def __init__(self, net: WanNetwork) -> None:
+        self.net = net
+        self.coordinator_host = net.coordinator.ip
+
+    def coordinator_context(self) -> contextlib.AbstractContextManager[Any]:
+        return inside_namespace(self.net.coordinator.netns)
+
+    def hostname(self, slot: int) -> str | None:
+        # hostname, not interface: Gloo binds and advertises exactly this address
+        return self.net.peers[slot].ip
+
+    def popen(
+        self, slot: int, argv: list[str], env: dict[str, str], log: Any
+    ) -> subprocess.Popen[bytes]:
+        # ip netns exec execs python itself, so the process we hold *is* the peer and signals
+        # reach it; a process group of its own, so Ctrl-C reaches the runner only
+        return self.net.popen(
+            slot, argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+class _Links(Hook):
+    """Link counters sampled for the length of the run."""
+
+    def __init__(self, sampler: LinkSampler) -> None:
+        self.sampler = sampler
+
+    def start(self, launcher: Launcher) -> None:
+        self.sampler.start()
+
+    def stop(self, launcher: Launcher) -> None:
+        self.sampler.stop()
+
+
+def run_lab(
+    scenario: Scenario,
+    opts: LabOptions | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+) -> Summary:
+    """Run ``scenario`` and return its summary (also written to the run directory).
+
+    Raises ValueError for settings that cannot work, FileExistsError if the run directory already
+    holds a run, :class:`~isthmus.lab.netns.LabUnavailable` when ``network="netns"`` cannot be
+    honoured, and re-raises KeyboardInterrupt after tearing everything down.
+    """
+    opts = opts or LabOptions()
+    run = lab_config(scenario, overrides)
+    run_dir = RunDir.create(run.output.run_dir, run.name)
+    run_dir.write_json("scenario.json", dataclasses.asdict(scenario))
+    churn = ChurnHook(
+        _events(scenario, run.timeouts.run_timeout), log_path=run_dir.path / "churn.jsonl"
+    )
+    with open_network(scenario.network, mode=opts.network, prefix=opts.prefix) as (net, info):
+        sampler = LinkSampler(net, run_dir.path / "links.jsonl", opts.sample_interval_s)
+        summary, outcome, _ = run_builtin(
+            run,
+            spawner=NamespaceSpawner(net) if net is not None else None,
+            hooks=[_Links(sampler)],
+            churn=churn,
+            run_dir=run_dir,
+            slots=scenario.peers,
+        )
+    summary.lab = _lab_summary(
+        scenario, info, outcome, run_dir, sampler, churn, run, net is not None
+    )
+    publish(summary, run_dir, also=run.output.summary_json)
+    _append_report(run_dir, summary)
+    return summary
+
+
+def _lab_summary(
+    scenario: Scenario,
+    info: dict[str, Any],
+    outcome: Outcome,
+    run_dir: RunDir,
+    sampler: LinkSampler,
+    churn: ChurnHook,
+    run: RunConfig,
+    per_peer: bool,
+) -> LabSummary:
+    events = outcome.events
+    epochs = [e for e in events if e["kind"] == "epoch"]
+    t0 = epochs[0]["ts"] if epochs else (outcome.t0 or 0.0)
+    finals = {}
+    accounted: dict[str, int] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
+    for inc in outcome.incarnations:
+        records[inc.name] = run_dir.records(inc.name)
+        result = run_dir.result(inc.name)
+        if result is not None:
+            finals[inc.name] = result
+            accounted[inc.name] = result.bytes_sent
+        elif records[inc.name]:
+            accounted[inc.name] = int(records[inc.name][-1]["bytes_sent"])
+        else:
+            accounted[inc.name] = 0
+    per_slot = {
+        f"peer{s.index}": sum(accounted[i.name] for i in s.incarnations) for s in outcome.slots
+    }
+    links = run_dir.path / "links.jsonl"
+    return LabSummary(
+        scenario={
+            "name": scenario.run.name,
+            "source": scenario.source,
+            "description": scenario.description,
+        },
+        network={**info, "rates": [format_rate(r) for r in scenario.network.rates_bps]},
+        churn_applied=churn.applied,
+        churn_skipped=churn.skipped,
+        bytes_check=measure.bytes_check(sampler.first, sampler.last, per_slot, per_peer),
+        round_latency_s=measure.round_latency(finals),
+        world_size=[[round(e["ts"] - t0, 3), e["world"]] for e in epochs],
+        time_lost_to_recovery_s=measure.time_lost(events, churn.applied, t0),
+        train_wall_s=measure.train_wall(records, t0),
+        eval=measure.eval_curve(records, t0, run.eval.target_loss),
+        link_samples=sum(1 for _ in links.open()) if links.exists() else 0,
+    )
+
+
+def _append_report(run_dir: RunDir, s: Summary) -> None:
+    report = run_dir.path / "report.md"
+    if not report.exists() or s.lab is None:
+        return
+    lab = s.lab
+    net = lab.network
+    lines = [
+        "",
+        "## Lab",
+        "",
+        f"Scenario `{lab.scenario['source']}`: {lab.scenario['description'].strip()}",
+        "",
+        f"Network: **{net['mode']}**"
+        + (f" (fell back: {net['reason']})" if net["mode"] == "loopback" else "")
+        + f"; peer links {', '.join(net['rates'])}.",
+        "",
+    ]
+    bc = lab.bytes_check
+    if bc.get("per_peer"):
+        lines += [
+            "| peer | wire tx (B) | payload on the wire (B) | isthmus accounting (B) "
+            "| wire vs accounting | payload vs accounting |",
+            "|---|---|---|---|---|---|",
+        ]
+
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{100 * x:+.1f}%"
+
+        for name, r in bc["per_peer"].items():
+            lines.append(
+                f"| {name} | {r['wire_tx_bytes']:,} | {r['wire_payload_bytes']:,} | "
+                f"{r['accounted_bytes']:,} | {pct(r['rel_diff'])} | "
+                f"{pct(r['rel_diff_payload'])} |"
+            )
+        lines += [
+            "",
+            f"Data plane (payload minus control plane) vs accounting, all peers: "
+            f"{pct(bc['rel_diff_data_plane'])}. {bc['note']}",
+            "",
+        ]
+    else:
+        lines += [bc["note"], ""]
+    if lab.churn_applied or lab.churn_skipped:
+        lines += ["| t (s) | action | peer | how |", "|---|---|---|---|"]
+        for c in lab.churn_applied + lab.churn_skipped:
+            how = c["how"] + (f" (skipped: {c['skipped']})" if "skipped" in c else "")
+            lines.append(f"| {c['t']} | {c['action']} | {c['peer']} | {how} |")
+        lines.append("")
+    with report.open("a") as f:
+        f.write("\n".join(lines) + "\n")

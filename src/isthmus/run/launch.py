@@ -1,0 +1,574 @@
+"""The one way to start peers: ``isthmus run``, ``isthmus demo`` and ``isthmus lab run`` launch here.
+
+A :class:`Launcher` starts (or joins) a coordinator, starts one process per peer *slot*, watches
+them until they all exit, and tears everything down on every way out. What differs between the
+three commands plugs in:
+
+* the :class:`Program` each peer runs: the built-in job (:class:`BuiltinJob`, the demo and the
+  lab) or the user's own script (:class:`Script`, ``isthmus run``, like ``torchrun``: it reads
+  ``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN`` and ``ISTHMUS_NAME`` with
+  :meth:`isthmus.SessionConfig.from_env`);
+* the :class:`Spawner` that makes the processes: plain local ones here, one per network namespace
+  in the lab (:class:`isthmus.run.lab.NamespaceSpawner`);
+* :class:`Hook` objects called at the start, on every tick and at the end: planned churn (the
+  demo's ``--kill``/``--join`` and the lab's scenarios, :mod:`isthmus.run.churn`), the lab's link
+  counters.
+
+A crashed peer (non-zero exit the launcher did not cause) is started again as a joiner, up to
+``max_restarts`` times per slot (torchrun's elastic agent does the same). Every wait is bounded:
+the whole run by ``timeouts.run_timeout``, each teardown step by a few seconds. On Ctrl-C,
+a timeout or an error every child gets SIGCONT and SIGTERM, then SIGKILL after a short grace
+period, and the embedded coordinator stops; the exception (KeyboardInterrupt) then propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from isthmus.coordinator.client import CoordinatorClient
+from isthmus.coordinator.membership import MembershipConfig
+from isthmus.coordinator.server import Coordinator, CoordinatorConfig
+from isthmus.lab.churn import SlotState
+from isthmus.run.config import RunConfig, TimeoutConfig
+from isthmus.run.job import PeerJob, PeerSpec
+from isthmus.run.record import RunDir
+
+__all__ = [
+    "BuiltinJob",
+    "Hook",
+    "Incarnation",
+    "Launcher",
+    "Outcome",
+    "PeerLaunch",
+    "Program",
+    "Script",
+    "Slot",
+    "Spawner",
+]
+
+log = logging.getLogger("isthmus.launch")
+
+TERM_GRACE_S = 3.0
+"""How long children get to exit after SIGTERM before SIGKILL."""
+
+
+# ---------------------------------------------------------------------------- programs
+
+
+@dataclass(frozen=True)
+class PeerLaunch:
+    """What the launcher tells a program about one process it starts."""
+
+    slot: int
+    name: str
+    coordinator: str
+    token: str
+    faults: tuple[str, ...]
+    hostname: str | None
+    run_dir: RunDir
+
+
+class Program(ABC):
+    """What each peer process runs."""
+
+    label: str
+
+    @abstractmethod
+    def command(self, peer: PeerLaunch) -> list[str]:
+        """The argv of peer ``peer``'s process."""
+
+    def env(self, peer: PeerLaunch) -> dict[str, str]:
+        """Extra environment of the process."""
+        return {}
+
+
+class BuiltinJob(Program):
+    """The built-in training job (:mod:`isthmus.run.job`) configured by ``run``."""
+
+    label = "isthmus.run.job"
+
+    def __init__(self, run: RunConfig) -> None:
+        self.run = run
+        self.attacks = {b.peer: b for b in run.faults.byzantine}
+
+    def command(self, peer: PeerLaunch) -> list[str]:
+        attack = self.attacks.get(peer.slot)
+        job = PeerJob(
+            run=self.run,
+            peer=PeerSpec(
+                name=peer.name,
+                coordinator=peer.coordinator,
+                token=peer.token,
+                out_dir=str(peer.run_dir),
+                faults=list(peer.faults),
+                attack=attack.attack if attack else None,
+                attack_from_step=attack.from_step if attack else 0,
+                hostname=peer.hostname,
+            ),
+        )
+        path = peer.run_dir.job(peer.name)
+        path.write_text(job.to_json())
+        return [sys.executable, "-m", "isthmus.run.job", str(path)]
+
+
+class Script(Program):
+    """The user's own training script, run with this Python: ``python script.py args...``.
+
+    It finds the run through the environment (``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN``,
+    ``ISTHMUS_NAME``, ``ISTHMUS_PEER``, ``ISTHMUS_RUN_DIR``, ``ISTHMUS_HOSTNAME`` in the lab).
+    Raises FileNotFoundError at once if the script does not exist.
+    """
+
+    def __init__(self, path: str | Path, args: list[str] | tuple[str, ...] = ()) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no such script: {self.path}")
+        self.args = list(args)
+        self.label = str(self.path)
+
+    def command(self, peer: PeerLaunch) -> list[str]:
+        return [sys.executable, str(self.path), *self.args]
+
+    def env(self, peer: PeerLaunch) -> dict[str, str]:
+        env = {
+            "ISTHMUS_COORDINATOR": peer.coordinator,
+            "ISTHMUS_TOKEN": peer.token,
+            "ISTHMUS_NAME": peer.name,
+            "ISTHMUS_PEER": str(peer.slot),
+            "ISTHMUS_RUN_DIR": str(peer.run_dir),
+        }
+        if peer.hostname:
+            env["ISTHMUS_HOSTNAME"] = peer.hostname
+        return env
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+class Spawner:
+    """Starts peer processes on this machine. The lab's spawner starts each in its namespace."""
+
+    coordinator_host = "127.0.0.1"
+
+    def coordinator_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around starting the embedded coordinator (the lab enters the coordinator's
+        namespace there, so that it listens on the emulated network)."""
+        return contextlib.nullcontext()
+
+    def hostname(self, slot: int) -> str | None:
+        """The address Gloo should bind in slot ``slot`` (None: resolve the hostname)."""
+        return None
+
+    def popen(
+        self, slot: int, argv: list[str], env: dict[str, str], log: Any
+    ) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the peers itself
+        )
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> bool:
+    """Send ``sig`` to the process group of ``proc``; False if it is gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``T``: stopped), or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name is in parentheses and may contain spaces: the state follows the last ')'
+    return text.rsplit(")", 1)[1].split()[0]
+
+
+@dataclass
+class Incarnation:
+    """One process that ran in a slot."""
+
+    slot: int
+    name: str
+    proc: subprocess.Popen[bytes]
+    started: float
+    killed: bool = False
+    """SIGKILLed by the launcher (planned churn)."""
+    torn_down: bool = False
+    """Stopped by the launcher's teardown (end of the run, timeout, Ctrl-C), not by a fault."""
+    restarted: bool = False
+    """It crashed and the launcher started a new process in its slot."""
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+
+@dataclass
+class Slot:
+    """One peer position and the processes that ran there one after another."""
+
+    index: int
+    incarnations: list[Incarnation] = field(default_factory=list)
+    restarts: int = 0
+
+    @property
+    def current(self) -> Incarnation | None:
+        return self.incarnations[-1] if self.incarnations else None
+
+    def state(self) -> SlotState:
+        cur = self.current
+        if cur is None:
+            return "absent"
+        if cur.proc.poll() is not None:
+            return "exited"
+        return "stopped" if proc_state(cur.proc.pid) in ("T", "t") else "running"
+
+    def next_name(self) -> str:
+        k = len(self.incarnations)
+        return f"peer{self.index}" if k == 0 else f"peer{self.index}.{k}"
+
+
+class Hook:
+    """Called by the launcher: plug-in behaviour (churn, measurements). Every method is optional."""
+
+    def faults(self, slot: int, from_step: float) -> list[str]:
+        """Fault specs the incarnation of ``slot`` starting at run step ``from_step`` carries."""
+        return []
+
+    def start(self, launcher: Launcher) -> None:
+        """The coordinator is up; no peer has started yet."""
+
+    def tick(self, launcher: Launcher) -> None:
+        """Called a few times a second while peers run."""
+
+    def stuck(self, launcher: Launcher) -> bool:
+        """True when the run can make no progress any more (every live peer is frozen)."""
+        return False
+
+    def stop(self, launcher: Launcher) -> None:
+        """The run ended (every peer exited, or the launcher gave up); called before teardown."""
+
+
+@dataclass
+class Outcome:
+    """What a launch left behind, for the summary."""
+
+    slots: list[Slot]
+    events: list[dict[str, Any]]
+    status: dict[str, Any]
+    wall_s: float
+    t0: float | None
+    """Unix time at which the first round formed (None: it never did)."""
+    timed_out: bool = False
+
+    @property
+    def incarnations(self) -> list[Incarnation]:
+        return [i for s in self.slots for i in s.incarnations]
+
+
+# ---------------------------------------------------------------------------- the launcher
+
+
+class Launcher:
+    """Starts and watches the peers of one run (see the module docstring).
+
+    ``coordinator`` None starts an embedded coordinator (with a fresh token) on the spawner's
+    host; otherwise peers join the coordinator at that address with ``token``. ``slots`` peer
+    positions exist over the run, ``starting`` of them start at once (the others are started by
+    a hook, e.g. a planned join).
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        run_dir: RunDir,
+        slots: int,
+        starting: list[int] | None = None,
+        timeouts: TimeoutConfig | None = None,
+        spawner: Spawner | None = None,
+        coordinator: str | None = None,
+        token: str | None = None,
+        max_restarts: int = 0,
+        hooks: list[Hook] | None = None,
+        total_steps: int | None = None,
+        label: str = "",
+        progress: bool = True,
+        checkpoint_dir: str | None = None,
+    ) -> None:
+        if coordinator is not None and not token:
+            raise ValueError("joining a remote coordinator needs its token")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.program = program
+        self.run_dir = run_dir
+        self.slots = [Slot(i) for i in range(slots)]
+        self.starting = list(range(slots)) if starting is None else list(starting)
+        self.timeouts = timeouts or TimeoutConfig()
+        self.spawner = spawner or Spawner()
+        self.remote = coordinator
+        self.token = token or secrets.token_hex(16)
+        self.max_restarts = max_restarts
+        self.hooks = list(hooks or [])
+        self.total_steps = total_steps
+        self.label = label or program.label
+        self.show_progress = progress
+        self.checkpoint_dir = checkpoint_dir
+        self.coordinator: Coordinator | None = None
+        self.client: CoordinatorClient | None = None
+        self.run_step = 0
+        """The most advanced active peer's step (what step-clock churn waits for)."""
+        self.t0: float | None = None
+        self.status: dict[str, Any] = {}
+
+    # -- what hooks use -------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        if self.remote is not None:
+            return self.remote
+        assert self.coordinator is not None
+        return self.coordinator.address
+
+    @property
+    def elapsed(self) -> float | None:
+        """Seconds since the first round formed (None before)."""
+        return None if self.t0 is None else time.time() - self.t0
+
+    def spawn(self, slot: int, from_step: float = 0) -> Incarnation:
+        """Start a new process in ``slot`` (a joiner unless the run is just starting)."""
+        s = self.slots[slot]
+        faults = [f for h in self.hooks for f in h.faults(slot, from_step)]
+        name = s.next_name()
+        launch = PeerLaunch(
+            slot=slot,
+            name=name,
+            coordinator=self.address,
+            token=self.token,
+            faults=tuple(faults),
+            hostname=self.spawner.hostname(slot),
+            run_dir=self.run_dir,
+        )
+        argv = self.program.command(launch)
+        with self.run_dir.log(name).open("wb") as logf:
+            proc = self.spawner.popen(
+                slot, argv, {"PYTHONUNBUFFERED": "1", **self.program.env(launch)}, logf
+            )
+        inc = Incarnation(slot, name, proc, time.monotonic())
+        s.incarnations.append(inc)
+        return inc
+
+    def kill(self, slot: int) -> None:
+        """SIGKILL the slot's process group and reap it (bounded)."""
+        cur = self.slots[slot].current
+        if cur is not None and cur.proc.poll() is None:
+            cur.killed = True
+            signal_group(cur.proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                cur.proc.wait(10)
+
+    def signal(self, slot: int, sig: int) -> bool:
+        cur = self.slots[slot].current
+        return cur is not None and signal_group(cur.proc, sig)
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        """Launch, watch until every peer exited (or the run timed out), tear down."""
+        started = time.monotonic()
+        timed_out = False
+        self._start_coordinator()
+        try:
+            for h in self.hooks:
+                h.start(self)
+            for i in self.starting:
+                self.spawn(i, 0)
+            timed_out = self._watch(started + self.timeouts.run_timeout)
+            for h in self.hooks:
+                h.stop(self)
+        finally:
+            self._teardown()
+            events, status = self._final_view()
+            if self.coordinator is not None:
+                self.coordinator.stop()
+            if self.client is not None:
+                self.client.close()
+        return Outcome(self.slots, events, status, time.monotonic() - started, self.t0, timed_out)
+
+    def _start_coordinator(self) -> None:
+        if self.remote is not None:
+            self.client = CoordinatorClient(
+                self.remote, self.token, connect_timeout=self.timeouts.connect_timeout
+            )
+            return
+        t = self.timeouts
+        with self.spawner.coordinator_context():
+            self.coordinator = Coordinator(
+                CoordinatorConfig(
+                    token=self.token,
+                    host=self.spawner.coordinator_host,
+                    port=0,
+                    membership=MembershipConfig(
+                        start_peers=max(1, len(self.starting)),
+                        start_timeout=t.start_timeout,
+                        heartbeat_timeout=t.heartbeat_timeout,
+                        commit_timeout=max(60.0, 4 * t.collective_timeout),
+                    ),
+                    heartbeat_interval=min(0.5, t.heartbeat_timeout / 3),
+                    checkpoint_dir=self.checkpoint_dir,
+                )
+            ).start()
+
+    def _poll_status(self) -> dict[str, Any]:
+        if self.coordinator is not None:
+            return self.coordinator.status(events=0)
+        assert self.client is not None
+        try:
+            return self.client.get("/v1/status?events=0")
+        except Exception as e:  # a remote coordinator that blips must not end the launch
+            log.warning("status of %s: %s", self.remote, e)
+            return self.status
+
+    def _final_view(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        if self.coordinator is not None:
+            return self.coordinator.events(), self.coordinator.status()
+        assert self.client is not None
+        with contextlib.suppress(Exception):
+            status = self.client.get("/v1/status?events=100000")
+            base = float(status.get("started_at", 0.0))
+            events = [{**e, "ts": round(base + e["t"], 4)} for e in status.pop("events", [])]
+            return events, status
+        return [], self.status
+
+    def _restart_crashed(self) -> None:
+        for s in self.slots:
+            cur = s.current
+            if cur is None or cur.proc.poll() is None or cur.returncode == 0:
+                continue
+            if cur.killed or cur.torn_down or cur.restarted or s.restarts >= self.max_restarts:
+                continue
+            cur.restarted = True
+            s.restarts += 1
+            log.warning(
+                "%s exited with %s; restarting it as %s (%d of %d)",
+                cur.name,
+                cur.returncode,
+                s.next_name(),
+                s.restarts,
+                self.max_restarts,
+            )
+            self._say(f"{cur.name} exited with {cur.returncode}: restarted as {s.next_name()}")
+            self.spawn(s.index, self.run_step)
+
+    def _watch(self, deadline: float) -> bool:
+        """Poll until every peer has exited; True if the run timed out."""
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._console = Console(stderr=True)
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("peers {task.fields[peers]}"),
+            TextColumn("sent {task.fields[sent]}"),
+            TimeElapsedColumn(),
+            console=self._console,
+            disable=not self.show_progress,
+        )
+        with progress:
+            task = progress.add_task(
+                self.label, total=self.total_steps, loss="-", peers=0, sent="0 B"
+            )
+            while True:
+                self._restart_crashed()
+                alive = [s for s in self.slots if s.state() in ("running", "stopped")]
+                if not alive:
+                    break
+                if any(h.stuck(self) for h in self.hooks):
+                    self._say("every remaining peer is stopped and none will continue: ending")
+                    break
+                if time.monotonic() > deadline:
+                    self._say(
+                        f"[red]run timed out after {self.timeouts.run_timeout:.0f}s; stopping peers"
+                    )
+                    return True
+                st = self._poll_status()
+                self.status = st
+                if self.t0 is None and st.get("epoch", 0) >= 1:
+                    self.t0 = time.time()
+                peers = st.get("peers", [])
+                active = [p for p in peers if p["state"] == "active"]
+                steps = [int(p["info"].get("step", 0)) for p in active]
+                self.run_step = max([self.run_step, *steps])
+                for h in self.hooks:
+                    h.tick(self)
+                losses = [float(p["info"]["loss"]) for p in active if "loss" in p["info"]]
+                sent = sum(int(p["info"].get("bytes_sent", 0)) for p in peers)
+                fields: dict[str, Any] = {"sent": _fmt_bytes(sent), "peers": st.get("world", 0)}
+                if losses:
+                    fields["loss"] = f"{sum(losses) / len(losses):.3f}"
+                done = min(self.run_step, self.total_steps) if self.total_steps else self.run_step
+                progress.update(task, completed=done, **fields)
+                time.sleep(0.1)
+            if self.total_steps:
+                progress.update(task, completed=self.total_steps)
+        return False
+
+    def _say(self, text: str) -> None:
+        console = getattr(self, "_console", None)
+        if console is not None:
+            console.print(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def _teardown(self) -> None:
+        """Stop every child still running: SIGCONT and SIGTERM to its group, SIGKILL after a
+        short grace period. Bounded; never stops half-way."""
+        live = [
+            i for i in (s.current for s in self.slots) if i is not None and i.proc.poll() is None
+        ]
+        for inc in live:
+            inc.torn_down = True
+            signal_group(inc.proc, signal.SIGCONT)
+            signal_group(inc.proc, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        for inc in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                inc.proc.wait(max(0.0, deadline - time.monotonic()))
+        for inc in live:
+            if inc.proc.poll() is None:
+                signal_group(inc.proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    inc.proc.wait(10)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,110 @@
+"""``isthmus run``: the user's own training script on N local peers, like ``torchrun``.
+
+``isthmus run --peers 3 train.py --lr 3e-4`` starts an embedded coordinator and three processes of
+``python train.py --lr 3e-4``; each finds the run through ``ISTHMUS_COORDINATOR``,
+``ISTHMUS_TOKEN`` and ``ISTHMUS_NAME`` (``isthmus.SessionConfig.from_env()`` reads them). With
+``coordinator=`` the peers join a coordinator elsewhere instead (``isthmus coordinator`` on some
+host, the token from a file), so the same command starts this machine's share of a run across
+machines. With GPUs, each peer gets one device through ``CUDA_VISIBLE_DEVICES`` (round robin over
+the visible ones). A crashed peer is restarted as a joiner up to ``max_restarts`` times.
+
+The run directory gets each peer's log, ``events.jsonl`` (the coordinator's view) and
+``summary.json``; parity at the end comes from the digests the peers' sessions report when they
+leave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from isthmus.run.config import TimeoutConfig
+from isthmus.run.launch import Launcher, PeerLaunch, Script
+from isthmus.run.record import RunDir, Summary
+from isthmus.run.summarize import collect_metrics, summarize
+
+__all__ = ["DeviceScript", "run_script", "visible_devices"]
+
+
+def visible_devices() -> list[str]:
+    """The CUDA devices peers may use: ``CUDA_VISIBLE_DEVICES`` if set, else every device torch
+    sees (none without CUDA)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d for d in env.split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch, or a broken CUDA install: run on the CPU
+        return []
+
+
+class DeviceScript(Script):
+    """A :class:`Script` whose peer ``i`` sees one device: ``devices[i % len(devices)]``."""
+
+    def __init__(self, path: str | Path, args: list[str], devices: list[str]) -> None:
+        super().__init__(path, args)
+        self.devices = devices
+
+    def env(self, peer: PeerLaunch) -> dict[str, str]:
+        env = super().env(peer)
+        if self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices[peer.slot % len(self.devices)]
+        return env
+
+
+def run_script(
+    script: str | Path,
+    args: list[str],
+    *,
+    peers: int,
+    max_restarts: int = 0,
+    coordinator: str | None = None,
+    token: str | None = None,
+    timeouts: TimeoutConfig | None = None,
+    run_dir: str | None = None,
+    steps: int | None = None,
+    progress: bool = True,
+    summary_json: str | None = None,
+) -> tuple[Summary, RunDir]:
+    """Run ``script`` on ``peers`` local processes until they all exit; returns the summary
+    (also in ``summary.json``) and the run directory.
+
+    Raises FileNotFoundError if the script does not exist, ValueError for bad settings, and
+    re-raises KeyboardInterrupt after stopping every child.
+    """
+    if peers < 1:
+        raise ValueError(f"--peers must be at least 1, got {peers}")
+    program = DeviceScript(script, args, visible_devices())
+    rd = RunDir.create(run_dir, Path(script).stem)
+    timeouts = timeouts or TimeoutConfig()
+    rd.write_json(
+        "config.json",
+        {
+            "program": str(script),
+            "args": list(args),
+            "peers": peers,
+            "max_restarts": max_restarts,
+            "coordinator": coordinator,
+            "timeouts": dataclasses.asdict(timeouts),
+        },
+    )
+    launcher = Launcher(
+        program,
+        run_dir=rd,
+        slots=peers,
+        timeouts=timeouts,
+        coordinator=coordinator,
+        token=token,
+        max_restarts=max_restarts,
+        total_steps=steps,
+        label=Path(script).name,
+        progress=progress,
+    )
+    outcome = launcher.run()
+    summary = summarize(outcome, rd, steps=steps, program=str(script), starting=peers)
+    collect_metrics(outcome, rd)
+    rd.write_summary(summary, also=summary_json)
+    return summary, rd

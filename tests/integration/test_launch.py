@@ -1,0 +1,135 @@
+"""The one launcher: `isthmus run` with a user's script (restarts, exit codes, Ctrl-C) and the
+demo's final digest, unchanged by the run layer's rebuild."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from isthmus.cli import main as cli_main
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "scripts" / "user_train.py"
+
+# The demo's final digests for `isthmus demo --peers 3 --steps 60 --model tiny` (seed 0), taken
+# on the landed code before the run layer was rebuilt (commit 0c65f18, torch 2.13.0+cpu, AVX2).
+# Float results depend on the CPU's kernels, so other CPUs skip with the reason.
+GOLDEN = {"AVX2": ("aaa6951a98cecda7", "0016bf96daba08f3")}
+
+
+def test_the_demo_digest_is_unchanged_by_the_rebuild(tmp_path: Path) -> None:
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in GOLDEN:
+        pytest.skip(f"golden digests were taken on {', '.join(GOLDEN)} CPUs; this one is {cap}")
+    out = tmp_path / "summary.json"
+    argv = ["demo", "--peers", "3", "--steps", "60", "--model", "tiny", "--no-progress"]
+    assert cli_main([*argv, "--run-dir", str(tmp_path / "run"), "--summary-json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert (s["final_digest"], s["final_model_digest"]) == GOLDEN[cap], s
+    assert s["peers_final"] == 3 and s["parity_failures"] == 0
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "isthmus.cli",
+            "run",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_a_script_that_crashes_once_is_restarted_and_the_run_ends_in_parity(tmp_path: Path) -> None:
+    p = _run(
+        tmp_path, "--peers", "3", "--max-restarts", "1", "--summary-json", str(tmp_path / "s.json"),
+        str(SCRIPT), "--steps", "80", "--crash-at", "10", "--delay", "0.15",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["restarts"] == 1 and s["exit_codes"]["peer1"] == 3, s
+    assert s["exit_codes"]["peer1.1"] == 0
+    # every peer that finished left with the same shared-state digest
+    assert s["peers_final"] == 3 and s["parity_failures"] == 0, s
+    assert "peer1 exited with 3" in p.stderr  # the crash is reported with the end of its output
+
+
+def test_a_missing_script_or_one_that_fails_at_once_is_reported_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    p = _run(tmp_path, "--peers", "2", str(tmp_path / "nope.py"))
+    assert p.returncode == 2 and "no such script" in p.stderr
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nprint('cannot find my data', file=sys.stderr)\nsys.exit(5)\n")
+    p = _run(tmp_path, "--peers", "2", str(bad), timeout=60)
+    assert p.returncode == 1, p.stderr
+    assert "peer0 exited with 5" in p.stderr and "cannot find my data" in p.stderr
+    unset = tmp_path / "unset.py"
+    unset.write_text(
+        "import os, isthmus\nos.environ.pop('ISTHMUS_TOKEN')\nisthmus.SessionConfig.from_env()\n"
+    )
+    p = _run(tmp_path / "2", "--peers", "1", str(unset), timeout=60)
+    assert p.returncode == 1 and "ISTHMUS_TOKEN is not set" in p.stderr
+
+
+def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
+    """SIGINT to the launcher: every peer process is gone afterwards, the exit code says so."""
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--run-dir", str(tmp_path / "run"),
+            "--peers", "2", str(SCRIPT), "--steps", "100000", "--delay", "0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (run / "peer1.log").exists():
+        time.sleep(0.2)
+    time.sleep(3)
+    children = _children(proc.pid)
+    assert children, "the launcher started no peers"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    time.sleep(0.5)
+    alive = [pid for pid in children if _alive(pid)]
+    assert not alive, f"peer processes left behind: {alive}"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and os.path.exists(f"/proc/{pid}")
