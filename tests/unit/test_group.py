@@ -147,3 +147,27 @@ def test_exchange_with_a_silent_peer_fails_within_the_timeout():
     with pytest.raises(CollectiveError):
         groups[0].exchange(torch.ones(6))
     assert groups[0].aborted
+
+
+def test_a_resync_of_mixed_dtypes_lands_on_aligned_storage() -> None:
+    """A float32 tensor of odd length followed by int64 ones (a sampler's position after the
+    model): the int64 values start at an offset not divisible by 8 in the packed bytes."""
+    from isthmus.comm.state import SharedState, tensor_hash
+    from isthmus.comm.transfer import apply_transfers
+    from isthmus.coordinator.protocol import RoundPlan, Transfer
+    from isthmus.testing import local_groups, run_parallel
+
+    groups = local_groups(2)
+    states = []
+    for rank in range(2):
+        st = SharedState()
+        st.register("w", torch.arange(5, dtype=torch.float32) * (rank + 1))
+        st.register("pos", torch.tensor([7, 9], dtype=torch.int64) * (rank + 1))
+        st.register("half", torch.ones(3, dtype=torch.bfloat16) * (rank + 1))
+        states.append(st)
+    names = ("w", "pos", "half")
+    expected = {n: tensor_hash(states[0][n]) for n in names}
+    plan = RoundPlan(0, 1, (0, 1), (Transfer(0, 1, names),), expected, True)
+    run_parallel(groups, lambda g: apply_transfers(g, plan, states[g.rank], g.rank))
+    for n in names:
+        assert torch.equal(states[1][n], states[0][n]), n

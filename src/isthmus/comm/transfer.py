@@ -61,7 +61,11 @@ def apply_transfers(group: Group, plan: RoundPlan, state: SharedState, peer_id: 
         for n in names:
             target = state[n]
             nb = target.numel() * target.element_size()
-            value = buf[offset : offset + nb].view(target.dtype).reshape(target.shape)
+            chunk = buf[offset : offset + nb]
+            if offset % target.element_size():
+                # tensors of mixed dtypes share one byte buffer: a view needs aligned storage
+                chunk = chunk.clone()
+            value = chunk.view(target.dtype).reshape(target.shape)
             offset += nb
             got = tensor_hash(value)
             if got != plan.expected.get(n):
