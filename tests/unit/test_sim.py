@@ -189,7 +189,7 @@ def test_sweep_to_ten_thousand_peers() -> None:
 
 
 def test_validate_against_a_measurement() -> None:
-    # DESIGN.md: Gloo ring all-reduce, 4 peers, 64 MB over 100 Mbit/s links: 95 Mbit/s bus
+    # docs/ARCHITECTURE.md, measured facts: Gloo ring all-reduce, 4 peers, 64 MB over 100 Mbit/s links: 95 Mbit/s bus
     # bandwidth, i.e. (6/4) * 64e6 * 8 / 95e6 s per all-reduce
     measured = 1.5 * 64e6 * 8 / 95e6
     sim = Simulator(

@@ -4,7 +4,7 @@ The coordinator server feeds this class requests and the current time; everythin
 who is in a round, whether a round commits, and who must be resynced from whom lives here, so it
 can be unit-tested with a fake clock.
 
-Protocol, as seen from here (see DESIGN.md, "Round protocol"):
+Protocol, as seen from here (docs/PROTOCOL.md):
 
 * A peer **registers**, then keeps a heartbeat. A peer whose heartbeat is older than
   ``heartbeat_timeout`` (or whose heartbeat connection closed) is evicted.
