@@ -106,6 +106,15 @@ def _final_codes(summary: Any) -> dict[str, int | None]:
     return {n: rc for n, rc in last.values()}
 
 
+def _restarts_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start a crashed peer again (as a joiner) up to this many times per peer",
+    )
+
+
 def add_parsers(sub: Any) -> None:
     c = sub.add_parser("coordinator", help="run the membership server for a run")
     c.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
@@ -151,12 +160,7 @@ def add_parsers(sub: Any) -> None:
         + ". Defaults: 3 peers, diloco, 150 steps for ddp and 200 for the others, H=20.",
     )
     add_config_flags(d, shortcuts=True)
-    d.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="start a crashed peer again (as a joiner) up to this many times per peer",
-    )
+    _restarts_flag(d)
     d.set_defaults(func=_cmd_demo)
 
     r = sub.add_parser(
@@ -169,12 +173,7 @@ def add_parsers(sub: Any) -> None:
     r.add_argument(
         "--peers", type=int, default=1, help="peer processes on this machine (default 1)"
     )
-    r.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="start a crashed peer again (as a joiner) up to this many times per peer",
-    )
+    _restarts_flag(r)
     r.add_argument(
         "--coordinator",
         default=None,

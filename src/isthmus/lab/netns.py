@@ -1,20 +1,5 @@
-"""An emulated wide-area network on one Linux machine: network namespaces, veth pairs, tc tbf.
-
-Layout (all of it inside namespaces this module creates; the host's own network is never touched)::
-
-    ns <run>-c   (coordinator)  wan0 10.77.0.1 --veth-- c  \\
-    ns <run>-p0  (peer 0)       wan0 10.77.0.2 --veth-- p0  >-- br0 (bridge, in ns <run>-br)
-    ns <run>-p1  (peer 1)       wan0 10.77.0.3 --veth-- p1 /
-
-Each node's link is shaped in both directions with a token bucket filter
-(``tc qdisc add ... tbf``): its upload on its own ``wan0`` and its download on the bridge-side end
-of its veth (that end's egress is the node's ingress). Links are full duplex, so a ring all-reduce
-at rate R moves R bit/s each way on every link, as a real access link would.
-
-What this cannot emulate: propagation delay, jitter and loss. Those need ``netem``, which the
-kernel on our machines does not provide; the only queueing delay is tbf's own (bounded by its
-``latency`` setting). Rates from 1 Mbit/s to a few Gbit/s are realistic; above that the veth
-path itself (CPU-bound, about 4 Gbit/s measured here) is the limit.
+"""Network namespaces for the emulated WAN (:mod:`isthmus.lab.wan` builds the network itself):
+create them, run a thread or a process inside one, kill what runs inside, delete them.
 
 Every run gets unique names (``<prefix>-<pid>-<4 hex>-...``), so concurrent runs never collide,
 and :func:`cleanup_stale` can tell a crashed run (its pid is gone) from a live one. Teardown
