@@ -12,6 +12,17 @@ from isthmus.run.flags import add_config_flags
 
 __all__ = ["add_parsers"]
 
+RUN_FLAGS = (
+    "heartbeat_timeout",
+    "connect_timeout",
+    "start_timeout",
+    "timeout",
+    "run_dir",
+    "summary_json",
+    "progress",
+)
+"""The run settings `isthmus run` takes (the script brings its own model, data and strategy)."""
+
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from isthmus.coordinator.membership import MembershipConfig
@@ -59,16 +70,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from isthmus.run.config import TimeoutConfig
+    from isthmus.run.config import from_flat
+    from isthmus.run.flags import overrides_from
     from isthmus.run.script import run_script
 
     token = read_token(args, required=args.coordinator is not None)
     try:
-        timeouts = TimeoutConfig(
-            heartbeat_timeout=args.heartbeat_timeout,
-            connect_timeout=args.connect_timeout,
-            run_timeout=args.timeout,
-        )
+        cfg = from_flat(**overrides_from(args))
         summary, run_dir = run_script(
             args.script,
             args.args,
@@ -76,11 +84,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             coordinator=args.coordinator,
             token=token,
-            timeouts=timeouts,
-            run_dir=args.run_dir,
+            timeouts=cfg.timeouts,
+            run_dir=cfg.output.run_dir,
             steps=args.steps,
-            progress=not args.no_progress,
-            summary_json=args.summary_json,
+            progress=cfg.output.progress,
+            summary_json=cfg.output.summary_json,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"isthmus run: {e}", file=sys.stderr)
@@ -182,20 +190,8 @@ def add_parsers(sub: Any) -> None:
     )
     r.add_argument("--token", help="the run's token (with --coordinator)")
     r.add_argument("--token-file", help="read the token from this file")
-    r.add_argument(
-        "--run-dir", default=None, help="logs and summary (default runs/<time>-<script>)"
-    )
-    r.add_argument("--summary-json", default=None, help="also write the summary JSON here")
     r.add_argument("--steps", type=int, default=None, help="the run's length, for the progress bar")
-    r.add_argument("--heartbeat-timeout", type=float, default=3.0)
-    r.add_argument("--connect-timeout", type=float, default=30.0)
-    r.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="bound on the whole run, seconds (default 1800)",
-    )
-    r.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    add_config_flags(r, include=RUN_FLAGS)
     r.add_argument("script", help="the training script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     r.set_defaults(func=_cmd_run)
