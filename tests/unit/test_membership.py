@@ -125,7 +125,7 @@ def test_joiner_waits_for_running_round_then_is_resynced():
     d = r.begin(b)
     assert d.kind == "go"
     plan = d.plan
-    assert plan.members == (a, b, j) and plan.new_epoch
+    assert plan.members == (j, a, b) and plan.new_epoch  # ranks follow names: "joiner" < "p"
     (t,) = plan.transfers
     assert t.dst == j and t.src in (a, b) and t.names == ("w",)
     assert plan.expected == {"w": "aa"}
@@ -383,3 +383,12 @@ def test_work_of_a_new_registration_or_an_aborted_repair_does_not_count():
     plan = full_round(r, [a, b, c, d])  # d's state was overwritten: no transfer needed now
     assert plan.transfers == () and plan.stale == (d,) and d in plan.resynced
     assert RoundPlan.from_json(plan.to_json()) == plan
+
+
+def test_ranks_follow_peer_names_not_registration_order():
+    """Whoever registers first, ``peer0`` is rank 0: a restarted or resumed peer gets its rank,
+    its data shard and its slot's local state back."""
+    r = Run(start_peers=3)
+    c, a, b = r.add("peer2"), r.add("peer0"), r.add("peer1")
+    plan = full_round(r, [c, a, b])
+    assert plan.members == (a, b, c) and plan.rank_of(a) == 0 and plan.rank_of(c) == 2

@@ -10,7 +10,9 @@ round; the first matching, not-yet-fired fault acts:
 * ``corrupt``: flip one bit of one shared tensor in place (the parity check must catch it).
 
 Points used by isthmus: ``step`` (start of a training step), ``collective`` (a round's reduction
-was issued and is in flight), ``commit`` (about to report the round's outcome).
+was issued and is in flight), ``commit`` (about to report the round's outcome), ``checkpoint``
+(a checkpoint part of revision ``round`` is written but not yet reported; fired on the writer's
+thread, so a ``kill`` there is a peer dying in the middle of a save).
 Spec strings (CLI, scenarios) follow the grammar of :mod:`isthmus.spec`, the ``@`` part carrying
 the point: ``ACTION@POINT:step=N`` or ``ACTION@POINT:round=N`` (or both), e.g.
 ``kill@collective:step=20``; the short form ``kill@20`` means ``kill@step:step=20``.
@@ -31,7 +33,7 @@ from isthmus.spec import Registry, SpecError, coerce, parse
 __all__ = ["FAULT_ACTIONS", "Fault", "FaultInjector", "FaultWhen", "InjectedFailure"]
 
 ACTIONS = ("kill", "stop", "fail", "corrupt")
-Point = Literal["step", "collective", "commit"]
+Point = Literal["step", "collective", "commit", "checkpoint"]
 POINTS: tuple[str, ...] = get_args(Point)
 _USAGE = "fault specs look like ACTION@POINT:step=N, ACTION@POINT:round=N or ACTION@N (step N)"
 

@@ -404,7 +404,10 @@ class Membership:
             self.peers[pid].in_sync = pid in voters and pid not in dsts
             if pid in dsts:
                 self.peers[pid].uncounted = True  # until this round commits
-        members = tuple(ready)
+        # ranks follow peer names (then ids): a peer that restarts under its name, or a run
+        # resumed from a checkpoint, gets the same rank, the same data shard and its own slot's
+        # local state back; ids alone follow registration order, which is a race
+        members = tuple(sorted(ready, key=lambda pid: (self.peers[pid].name, pid)))
         new_epoch = self.force_new_epoch or members != self.members
         if new_epoch:
             self.epoch += 1
