@@ -1,9 +1,32 @@
 """Training strategies: each plugs into a normal torch loop (call ``strategy.step()`` after
 ``loss.backward()``) and decides what to communicate. One file per algorithm, citing its paper.
 
+Every strategy shares the user's whole model, as :class:`~isthmus.strategies.base.ModelState`
+enumerates it: trainable parameters (a tied one once), frozen parameters and persistent buffers;
+non-persistent buffers (rotary ``inv_freq`` tables, masks) stay local. Frozen parameters and
+integer buffers (BatchNorm's ``num_batches_tracked``) are shared as the model's own tensors
+(``model/<name>``) by every strategy, never averaged: only forward passes, alike on every peer,
+change them, the parity check repairs a peer that differs and a joiner receives them. Floating
+buffers follow one rule per strategy. **ddp**: torch DDP broadcasts rank 0's; here they are
+averaged over the round's contributors in the reducer's ``exact`` values (an fp32 sum with no
+compression and no robust rule, so a byzantine peer can move them) and every peer copies the
+mean (``global/<name>``) into its model after the commit. **The DiLoCo family** (localsgd,
+diloco, streaming, eager, co2): a global copy (``global/<name>``) is shared state; at each outer
+round the contributors' buffers are averaged in the same exact values that carry the step count
+and the mean goes into the model. Streaming DiLoCo carries all of them in every fragment round;
+eager DiLoCo and CO2 apply the mean of the snapshot taken at a boundary when its round settles,
+one boundary later; where forward passes ran while a round was in flight, the model keeps what
+they gathered on top of the mean. **gossip**: floating buffers are mixed like parameters, and
+the final merge averages them exactly. In mixed precision the DiLoCo family keeps fp32 global
+state (theta, the outer optimizer, the buffers' copy) for bf16/fp16 tensors and casts it into the
+model; fp32 models are unchanged bit for bit. A catch-up round (the first step of the DiLoCo
+family and gossip with a session) drops its forward pass's statistics with its gradient, so
+with one peer every strategy equals its run without a session bit for bit, buffers included.
+
 To add a strategy: subclass :class:`Strategy`, declare its ``name`` and ``Config`` (its options
-dataclass, validated in ``__post_init__``), create its state in ``setup`` and implement ``step``,
-then add the class to the loop that fills :data:`STRATEGIES` below.
+dataclass, validated in ``__post_init__``), create its state in ``setup`` (registering the model
+through :meth:`Strategy.share_model`) and implement ``step``, then add the class to the loop that
+fills :data:`STRATEGIES` below.
 """
 
 from __future__ import annotations

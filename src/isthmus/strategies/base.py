@@ -1,4 +1,4 @@
-"""What every strategy shares: plugging into a torch loop, shared state, contribution buffers.
+"""What every strategy shares: plugging into a torch loop, the model's state, contribution buffers.
 
 A strategy wraps the user's model and optimizer. The user's loop stays a normal torch loop::
 
@@ -10,6 +10,13 @@ A strategy wraps the user's model and optimizer. The user's loop stays a normal 
 Whether ``step()`` communicates, and what, is the strategy's business. With ``session=None`` (or
 a run of one peer) no tensor ever leaves the process.
 
+The model's state is enumerated once, by :class:`ModelState`: trainable parameters (a tied or
+shared parameter once), frozen parameters, and the *persistent* buffers, floating and other; a
+module's non-persistent buffers (rotary ``inv_freq`` tables, causal masks) are not part of its
+``state_dict`` and stay local to each peer. Every strategy shares all of it (see
+:mod:`isthmus.strategies` for each one's rule); :class:`SharedBuffers` is the global copy of the
+floating buffers that the round-based strategies average.
+
 Contributions: a peer that was resynced at the start of a round, or whose update is not finite,
 must not count in the average; :class:`~isthmus.reduce.reducer.Reducer` handles that (and
 compression and robust aggregation) for every strategy.
@@ -17,40 +24,56 @@ compression and robust aggregation) for every strategy.
 Every strategy is built the same way, by :class:`Strategy`'s constructor: ``Strategy(session,
 model, optimizer, config, reducer=... | compression=..., aggregator=..., byzantine_f=...)``, or
 by name and flat options through :func:`isthmus.strategies.make_strategy`.
+
+Checkpoints (:mod:`isthmus.checkpoint`) take the shared state from the session and ask the
+strategy for the rest: :meth:`Strategy.local_state` (what this peer alone holds),
+:meth:`Strategy.load_local_state` and :meth:`Strategy.model_keys` (which shared tensor holds each
+of the model's ``state_dict`` keys).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from isthmus.comm.session import Session
+from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import Reducer
 from isthmus.spec import config_from
 
 __all__ = [
+    "ModelState",
+    "SharedBuffers",
     "Strategy",
+    "as_started",
+    "global_copy",
+    "load_tensors",
     "materialize_optimizer_state",
-    "register_module",
+    "outer_dtype",
     "register_optimizer",
 ]
 
 log = logging.getLogger("isthmus.strategy")
 S = TypeVar("S", bound="Strategy")
+Named = list[tuple[str, torch.Tensor]]
 
 
 def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily-built state (Adam moments, momentum buffers) now.
 
     Torch optimizers allocate their state on the first ``step()``. A joining peer must receive
-    that state before its first round, so it has to exist (with a fixed schema) from the start.
-    This runs one step with zero gradients and learning rate 0, restores every parameter
-    bit-for-bit, and resets step counters to 0. The result is exactly the state the optimizer
-    would have had before its first real step (zeros), so later steps are unchanged.
+    that state before its first round, and a checkpoint's local state is loaded into a template
+    of it, so it has to exist (with a fixed schema) from the start. This runs one step with zero
+    gradients and learning rate 0, restores every parameter bit-for-bit, and resets step counters
+    to 0. The result is exactly the state the optimizer would have had before its first real step
+    (zeros), so later steps are unchanged. Raises what the optimizer's ``step()`` raises (one
+    that needs a closure, for instance); the parameters and gradients are restored first.
     """
     params = [p for g in opt.param_groups for p in g["params"]]
     if all(opt.state.get(p) for p in params):
@@ -80,13 +103,6 @@ def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 st["step"] = 0
 
 
-def register_module(
-    session: Session, prefix: str, params: Iterable[tuple[str, torch.Tensor]]
-) -> None:
-    for name, p in params:
-        session.state.register(f"{prefix}/{name}", p.data)
-
-
 def register_optimizer(session: Session, prefix: str, opt: torch.optim.Optimizer) -> None:
     """Register every tensor of ``opt``'s state (after :func:`materialize_optimizer_state`)."""
     materialize_optimizer_state(opt)
@@ -106,12 +122,6 @@ def register_optimizer(session: Session, prefix: str, opt: torch.optim.Optimizer
             i += 1
 
 
-def register_globals(session: Session, names: list[str], tensors: list[torch.Tensor]) -> None:
-    """Register the global (outer) parameters as ``global/<name>``: the copy every peer agrees on."""
-    for n, g in zip(names, tensors, strict=True):
-        session.register(f"global/{n}", g)
-
-
 def outer_sgd(
     params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool
 ) -> torch.optim.SGD:
@@ -120,19 +130,205 @@ def outer_sgd(
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
 
-class Strategy(ABC):
-    """Base class: the session, the model, the user's optimizer, the strategy's typed config,
-    the reducer, the step counter and the shared counters.
+# -- the model's state ----------------------------------------------------------------------------
 
-    A subclass declares ``name`` (its registry name) and ``Config`` (its options dataclass,
-    validated on construction), creates its own state in :meth:`setup` and implements
-    :meth:`step`; the constructor and :meth:`from_options` are this class's, for every strategy.
+
+def outer_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of a tensor's global copy: fp32 for fp16/bf16 tensors (so that the outer
+    optimizer and the averages keep the precision half-precision steps lose), else its own."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def global_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of ``t`` in :func:`outer_dtype` (the same bits for fp32)."""
+    return torch.empty_like(t, dtype=outer_dtype(t), memory_format=torch.contiguous_format).copy_(
+        t.detach()
+    )
+
+
+def as_started(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The global value ``g`` as the local tensor ``p`` received it (cast to ``p``'s dtype), in
+    ``g``'s dtype. Outer gradients are measured from it: with a bf16 model, ``g - p`` would also
+    carry the rounding of the cast, and every round would pull the fp32 state onto the bf16 grid.
+    For tensors of one dtype it is ``g`` itself."""
+    return g if g.dtype == p.dtype else g.to(p.dtype).to(g.dtype)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """What a model's ``state_dict`` holds, enumerated once for every strategy.
+
+    ``trainable`` and ``frozen`` are ``named_parameters()`` split by ``requires_grad`` (a tied or
+    shared parameter appears once, under its first name); ``float_buffers`` and ``other_buffers``
+    are the *persistent* buffers (a module lists the others in ``_non_persistent_buffers_set``;
+    they are not in the ``state_dict`` and stay local), floating point or not. ``keys`` maps every
+    ``state_dict`` key, tied duplicates included, to the first name of the tensor behind it.
+    """
+
+    trainable: Named
+    frozen: Named
+    float_buffers: Named
+    other_buffers: Named
+    keys: dict[str, str]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelState:
+        """Enumerate ``model``. A ``state_dict`` entry that is none of the model's parameters or
+        persistent buffers (a module's extra state, a custom ``_save_to_state_dict``) is not
+        shared: it is left out of :attr:`keys` with a warning naming it."""
+        first: dict[int, str] = {}
+        trainable: Named = []
+        frozen: Named = []
+        for n, p in model.named_parameters():
+            (trainable if p.requires_grad else frozen).append((n, p))
+            first[id(p)] = n
+        floats: Named = []
+        others: Named = []
+        # every module, repeats included: a buffer shared by two modules may be persistent in one
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for bname, b in module._buffers.items():
+                if b is None or bname in module._non_persistent_buffers_set or id(b) in first:
+                    continue
+                full = f"{prefix}.{bname}" if prefix else bname
+                first[id(b)] = full
+                (floats if b.is_floating_point() else others).append((full, b))
+        keys: dict[str, str] = {}
+        unknown: list[str] = []
+        for key, v in model.state_dict(keep_vars=True).items():
+            if isinstance(v, torch.Tensor) and id(v) in first:
+                keys[key] = first[id(v)]
+            else:
+                unknown.append(key)
+        if unknown:
+            log.warning(
+                "state_dict entries that are not parameters or buffers are not shared: %s",
+                ", ".join(unknown),
+            )
+        return cls(trainable, frozen, floats, others, keys)
+
+    def state_dict_keys(self) -> dict[str, str]:
+        """Every ``state_dict`` key -> the first name of its tensor (a copy)."""
+        return dict(self.keys)
+
+
+class SharedBuffers:
+    """The global copy of a model's floating persistent buffers (BatchNorm's running statistics),
+    averaged over a round's contributors through the reducer's ``exact`` values.
+
+    The copy (``global/<name>``, fp32 for half-precision buffers) changes only when a round
+    commits, so it can be hashed and repaired like any shared tensor while the model's own
+    buffers move with every forward pass. A round carries a *snapshot* of the model's buffers
+    (:meth:`snapshot`, :meth:`flat`); once it committed, :meth:`land` writes the mean into the
+    copy and :meth:`restart` or :meth:`rebase` brings it into the model.
+
+    The exact values are an fp32 sum with no compression and no robust rule: a byzantine peer can
+    move the buffers' average, and fp64 buffers are averaged in fp32.
+    """
+
+    def __init__(self, named: Named) -> None:
+        self.names = [n for n, _ in named]
+        self.local = [b for _, b in named]
+        self.globals = [global_copy(b) for b in self.local]
+        self.numel = sum(b.numel() for b in self.local)
+
+    def __bool__(self) -> bool:
+        return bool(self.local)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Fresh copies of the model's buffers, in the global copy's dtypes."""
+        return [global_copy(b) for b in self.local]
+
+    def shared(self) -> list[torch.Tensor]:
+        """Fresh copies of the global copy."""
+        return [g.clone() for g in self.globals]
+
+    def flat(self, snap: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A snapshot as one fp32 vector (what the exact values carry)."""
+        if not snap:
+            return torch.zeros(0)
+        return torch.cat([s.reshape(-1).to(torch.float32) for s in snap])
+
+    def finite(self, snap: Sequence[torch.Tensor]) -> bool:
+        """True if the snapshot holds no NaN/Inf. A peer whose buffers are not finite must not
+        contribute: its values would reach every peer's average unchecked."""
+        ok = all(all_finite(s) for s in snap)
+        if not ok:
+            log.warning("non-finite values in this peer's buffers: contributing nothing")
+        return ok
+
+    def land(self, mean: torch.Tensor) -> None:
+        """A committed round's mean (fp32, as :meth:`flat` lays it out) becomes the copy."""
+        off = 0
+        with torch.no_grad():
+            for g in self.globals:
+                g.copy_(mean[off : off + g.numel()].view(g.shape))
+                off += g.numel()
+
+    def restart(self) -> None:
+        """The model's buffers <- the global copy (cast to their dtype)."""
+        with torch.no_grad():
+            for b, g in zip(self.local, self.globals, strict=True):
+                b.copy_(g)
+
+    def rebase(self, ref: Sequence[torch.Tensor]) -> None:
+        """Keep what the model's buffers gathered since ``ref`` (the snapshot they continued
+        from), on top of the global copy: ``b <- b + (global - ref)``. The two ends are exact: a
+        buffer the round did not move (one peer's own mean) is left as it is, and one that did not
+        change since ``ref`` becomes the copy. Used where forward passes run while a round is in
+        flight (Streaming DiLoCo's overlap, eager DiLoCo, CO2)."""
+        with torch.no_grad():
+            for b, g, r in zip(self.local, self.globals, ref, strict=True):
+                if torch.equal(g, r):
+                    continue
+                if torch.equal(b.to(r.dtype), r):
+                    b.copy_(g)
+                else:
+                    b.add_(g - r)
+
+
+def _blob(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unblob(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def load_tensors(what: str, dest: Mapping[str, torch.Tensor], saved: Mapping[str, Any]) -> None:
+    """Copy ``saved[name]`` into every ``dest[name]`` (a part of a loaded local state). Raises
+    ValueError naming a missing or misshapen tensor before anything is copied."""
+    for n, t in dest.items():
+        s = saved.get(n)
+        if not isinstance(s, torch.Tensor) or s.shape != t.shape:
+            raise ValueError(
+                f"local state {what}/{n}: expected a {list(t.shape)} tensor, got {s!r:.80}"
+            )
+    with torch.no_grad():
+        for n, t in dest.items():
+            t.copy_(saved[n])
+
+
+class Strategy(ABC):
+    """Base class: the session, the model and its :class:`ModelState`, the user's optimizer, the
+    strategy's typed config, the reducer, the step counter and the shared counters.
+
+    A subclass declares ``name`` (its registry name), ``Config`` (its options dataclass,
+    validated on construction) and :attr:`first_round_uses_work`, creates its own state in
+    :meth:`setup` and implements :meth:`step`; the constructor and :meth:`from_options` are this
+    class's, for every strategy.
     """
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type[Any]]
     """The strategy's options dataclass: every field is an option (``--option``, a scenario's
     ``[strategy.options]``), and constructing it validates them all without building a model."""
+    first_round_uses_work: ClassVar[bool] = False
+    """Whether the first ``step()`` trains on the batch drawn before anyone knew the membership
+    (DDP), rather than being a catch-up round that drops its gradient (the DiLoCo family,
+    gossip). The constructor copies it to ``session.first_round_uses_work``, which the elastic
+    sampler reads (:mod:`isthmus.data.sampler`)."""
 
     def __init__(
         self,
@@ -151,7 +347,8 @@ class Strategy(ABC):
         ``config`` defaults to ``Config()``; ``reducer`` defaults to a :class:`Reducer` for
         ``compression``, ``aggregator`` and ``byzantine_f``. Raises TypeError for a config of
         another class, ValueError for a default config that needs options (gossip's
-        ``total_steps``), a bad compression or aggregator spec, or what :meth:`setup` refuses.
+        ``total_steps``), a bad compression or aggregator spec, or what :meth:`setup` refuses
+        (a non-contiguous parameter or buffer cannot be shared).
         """
         if config is not None and not isinstance(config, self.Config):
             raise TypeError(
@@ -161,20 +358,75 @@ class Strategy(ABC):
         self.model = model
         self.optimizer = optimizer
         self.config = config if config is not None else self.Config()
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.model_state = ModelState.of(model)
+        self.params = [p for _, p in self.model_state.trainable]
+        self.names = [n for n, _ in self.model_state.trainable]
+        self.held_by: dict[str, str] = {}
+        """Each of the model's tensors (by its first name) -> the shared tensor that holds it
+        once the run ended (:meth:`model_keys`); filled by :meth:`share_model`."""
+        ms = self.model_state
+        # The buffers as built: a catch-up round drops its call's work, and that includes what
+        # its forward pass added to the running statistics (see drop_catch_up_forward).
+        self._built_buffers = (
+            []
+            if session is None or self.first_round_uses_work
+            else [(b, b.detach().clone()) for _, b in ms.float_buffers + ms.other_buffers]
+        )
         # The run's progress in inner steps, shared so that joiners pick it up.
         self.global_step = torch.zeros((), dtype=torch.int64)
         self.local_steps = 0
         self.reducer = reducer or Reducer(
             compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
         )
+        if session is not None:
+            # Session does not declare it: the sampler reads it with getattr (False if unset).
+            session.first_round_uses_work = self.first_round_uses_work  # type: ignore[attr-defined]
         self.setup()
 
     def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Create this strategy's own state and register the shared part with the session (in a
         fixed order: it is the run's shared-state schema). Called once, last, by the
         constructor."""
+
+    def share_model(
+        self,
+        trainable: Sequence[torch.Tensor] | None,
+        prefix: str = "model",
+        buffers: SharedBuffers | None = None,
+    ) -> None:
+        """Name the model's shared tensors and register them (with a session), in this order:
+        ``trainable`` (one per trainable parameter: the model's own or a global copy) as
+        ``<prefix>/<name>``; the global copy of the floating buffers as ``global/<name>``; the
+        frozen parameters and the other (integer, bool) buffers as ``model/<name>``, the model's
+        own tensors: they change in no round, are parity-checked and repaired, and a joiner
+        receives them. None skips a part (gossip mixes its parameters instead of sharing them).
+
+        Raises ValueError (from the session) for a non-contiguous tensor or a repeated name."""
+        parts: list[tuple[str, str, torch.Tensor]] = []
+        if trainable is not None:
+            parts += [(n, f"{prefix}/{n}", t) for n, t in zip(self.names, trainable, strict=True)]
+        if buffers:
+            parts += [
+                (n, f"global/{n}", g) for n, g in zip(buffers.names, buffers.globals, strict=True)
+            ]
+        ms = self.model_state
+        parts += [(n, f"model/{n}", t.data) for n, t in ms.frozen + ms.other_buffers]
+        for n, shared, t in parts:
+            self.held_by[n] = shared
+            if self.session is not None:
+                self.session.register(shared, t)
+
+    def drop_catch_up_forward(self) -> None:
+        """Called by a catch-up round (a strategy's first ``step()`` with a session, whose
+        gradient is dropped): put the model's persistent buffers back to what they held when
+        the strategy was built, so the forward pass of that call leaves no trace either. The
+        first batch then counts once in the running statistics, as in the parameters, and a
+        one-peer run equals a run without a session bit for bit. A joiner's buffers are then
+        replaced by the run's anyway."""
+        with torch.no_grad():
+            for b, built in self._built_buffers:
+                b.copy_(built)
+        self._built_buffers = []
 
     @classmethod
     def from_options(
@@ -215,6 +467,97 @@ class Strategy(ABC):
 
     def finish(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Called once after the last step (strategies with a final merge override this)."""
+
+    # -- what checkpoints need --------------------------------------------------------------------
+    def model_keys(self) -> dict[str, str]:
+        """Every key of the model's ``state_dict`` (tied duplicates too) -> the shared tensor
+        that holds its value once :meth:`finish` ran (the run ends on the shared model), so that a
+        checkpoint can be exported as a plain state dict. A global copy of a half-precision
+        tensor is fp32: loading it into the model casts it to the model's bits."""
+        return {k: self.held_by[n] for k, n in self.model_state.keys.items() if n in self.held_by}
+
+    def local_state(self) -> dict[str, Any]:
+        """This peer's local state, as a nested dict of tensors and plain values that
+        torch.distributed.checkpoint saves: the CPU RNG state (``rng``), the compressor's local
+        state (``compressor``: error feedback, serialized, empty without a compressor), counters
+        (``progress``) and what the strategy keeps locally (the DiLoCo family: the inner
+        optimizer's ``state_dict`` and the local parameters and buffers). Tensors are the live
+        ones, not copies (the checkpointer copies them; a template filled in place by a load is
+        then applied by :meth:`load_local_state`). Its structure depends only on the model, the
+        optimizer and the strategy, so a fresh strategy's is a template for a saved one."""
+        comp = self.reducer.compressor
+        out: dict[str, Any] = {
+            "rng": torch.get_rng_state(),
+            "compressor": b""
+            if comp is None
+            else _blob({"name": comp.name, "local": comp.state_dict()["local"]}),
+            "progress": self._progress(),
+        }
+        out.update(self._local_tensors())
+        return out
+
+    def load_local_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`local_state` returned, after the shared state was loaded (into
+        the session's registered tensors). The compressor's shared state is not restored: every
+        member restarts it at a new epoch anyway.
+
+        Raises ValueError naming a missing part, a tensor of another shape (nothing is changed
+        for those), or a compressor of another spec (checked before anything is changed).
+        Error feedback saved by a peer that compressed is dropped, with a warning, by a strategy
+        built without compression."""
+        for key in ("rng", "compressor", "progress"):
+            if key not in state:
+                raise ValueError(f"local state has no {key!r}")
+        comp = self.reducer.compressor
+        saved = _unblob(state["compressor"]) if state["compressor"] else None
+        if saved is not None and comp is not None and saved["name"] != comp.name:
+            raise ValueError(
+                f"local state holds the error feedback of compressor {saved['name']!r}, this "
+                f"strategy compresses with {comp.name!r}: build it with the same compression"
+            )
+        if saved is not None and comp is None:
+            log.warning("local state holds error feedback, but nothing is compressed: dropped")
+        self._load_local_tensors(state)
+        if saved is not None and comp is not None:
+            comp.load_state_dict({"name": saved["name"], "shared": {}, "local": saved["local"]})
+        self._load_progress(dict(state["progress"]))
+        torch.set_rng_state(state["rng"])
+
+    def _progress(self) -> dict[str, int]:
+        return {"local_steps": self.local_steps}
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        self.local_steps = int(progress["local_steps"])
+
+    def _local_tensors(self) -> dict[str, Any]:
+        return {}
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Restore the strategy's own local tensors (see :meth:`_local_tensors`)."""
+
+    # helpers for strategies whose parameters and buffers are local between rounds
+    def _materialize_inner(self) -> None:
+        try:
+            materialize_optimizer_state(self.optimizer)
+        except Exception as e:  # an optimizer that needs a closure: training works, loading not
+            log.warning(
+                "the optimizer's state cannot be created before its first step (%s): a "
+                "checkpoint's local state cannot be loaded into this peer",
+                e,
+            )
+
+    def _local_model(self) -> dict[str, torch.Tensor]:
+        ms = self.model_state
+        return {n: t.detach() for n, t in ms.trainable + ms.float_buffers}
+
+    def _inner_local(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "model": self._local_model()}
+
+    def _load_inner_local(self, state: Mapping[str, Any]) -> None:
+        if "optimizer" not in state or "model" not in state:
+            raise ValueError("local state has no 'optimizer' or 'model'")
+        load_tensors("model", self._local_model(), state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def metrics(self) -> dict[str, Any]:
         s = self.session

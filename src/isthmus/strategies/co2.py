@@ -33,8 +33,11 @@ layer-wise measure of the staleness gap; that rule is not confirmed and not impl
 constant is what the public code applies. ``clip`` defaults to 1.0 (the public code's threshold);
 ``clip=None`` disables it.
 
-Shared state: ``x_old`` (registered as ``global/*``), the outer momentum ``m`` and the step
-counter. Local: the inner optimizer and the local parameters.
+Shared state: ``x_old`` (registered as ``global/*``), the buffers' global copy, the frozen
+parameters and integer buffers, the outer momentum ``m`` and the step counter (``x_old`` and
+``m`` in fp32 for bf16/fp16 models). Local: the inner optimizer and the local parameters and
+buffers. Buffers as for eager DiLoCo: the mean of each boundary's snapshot is applied when its
+round settles, one boundary later (see :class:`~isthmus.strategies.overlap.DelayedOuter`).
 
 Joining and failures: as for eager DiLoCo (see :mod:`isthmus.strategies.overlap`): a joiner is
 admitted when a round begins, after the previous result was applied, and receives the result of

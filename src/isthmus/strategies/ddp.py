@@ -6,20 +6,34 @@ step is one round. Gradients go through the strategy's :class:`~isthmus.reduce.r
 only after the round commits on every peer. If a peer dies mid-reduction, the survivors re-form and
 reduce the same gradients again; the dead peer's contribution for that step is lost, nothing else.
 
-Shared state: the model's parameters, the optimizer's state and the step counter. They stay
-bit-identical because every peer applies the same averaged gradient to the same state with the
-same deterministic optimizer.
+Shared state: the model's parameters, trainable and frozen (``model/<name>``), its integer
+buffers (``model/<name>``), a global copy of its floating buffers (``global/<name>``), the
+optimizer's state and the step counter. They stay bit-identical because every peer applies the
+same averaged gradient to the same state with the same deterministic optimizer.
+
+Buffers: torch DDP broadcasts rank 0's buffers before each forward. Here the floating ones
+(BatchNorm's running statistics) are *averaged* over the round's contributors, so every peer's
+batches count in them as they do in the gradient: each round carries the model's buffers as
+its forward pass left them in the reducer's ``exact`` values (an fp32 sum, never compressed and
+never robustly aggregated, even with ``aggregator=``: a byzantine peer can move them), and after
+the commit every peer copies the mean into its model. A peer whose buffers hold NaN/Inf
+contributes nothing that round. Integer buffers (``num_batches_tracked``) advance alike on every
+peer (one forward pass per step) and are kept equal by the parity check; a joiner receives them.
+The user's optimizer state is shared, so a peer keeps no local state but the RNG and error
+feedback (:meth:`~isthmus.strategies.base.Strategy.local_state`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from isthmus.comm.session import Round
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.base import Strategy, register_module, register_optimizer
+from isthmus.strategies.base import SharedBuffers, Strategy, register_optimizer
 
 __all__ = ["DDP", "DDPConfig"]
 
@@ -35,17 +49,19 @@ class DDP(Strategy):
     are reduced (see :class:`Reducer`).
 
     With ``session=None`` this is exactly ``optimizer.step()``: bit-for-bit plain training.
-    A peer whose gradient holds NaN/Inf contributes nothing that step (logged); the others'
-    average is applied by everyone.
+    A peer whose gradient or buffers hold NaN/Inf contributes nothing that step (logged); the
+    others' average is applied by everyone.
     """
 
     name = "ddp"
     Config = DDPConfig
     config: DDPConfig
+    first_round_uses_work = True  # the first step trains on the batch drawn before the round
 
     def setup(self) -> None:
+        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self.share_model([p.data for p in self.params], "model", self.buffers)
         if self.session is not None:
-            register_module(self.session, "model", zip(self.names, self.params, strict=True))
             register_optimizer(self.session, "opt", self.optimizer)
             self._register_counter()
 
@@ -58,10 +74,13 @@ class DDP(Strategy):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             items = [(n, p.grad) for n, p in zip(self.names, self.params, strict=True)]
-            reducer = self.reducer
+            reducer, buffers = self.reducer, self.buffers
+            snap = buffers.snapshot()
+            exact = buffers.flat(snap) if buffers else None
 
             def reduce(rnd: Round) -> Reduced | None:
-                pending = reducer.start(rnd, items, contribute=not rnd.resynced)
+                ok = not rnd.resynced and (not buffers or buffers.finite(snap))
+                pending = reducer.start(rnd, items, contribute=ok, exact=exact)
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
@@ -72,5 +91,15 @@ class DDP(Strategy):
                 for p, g in zip(self.params, result.tensors, strict=True):
                     p.grad.copy_(g)  # type: ignore[union-attr]
                 self.optimizer.step()
+                if result.exact is not None:
+                    buffers.land(result.exact)
+            # Nothing ran forward since the snapshot: the model takes the copy as it is (with
+            # nobody contributing, every peer goes back to the last agreed buffers).
+            buffers.restart()
         self.global_step += 1
         self.local_steps += 1
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        # Nothing of the model is local, but its floating buffers are read from the global copy
+        # (loaded with the shared state) only after a round: bring them in now.
+        self.buffers.restart()

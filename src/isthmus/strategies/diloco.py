@@ -28,14 +28,23 @@ same all-reduce, so every peer agrees on it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from isthmus.comm.session import Round
 from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.base import Strategy, outer_sgd, register_globals, register_optimizer
+from isthmus.strategies.base import (
+    SharedBuffers,
+    Strategy,
+    as_started,
+    global_copy,
+    outer_sgd,
+    register_optimizer,
+)
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -71,13 +80,15 @@ class DiLoCo(Strategy):
 
     def setup(self) -> None:
         cfg = self.config
-        self.global_params = [p.detach().clone() for p in self.params]
+        self.global_params = [global_copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.since_sync = 0
         self.outer_rounds = 0
         self.joined = self.session is None
+        self._materialize_inner()  # a fixed local-state structure from the start (checkpoints)
+        self.share_model(self.global_params, "global", self.buffers)
         if self.session is not None:
-            register_globals(self.session, self.names, self.global_params)
             register_optimizer(self.session, "outer", self.outer)
             self._register_counter()
 
@@ -89,6 +100,7 @@ class DiLoCo(Strategy):
         self.check_faults("step")
         if not self.joined:
             self.joined = True
+            self.drop_catch_up_forward()
             self.sync()  # catch up with the run before training; this gradient is dropped
             return
         self.optimizer.step()
@@ -98,27 +110,36 @@ class DiLoCo(Strategy):
             self.sync()
 
     def outer_gradient(self) -> list[torch.Tensor]:
-        """delta = theta_global - theta_local, per parameter (fresh tensors)."""
-        return [g - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
+        """delta = theta_global - theta_local, per parameter (fresh tensors, in theta's dtype;
+        measured from theta as the model received it, see the module docstring)."""
+        return [
+            as_started(g, p) - p.detach()
+            for g, p in zip(self.global_params, self.params, strict=True)
+        ]
 
     def sync(self) -> None:
-        """One outer round: average the outer gradients, apply the outer step, restart from theta."""
+        """One outer round: average the outer gradients (and the floating buffers, with the
+        step count), apply the outer step, restart from theta."""
+        snap = self.buffers.snapshot()
         steps = torch.tensor([float(self.since_sync)])
+        if self.buffers:
+            steps = torch.cat([steps, self.buffers.flat(snap)])
         if self.session is None:
             delta = self.outer_gradient()
             result: Reduced | None = Reduced(delta, steps, 1)
-            if not all(map(all_finite, delta)):
+            if not all(map(all_finite, delta)) or not self.buffers.finite(snap):
                 # the reducer's policy, applied to the peer alone: a non-finite update is
                 # dropped (theta stays as it was) and the peer restarts from theta
                 self.reducer.nonfinite_skips += 1
                 log.warning("non-finite values in this peer's outer gradient: not applying it")
                 result = None
         else:
-            reducer = self.reducer
+            reducer, buffers = self.reducer, self.buffers
 
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
-                pending = reducer.start(rnd, items, contribute=not rnd.resynced, exact=steps)
+                ok = not rnd.resynced and buffers.finite(snap)
+                pending = reducer.start(rnd, items, contribute=ok, exact=steps)
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
@@ -127,17 +148,21 @@ class DiLoCo(Strategy):
         self.apply_outer(result)
 
     def apply_outer(self, result: Reduced | None) -> None:
-        """Apply a committed reduction (mean outer gradients and mean inner-step count); None
-        means nobody contributed and theta is unchanged."""
+        """Apply a committed reduction (mean outer gradients, mean inner-step count and mean
+        buffers); None means nobody contributed and theta is unchanged. Every peer restarts
+        from theta and the buffers' global copy."""
         if result is not None:
             for g, d in zip(self.global_params, result.tensors, strict=True):
                 g.grad = d.to(g.dtype)  # the reduction is fp32; the model may not be
             self.outer.step()
             assert result.exact is not None
             self.global_step += round(float(result.exact[0]))
+            if self.buffers:
+                self.buffers.land(result.exact[1:])
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.copy_(g)
+        self.buffers.restart()
         self.since_sync = 0
         self.outer_rounds += 1
 
@@ -145,3 +170,26 @@ class DiLoCo(Strategy):
         """Sync the inner steps done since the last outer round, so the run ends on theta."""
         if self.since_sync > 0:
             self.sync()
+
+    # -- local state (checkpoints) ----------------------------------------------------------------
+    def _progress(self) -> dict[str, int]:
+        return {
+            **super()._progress(),
+            "since": self.since_sync,
+            "joined": int(self.joined),
+            "outer_rounds": self.outer_rounds,
+        }
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        super()._load_progress(progress)
+        self.since_sync = int(progress["since"])
+        # A peer with its local state is in step with the loaded shared state: no catch-up round
+        # (it would apply the outer momentum to a zero outer gradient and change theta).
+        self.joined = bool(progress["joined"])
+        self.outer_rounds = int(progress["outer_rounds"])
+
+    def _local_tensors(self) -> dict[str, Any]:
+        return self._inner_local()
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        self._load_inner_local(state)

@@ -48,8 +48,12 @@ The prediction and the anchor are isthmus's, not the paper's; ``start="paper", a
 DiLoCo's outer momentum has not built up yet: on the default GPT at 300 steps it was +21%
 against DDP, the defaults +34% (DiLoCo itself +32%).
 
-Shared state: theta, the outer momentum, the step counter. Local: the inner optimizer, the local
-parameters and the phase's starting point.
+Shared state: theta, the buffers' global copy, the frozen parameters and integer buffers, the
+outer momentum, the step counter (fp32 theta and momentum for bf16/fp16 models). Local: the inner
+optimizer, the local parameters and buffers and the phase's starting point. Buffers: the mean of
+the snapshot each peer took at a boundary is applied to the global copy when that round settles,
+one boundary later, and the model keeps what it gathered since on top of it (see
+:class:`~isthmus.strategies.overlap.DelayedOuter`).
 
 Joining: a joiner is admitted when the members begin round t (after they applied D(t-1)); it
 receives theta, momentum and the step counter (equal to the members' step at that moment), takes

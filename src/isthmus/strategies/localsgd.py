@@ -12,8 +12,8 @@ momentum, ``theta <- theta - mean_i(theta - x_i)``, which is the parameter avera
 compression (``--compression``) meaningful: a quantizer's error is relative to what it encodes.
 Each peer keeps its own inner optimizer state (only parameters are averaged, as in the papers).
 
-Shared state, joining and failures are DiLoCo's (see :mod:`isthmus.strategies.diloco`): theta
-and the step counter are shared; the round blocks (nothing overlaps); if a peer dies during the
+Shared state, buffers, joining and failures are DiLoCo's (see :mod:`isthmus.strategies.diloco`):
+theta, the buffers' global copy (averaged at every averaging) and the step counter are shared; the round blocks (nothing overlaps); if a peer dies during the
 averaging the survivors average again among themselves, keeping their H local steps; a joiner's
 first step is a catch-up round that hands it theta.
 """

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,13 @@ from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
-from isthmus.strategies.base import Strategy, register_globals
+from isthmus.strategies.base import (
+    SharedBuffers,
+    Strategy,
+    as_started,
+    global_copy,
+    load_tensors,
+)
 
 __all__ = ["Build", "DelayedOuter", "Flight", "Planned", "RoundPipeline", "Settled"]
 
@@ -276,6 +282,25 @@ class DelayedOuter(Strategy):
     set to the boundary's step before the next round begins), so a joiner continues at the
     members' step without being told anything else.
 
+    Buffers: each round carries a snapshot of the model's floating buffers, taken at its
+    boundary after the previous round landed, in the reducer's ``exact`` values (an fp32 sum,
+    never compressed or robustly aggregated). When the round settles (one boundary later), the
+    contributors' mean becomes the shared global copy, and the model's buffers take it plus what
+    their own forward passes gathered since the snapshot
+    (:meth:`~isthmus.strategies.base.SharedBuffers.rebase`). The global copy is then the mean of
+    every peer's statistics, one round late like theta, and no phase's statistics are dropped
+    (copying the stale mean over the buffers would discard every other phase's); with one peer
+    the buffers are those of plain training. A peer that contributes nothing to a round (a
+    joiner, a resynced peer) restarts its buffers from the global copy. Integer buffers are kept
+    equal by the parity check.
+
+    Mixed precision: theta, the outer state and :attr:`start` are fp32 for bf16/fp16 models; the
+    model receives them cast, and outer gradients are measured from the cast start.
+
+    A checkpoint (:meth:`~isthmus.strategies.base.Strategy.local_state`) holds the round in
+    flight as this peer issued it; the first :meth:`step` after loading issues it again with
+    that snapshot, so training continues as it would have.
+
     Subclasses' configs have ``sync_every``. They create and register their outer state in
     :meth:`init_outer` and :meth:`register_outer`, and implement :meth:`apply_outer` and
     :meth:`restart`.
@@ -283,9 +308,12 @@ class DelayedOuter(Strategy):
 
     def setup(self) -> None:
         self.sync_every = self.config.sync_every
-        self.global_params = [p.detach().clone() for p in self.params]
+        self.global_params = [global_copy(p) for p in self.params]
         # Where this peer's current phase started (local): outer gradients are measured from it.
-        self.start = [p.detach().clone() for p in self.params]
+        self.start = [global_copy(p) for p in self.params]
+        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self._ref: list[torch.Tensor] = []  # the buffers the round in flight is measured from
+        self._resume: dict[str, Any] | None = None  # a round in flight at a checkpoint
         self.since = 0
         self.outer_rounds = 0
         # Without a session there is nobody to catch up with: the first step trains (as DiLoCo).
@@ -294,8 +322,9 @@ class DelayedOuter(Strategy):
         self.pipeline = RoundPipeline(self.session, self.reducer, lambda: self.step_count)
         self.steady = SteadyOverlap(self.reducer.timing)
         self.init_outer()
+        self._materialize_inner()
+        self.share_model(self.global_params, "global", self.buffers)
         if self.session is not None:
-            register_globals(self.session, self.names, self.global_params)
             self.register_outer(self.session)
             self._register_counter()
 
@@ -313,10 +342,13 @@ class DelayedOuter(Strategy):
 
     def step(self) -> None:
         self.check_faults("step")
+        if self._resume is not None:
+            self._reissue(self._resume)
         if not self.joined:
             # Catch-up: join the members' next round (its reduction goes on while we train);
             # this call's gradient is dropped, as in DiLoCo.
             self.joined = True
+            self.drop_catch_up_forward()
             self._issue(self._phase_delta())
             return
         self.optimizer.step()
@@ -326,7 +358,7 @@ class DelayedOuter(Strategy):
             self._boundary()
 
     def _phase_delta(self) -> list[torch.Tensor]:
-        return [s - p.detach() for s, p in zip(self.start, self.params, strict=True)]
+        return [as_started(s, p) - p.detach() for s, p in zip(self.start, self.params, strict=True)]
 
     def _boundary(self) -> None:
         delta = self._phase_delta()
@@ -342,6 +374,12 @@ class DelayedOuter(Strategy):
     def _settle(self, target: int, *, final: bool = False) -> None:
         s = self.pipeline.settle()
         self.apply_outer(s.result)
+        if s.result is not None and s.result.exact is not None and self.buffers:
+            self.buffers.land(s.result.exact)
+        if s.resynced_late:
+            self.buffers.restart()
+        else:
+            self.buffers.rebase(self._ref)
         self.outer_rounds += 1
         if s.resynced_late:
             # Our state was replaced by the retry: the local progress since it is void (the next
@@ -355,27 +393,43 @@ class DelayedOuter(Strategy):
     def _issue(self, delta: list[torch.Tensor]) -> None:
         stale = self.stale
         h = self.sync_every
+        buffers = self.buffers
+        snap: list[torch.Tensor] = []
 
         def build(rnd: Round | None) -> Planned:
+            # after the previous round landed in the buffers (see the class docstring)
+            snap[:] = buffers.snapshot()
             contribute = not stale and (rnd is None or not rnd.resynced)
+            contribute = contribute and (not buffers or buffers.finite(snap))
             # read after begin: a joiner's counter was just received
             return Planned(
                 items=list(zip(self.names, delta, strict=True)),
                 contribute=contribute,
+                exact=buffers.flat(snap) if buffers else None,
                 tag=int(self.global_step) + h,
             )
 
         flight = self.pipeline.issue(build)
         self.stale = False
         self.since = 0
+        self._restart(flight, delta, snap)
+
+    def _restart(self, flight: Flight, delta: list[torch.Tensor] | None, snap: Any) -> None:
+        """Start the next phase once ``flight`` was issued (see :meth:`restart`)."""
         contributors = flight.rnd.contributors if flight.rnd is not None else 1
         # A non-finite outer gradient is not sent (the reducer's policy); it must not steer this
         # peer's next start either: restart from the shared state instead.
-        own = delta if flight.plan.contribute and all(map(all_finite, delta)) else None
+        contributed = flight.plan.contribute
+        own = delta if contributed and delta and all(map(all_finite, delta)) else None
         with torch.no_grad():
             self.restart(own, max(1, contributors))
             for p, s in zip(self.params, self.start, strict=True):
                 p.copy_(s)
+        if contributed:
+            self._ref = list(snap)
+        else:
+            self.buffers.restart()
+            self._ref = self.buffers.shared()
 
     def finish(self) -> None:
         """Settle the round in flight and sync the last (partial) phase, blocking, so that every
@@ -398,6 +452,7 @@ class DelayedOuter(Strategy):
             for p, s, g in zip(self.params, self.start, self.global_params, strict=True):
                 s.copy_(g)
                 p.copy_(g)
+        self.buffers.restart()
         self.global_step.fill_(target)
         self.since = 0
         self.stale = False  # every peer now stands on theta: no local progress to void
@@ -416,6 +471,82 @@ class DelayedOuter(Strategy):
         this peer contributed, its own fresh outer gradient ``delta``. The local parameters are
         then copied from it."""
         raise NotImplementedError
+
+    # -- local state (checkpoints) ----------------------------------------------------------------
+    def _progress(self) -> dict[str, int]:
+        return {
+            **super()._progress(),
+            "since": self.since,
+            "joined": int(self.joined),
+            "stale": int(self.stale),
+            "outer_rounds": self.outer_rounds,
+        }
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        super()._load_progress(progress)
+        self.since = int(progress["since"])
+        self.joined = bool(progress["joined"])  # in step with the loaded state: no catch-up
+        self.stale = bool(progress["stale"])
+        self.outer_rounds = int(progress["outer_rounds"])
+
+    def _local_tensors(self) -> dict[str, Any]:
+        """The inner optimizer, the local model, the phase's start and the round in flight."""
+        f = self.pipeline.flight
+        flight: dict[str, Any] = {
+            "present": int(f is not None),
+            "contribute": int(f is not None and f.plan.contribute),
+            "delta": {
+                n: torch.zeros_like(g) for n, g in zip(self.names, self.global_params, strict=True)
+            },
+            "ref": dict(zip(self.buffers.names, self.buffers.shared(), strict=True)),
+        }
+        if self.buffers:
+            flight["exact"] = torch.zeros(self.buffers.numel)
+        if f is not None:
+            flight["delta"].update(dict(f.plan.items))
+            if self.buffers and f.plan.exact is not None:
+                flight["exact"] = f.plan.exact
+            if self._ref:
+                flight["ref"] = dict(zip(self.buffers.names, self._ref, strict=True))
+        return {
+            **self._inner_local(),
+            "start": dict(zip(self.names, self.start, strict=True)),
+            "flight": flight,
+        }
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        self._load_inner_local(state)
+        load_tensors("start", dict(zip(self.names, self.start, strict=True)), state["start"])
+        saved = state["flight"]
+        self._resume = None
+        if saved["present"]:
+            self._resume = {
+                "contribute": bool(saved["contribute"]),
+                "delta": [saved["delta"][n].clone() for n in self.names],
+                "exact": saved["exact"].clone() if self.buffers else None,
+                "ref": [saved["ref"][n].clone() for n in self.buffers.names],
+            }
+
+    def _reissue(self, saved: dict[str, Any]) -> None:
+        """Issue again the round a checkpoint caught in flight, with the snapshot it carried.
+        The phase it started already began before the checkpoint (the loaded start and local
+        parameters): a peer that still contributes keeps them, one resynced restarts."""
+        self._resume = None
+        h = self.sync_every
+
+        def build(rnd: Round | None) -> Planned:
+            return Planned(
+                items=list(zip(self.names, saved["delta"], strict=True)),
+                contribute=saved["contribute"] and (rnd is None or not rnd.resynced),
+                exact=saved["exact"],
+                tag=int(self.global_step) + h,
+            )
+
+        flight = self.pipeline.issue(build)
+        if flight.plan.contribute:
+            self._ref = saved["ref"]
+        else:
+            self._restart(flight, None, [])
 
     def metrics(self) -> dict[str, Any]:
         return {

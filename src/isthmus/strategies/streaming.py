@@ -36,8 +36,17 @@ state, same operations in the same order).
 
 The paper's 4-bit outer gradients are available through the reducer (``compression="e3m0"``).
 
-Shared state (same names as DiLoCo): theta for every fragment, the outer momentum, the step
-counter (the step at which the last round was applied).
+Shared state (same names as DiLoCo): theta for every fragment, the buffers' global copy, the
+frozen parameters and integer buffers, the outer momentum, the step counter (the step at which
+the last round was applied). Mixed precision as in DiLoCo (fp32 theta for bf16/fp16 models).
+
+Buffers: every fragment round carries *all* the floating buffers (they are small), snapshotted
+when the round is issued, in the reducer's ``exact`` values with the apply step (an fp32 sum,
+never compressed or robustly aggregated); the contributors' mean becomes the global copy. The
+model's buffers then take that mean plus what their own forward passes added during the tau
+overlapped steps (:meth:`~isthmus.strategies.base.SharedBuffers.rebase`; with tau = 0, or for a
+joiner or a repaired peer, simply the mean), so no step's statistics are lost and one peer's
+buffers are those of plain training. Integer buffers are kept equal by the parity check.
 
 Joining: a joiner's first ``step()`` waits for the members' next round (a fragment sync),
 receives the state as of the last commit, takes part in the reduction without contributing,
@@ -58,7 +67,7 @@ bytes per round stay those of one fragment) and every peer ends on theta.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -66,9 +75,11 @@ import torch
 
 from isthmus.comm.session import Round
 from isthmus.strategies.base import (
+    SharedBuffers,
     Strategy,
+    as_started,
+    global_copy,
     outer_sgd,
-    register_globals,
     register_optimizer,
 )
 from isthmus.strategies.diloco import DiLoCoConfig
@@ -238,6 +249,8 @@ class _Sync:
     base: int
     """The shared step counter when the round was built: the exact values carry
     ``apply_step - base`` (a few steps), which float32 holds exactly however long the run."""
+    ref: tuple[torch.Tensor, ...] | None = None
+    """The buffer snapshot this round carries (None: this peer contributes nothing)."""
 
 
 class StreamingDiLoCo(Strategy):
@@ -267,8 +280,9 @@ class StreamingDiLoCo(Strategy):
             fragment_of=self.fragment_of,
             sizes=[p.numel() for p in self.params],
         )
-        self.global_params = [p.detach().clone() for p in self.params]
+        self.global_params = [global_copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+        self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.since = 0
         self.outer_rounds = 0
         # (step, fragment) of every applied round, in order: the schedule as it happened
@@ -276,9 +290,11 @@ class StreamingDiLoCo(Strategy):
         self.joined = session is None
         self.pipeline = RoundPipeline(session, self.reducer, lambda: self.step_count)
         self.steady = SteadyOverlap(self.reducer.timing)
+        self._resume: dict[str, Any] | None = None  # a round in flight at a checkpoint
+        self._materialize_inner()
+        # The same names as DiLoCo: with P=1, tau=0 the two share state bit for bit.
+        self.share_model(self.global_params, "global", self.buffers)
         if session is not None:
-            # The same names as DiLoCo: with P=1, tau=0 the two share state bit for bit.
-            register_globals(session, self.names, self.global_params)
             register_optimizer(session, "outer", self.outer)
             self._register_counter()
 
@@ -292,8 +308,11 @@ class StreamingDiLoCo(Strategy):
 
     def step(self) -> None:
         self.check_faults("step")
+        if self._resume is not None:
+            self._reissue(self._resume)
         if not self.joined:
             self.joined = True
+            self.drop_catch_up_forward()
             # Catch-up round (blocking): a joiner receives theta and the members' step; at the
             # start of a run it syncs fragment 0's zero outer gradient, exactly like DiLoCo.
             self._issue(self.step_count)
@@ -319,13 +338,23 @@ class StreamingDiLoCo(Strategy):
             frag = fragment_for_round(number, self.config.fragments)
             idx = self.fragments[frag]
             base = int(self.global_step)  # read after begin: a joiner's was just received
+            snap = self.buffers.snapshot()
+            ok = (rnd is None or not rnd.resynced) and (
+                not self.buffers or self.buffers.finite(snap)
+            )
             return Planned(
                 items=[
-                    (self.names[i], self.global_params[i] - self.params[i].detach()) for i in idx
+                    (
+                        self.names[i],
+                        as_started(self.global_params[i], self.params[i]) - self.params[i].detach(),
+                    )
+                    for i in idx
                 ],
-                contribute=rnd is None or not rnd.resynced,
-                exact=torch.tensor([float(apply_step - base)]),
-                tag=_Sync(frag, apply_step, base),
+                contribute=ok,
+                exact=torch.cat(
+                    [torch.tensor([float(apply_step - base)]), self.buffers.flat(snap)]
+                ),
+                tag=_Sync(frag, apply_step, base, tuple(snap) if ok else None),
             )
 
         self.pipeline.issue(build)
@@ -345,6 +374,8 @@ class StreamingDiLoCo(Strategy):
             if result.exact is not None:
                 # the contributors' apply step: what a joiner needs to continue in step
                 step_at = tag.base + round(float(result.exact[0]))
+                if self.buffers:
+                    self.buffers.land(result.exact[1:])
         if final_step is not None:
             step_at = final_step
         self.global_step.fill_(step_at)
@@ -355,12 +386,18 @@ class StreamingDiLoCo(Strategy):
                 # A joiner or a repaired peer: none of its local parameters can be trusted.
                 for p, g in zip(self.params, self.global_params, strict=True):
                     p.copy_(g)
+                self.buffers.restart()
             elif alpha == 0:
                 for i in idx:
                     self.params[i].copy_(self.global_params[i])
             else:
                 for i in idx:
                     self.params[i].mul_(alpha).add_(self.global_params[i], alpha=1 - alpha)
+        if not (s.resynced_at_issue or s.resynced_late):
+            if tag.ref is None:
+                self.buffers.restart()
+            else:
+                self.buffers.rebase(tag.ref)
         self.outer_rounds += 1
         self.sync_log.append((step_at, tag.fragment))
 
@@ -382,6 +419,86 @@ class StreamingDiLoCo(Strategy):
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.copy_(g)
+        self.buffers.restart()
+
+    # -- local state (checkpoints) ----------------------------------------------------------------
+    def _progress(self) -> dict[str, int]:
+        return {
+            **super()._progress(),
+            "since": self.since,
+            "joined": int(self.joined),
+            "outer_rounds": self.outer_rounds,
+            "rounds": self.pipeline.rounds,
+        }
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        super()._load_progress(progress)
+        self.since = int(progress["since"])
+        self.joined = bool(progress["joined"])  # in step with the loaded state: no catch-up
+        self.outer_rounds = int(progress["outer_rounds"])
+        self.pipeline.rounds = int(progress["rounds"])
+
+    def _local_tensors(self) -> dict[str, Any]:
+        """The inner optimizer, the local model and the round in flight, if any (its snapshot:
+        re-issued by the first :meth:`step` after loading, as it would have been reduced)."""
+        f = self.pipeline.flight
+        tag: _Sync | None = f.plan.tag if f is not None else None
+        delta = {
+            n: torch.zeros_like(g) for n, g in zip(self.names, self.global_params, strict=True)
+        }
+        ref = dict(zip(self.buffers.names, self.buffers.shared(), strict=True))
+        flight: dict[str, Any] = {
+            "present": 0,
+            "contribute": 0,
+            "fragment": 0,
+            "apply_step": 0,
+            "base": 0,
+            "exact": torch.zeros(1 + self.buffers.numel),
+        }
+        if f is not None and tag is not None:
+            delta.update(dict(f.plan.items))
+            assert f.plan.exact is not None
+            flight.update(
+                present=1,
+                contribute=int(f.plan.contribute and tag.ref is not None),
+                fragment=tag.fragment,
+                apply_step=tag.apply_step,
+                base=tag.base,
+                exact=f.plan.exact,
+            )
+            if tag.ref is not None:
+                ref = dict(zip(self.buffers.names, tag.ref, strict=True))
+        return {**self._inner_local(), "flight": {**flight, "delta": delta, "ref": ref}}
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        self._load_inner_local(state)
+        saved = state.get("flight")
+        if not isinstance(saved, Mapping) or not saved.get("present"):
+            self._resume = None
+            return
+        self._resume = {
+            "fragment": int(saved["fragment"]),
+            "apply_step": int(saved["apply_step"]),
+            "base": int(saved["base"]),
+            "contribute": bool(saved["contribute"]),
+            "exact": saved["exact"].clone(),
+            "delta": [saved["delta"][n].clone() for n in self.names],
+            "ref": tuple(saved["ref"][n].clone() for n in self.buffers.names),
+        }
+
+    def _reissue(self, saved: dict[str, Any]) -> None:
+        """Issue again the round a checkpoint caught in flight, with the snapshot it carried."""
+        self._resume = None
+        frag = saved["fragment"]
+        items = [(self.names[i], saved["delta"][i]) for i in self.fragments[frag]]
+        ref = saved["ref"] if saved["contribute"] else None
+        tag = _Sync(frag, saved["apply_step"], saved["base"], ref)
+
+        def build(rnd: Round | None) -> Planned:
+            ok = saved["contribute"] and (rnd is None or not rnd.resynced)
+            return Planned(items=items, contribute=ok, exact=saved["exact"], tag=tag)
+
+        self.pipeline.issue(build)
 
     def metrics(self) -> dict[str, Any]:
         return {

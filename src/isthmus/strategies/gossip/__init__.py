@@ -33,9 +33,15 @@
 How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
 
 * **Shared state is only what is identical**: the step counter, plus the graph in repair mode
-  and MoDeST's last aggregate and trainer list. The parameters are *not* shared state: during
-  gossip they legitimately differ between peers, and registering them would make the session
-  "repair" every peer to the majority each round.
+  and MoDeST's last aggregate and trainer list, plus the model's frozen parameters and integer
+  buffers (``model/<name>``: nothing changes them but the forward passes every peer runs alike;
+  the parity check repairs a peer that differs and a joiner receives them). The trainable
+  parameters are *not* shared state: during gossip they legitimately differ between peers, and
+  registering them would make the session "repair" every peer to the majority each round.
+* **Buffers**: the floating ones (BatchNorm's running statistics) are mixed like parameters:
+  they follow the parameters in the flat vector every exchange mixes (with variance correction,
+  each is rescaled like a layer), so the final merge averages them exactly and every peer ends
+  with the same ones. Integer buffers are shared state (above).
 * **Rounds.** Each exchange (a gossip round, a merge, a MoDeST round) is one session round.
   Steps without communication need no round; every peer increments the step counter after each
   local step, and since the schedule is a pure function of ``(step, total_steps)`` all peers

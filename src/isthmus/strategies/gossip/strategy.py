@@ -7,7 +7,7 @@ proceeds; MoDeST's rounds are :mod:`.modest`, the options :mod:`.config`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,10 +94,13 @@ class Gossip(Strategy):
         assert config.schedule_obj is not None and config.topology_spec is not None
         self.schedule = config.schedule_obj
         self.train = config.train
-        dtypes = {p.dtype for p in self.params}
+        # What is mixed: the trainable parameters, then the floating buffers (so that the final
+        # merge averages those exactly too). SAM perturbs the parameters only.
+        self.mixed = self.params + [b for _, b in self.model_state.float_buffers]
+        dtypes = {t.dtype for t in self.mixed}
         # mixing happens on one flat vector; mixed dtypes are mixed in fp32 and cast back
         self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self.sizes = [p.numel() for p in self.params]
+        self.sizes = [t.numel() for t in self.mixed]
         self.numel = sum(self.sizes)
         self.graph = PeerGraph(
             config.topology_spec,
@@ -121,12 +124,15 @@ class Gossip(Strategy):
         self.graph_changes: list[dict[str, Any]] = []
         self.current_graph: dict[str, Any] = {}
         self._encode, self._decode = self.codec if self.codec is not None else (None, None)
+        self._materialize_inner()  # a fixed local-state structure from the start (checkpoints)
         if session is not None:
             self._register_counter()
             for key, t in self.graph.shared_tensors().items():
                 session.register(f"gossip/graph_{key}", t)
             if self.modest is not None:
                 self.modest.register(session)
+        # frozen parameters and integer buffers are identical on every peer: shared as they are
+        self.share_model(None)
 
     # -- the local step ---------------------------------------------------------------------------
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> None:
@@ -147,6 +153,7 @@ class Gossip(Strategy):
         if not self.joined:
             self.joined = True
             # catch up with the run (or start it) before training; this call's gradient is dropped
+            self.drop_catch_up_forward()
             self._run_round(None, 0)
             return
         if self._takes_local_step():
@@ -216,7 +223,7 @@ class Gossip(Strategy):
 
     # -- rounds -----------------------------------------------------------------------------------
     def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).to(self.dtype) for p in self.params])
+        return torch.cat([t.detach().reshape(-1).to(self.dtype) for t in self.mixed])
 
     def _run_round(self, kind: int | None, iters: int) -> None:
         assert self.session is not None
@@ -359,7 +366,7 @@ class Gossip(Strategy):
         if t.new is not None:
             with torch.no_grad():
                 off = 0
-                for p, n in zip(self.params, self.sizes, strict=True):
+                for p, n in zip(self.mixed, self.sizes, strict=True):
                     p.copy_(t.new[off : off + n].view(p.shape).to(p.dtype))
                     off += n
         self._stale = False
@@ -412,6 +419,34 @@ class Gossip(Strategy):
                 },
             ][-_HISTORY:]
         self.graph.commit(t.contributors, t.graph)
+
+    # -- what checkpoints need -------------------------------------------------------------------
+    def model_keys(self) -> dict[str, str]:
+        """Empty: gossip shares no copy of the trainable parameters (they differ between peers
+        until the final merge), so no shared tensor holds the model; it is in every peer's
+        :meth:`local_state` (``model``)."""
+        return {}
+
+    def _progress(self) -> dict[str, int]:
+        return {
+            **super()._progress(),
+            "joined": int(self.joined),
+            "stale": int(self._stale),
+            "trained_steps": self.trained_steps,
+        }
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        super()._load_progress(progress)
+        self.joined = bool(progress["joined"])
+        self._stale = bool(progress["stale"])
+        self.trained_steps = int(progress["trained_steps"])
+
+    def _local_tensors(self) -> dict[str, Any]:
+        """The (local) optimizer's state and the model's parameters and floating buffers."""
+        return self._inner_local()
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        self._load_inner_local(state)
 
     # -- reporting --------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
