@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k parity -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-slow lint bench clean
+.PHONY: all demo test test-slow test-browser lint bench clean
 
 all: test
 
@@ -26,6 +26,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The dashboard in a real browser: Debian's chromium (installed here with apt, as root, when it is
+# missing), driven by Playwright. `make test` runs the same test when chromium is present.
+test-browser: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	$(BIN)/python -m pytest tests/integration/test_dashboard.py $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	ISTHMUS_SLOW=1 $(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

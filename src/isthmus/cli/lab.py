@@ -1,4 +1,4 @@
-"""``isthmus lab run|compare|sim|cleanup`` and ``isthmus bench allreduce``."""
+"""``isthmus lab run|report|compare|sim|cleanup`` and ``isthmus bench allreduce``."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
             f"eval loss {ev['target_loss']}: "
             + (f"reached after {hit} s (step {ev['step_at_target']})" if hit else "not reached")
         )
-    print(f"report: {Path(summary.run_dir) / 'report.md'}")
+    print(f"report: {Path(summary.run_dir) / 'report.html'}")
     return 0 if summary.ok else 1
 
 
@@ -72,6 +72,19 @@ def _cmd_lab_compare(args: argparse.Namespace) -> int:
         written = compare_runs(args.runs, args.out)
     except (FileNotFoundError, ValueError) as e:
         print(f"isthmus lab compare: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
+def _cmd_lab_report(args: argparse.Namespace) -> int:
+    from isthmus.run.report import plot_run
+
+    try:
+        written = plot_run(args.run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"isthmus lab report: {e}", file=sys.stderr)
         return 2
     for p in written:
         print(p)
@@ -250,7 +263,7 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    """``isthmus lab run|compare|sim|cleanup`` and ``isthmus bench allreduce``."""
+    """``isthmus lab run|report|compare|sim|cleanup`` and ``isthmus bench allreduce``."""
     lab = sub.add_parser(
         "lab", help="emulated-WAN lab: run scenarios, compare runs, simulate scale"
     )
@@ -270,9 +283,20 @@ def add_parsers(sub: Any) -> None:
     add_config_flags(r, exclude=SCENARIO_KEYS)
     r.set_defaults(func=_cmd_lab_run)
 
-    c = lsub.add_parser("compare", help="overlay several runs (loss vs step, time, bytes)")
+    rp = lsub.add_parser(
+        "report",
+        help="write a run directory's plots, report.md and a self-contained report.html",
+    )
+    rp.add_argument("run_dir", help="a run directory (demo, lab run or isthmus run)")
+    rp.set_defaults(func=_cmd_lab_report)
+
+    c = lsub.add_parser(
+        "compare", help="overlay several runs (loss vs step, time, bytes) in compare.md/.html"
+    )
     c.add_argument("runs", nargs="+", help="run directories")
-    c.add_argument("--out", default="runs/compare", help="where to write the plots and compare.md")
+    c.add_argument(
+        "--out", default="runs/compare", help="where to write the plots, compare.md and .html"
+    )
     c.set_defaults(func=_cmd_lab_compare)
 
     s = lsub.add_parser(

@@ -34,6 +34,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         port=args.port,
         store_port=args.store_port,
         heartbeat_interval=args.heartbeat_interval,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         membership=MembershipConfig(
             min_peers=args.min_peers,
             start_peers=args.start_peers,
@@ -49,18 +51,24 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         f"status: curl -H 'Authorization: Bearer <token>' http://{coord.address}/v1/status",
         file=sys.stderr,
     )
+    print(f"dashboard: http://{coord.address}/ (log in with the token)", file=sys.stderr)
+    if args.metrics_port is not None:
+        where = f"{args.metrics_host or args.host}:{args.metrics_port}"
+        print(f"metrics: http://{where}/metrics (no token)", file=sys.stderr)
     with contextlib.suppress(KeyboardInterrupt):
         coord.serve_forever()
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from isthmus.run.builtin import demo_config, publish, run_builtin
+    from isthmus.run.builtin import DashboardLink, demo_config, publish, run_builtin
     from isthmus.run.flags import overrides_from
 
     try:
         cfg = demo_config(overrides_from(args))
-        summary, _, run_dir = run_builtin(cfg, max_restarts=args.max_restarts)
+        summary, _, run_dir = run_builtin(
+            cfg, max_restarts=args.max_restarts, hooks=[DashboardLink()]
+        )
     except (ValueError, FileExistsError) as e:
         print(f"isthmus demo: {e}", file=sys.stderr)
         return 2
@@ -157,6 +165,19 @@ def add_parsers(sub: Any) -> None:
         type=float,
         default=600.0,
         help="evict a live member that has not reported a round this long after it formed",
+    )
+    c.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics (Prometheus) on this port without the token; by default it is "
+        "served only on --port, behind the token",
+    )
+    c.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address of --metrics-port (default: --host); bind it where only your monitoring "
+        "reaches it",
     )
     c.set_defaults(func=_cmd_coordinator)
 

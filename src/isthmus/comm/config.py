@@ -53,6 +53,11 @@ class SessionConfig:
     """Bound on waiting for a round to form (e.g. fewer than ``min_peers`` alive) or finish."""
     max_attempts: int = 100
     """How many times one round may abort and retry before :class:`RoundFailed`."""
+    tensorboard: str | None = None
+    """Write :meth:`Session.log_scalars` (loss, learning rate, ...) with the world size and bytes
+    sent as TensorBoard event files under ``DIR/<name>/`` (one run per peer). Needs the
+    ``tensorboard`` package (``pip install 'isthmus[tensorboard]'``): without it the first
+    logged step raises ImportError saying so."""
 
     def __post_init__(self) -> None:
         if not self.token:

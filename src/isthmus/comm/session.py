@@ -140,6 +140,7 @@ class Session:
         self.rank = 0  # this peer's rank and the world size in the latest round (for data sharding)
         self.world = 1
         self._commit_hooks: list[Callable[[RoundPlan], None]] = []
+        self._tensorboard: Any = None  # a SummaryWriter, made at the first log_scalars
         self._client = CoordinatorClient(
             config.coordinator, config.token, connect_timeout=config.connect_timeout
         )
@@ -186,7 +187,12 @@ class Session:
         log.info("%s registered as peer %d of run %s", self.name, self.peer_id, self.run_id)
 
     def _heartbeat_info(self) -> dict[str, Any]:
-        return {**self.info, "revision": self.revision, "bytes_sent": self.stats.bytes_sent}
+        return {
+            **self.info,
+            "revision": self.revision,
+            "bytes_sent": self.stats.bytes_sent,
+            "bytes_by_op": dict(self.stats.by_op),
+        }
 
     def _on_push(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
@@ -201,8 +207,37 @@ class Session:
                 )
 
     def report(self, **info: Any) -> None:
-        """Attach metrics (step, loss, ...) to the next heartbeats; shown in ``/status``."""
+        """Attach metrics (step, loss, ...) to the next heartbeats; shown in ``/status`` and on
+        the coordinator's dashboard (which computes steps per second from ``step``)."""
         self.info.update(info)
+
+    def log_scalars(self, step: int, **values: float) -> None:
+        """Write ``values`` (``loss=..., lr=...``) at ``step`` to this peer's TensorBoard run
+        (``SessionConfig.tensorboard``), with ``comm/world_size``, ``comm/bytes_sent`` and
+        ``comm/bytes/<op>``. Does nothing without ``tensorboard``. Raises ImportError naming the
+        package to install when the ``tensorboard`` package is missing."""
+        if self.config.tensorboard is None:
+            return
+        if self._tensorboard is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    f"SessionConfig.tensorboard needs the tensorboard package: "
+                    f"pip install 'isthmus[tensorboard]' ({e})"
+                ) from e
+            run = self.name.replace(os.sep, "_")  # one run per peer, even for odd names
+            # flush often: a killed peer loses at most this much of its curve
+            self._tensorboard = SummaryWriter(
+                os.path.join(self.config.tensorboard, run), flush_secs=5
+            )
+        w = self._tensorboard
+        for key, value in values.items():
+            w.add_scalar(key, float(value), step)
+        w.add_scalar("comm/world_size", self.world, step)
+        w.add_scalar("comm/bytes_sent", self.stats.bytes_sent, step)
+        for op, n in self.stats.by_op.items():
+            w.add_scalar(f"comm/bytes/{op}", n, step)
 
     # -- groups ---------------------------------------------------------------------------------
     def _backend(self) -> str:
@@ -491,9 +526,13 @@ class Session:
                         "run": self.run_id,
                         "digest": self.state.digest(),
                         "revision": self.revision,
+                        "info": self._heartbeat_info(),  # final byte counts, for /metrics
                     },
                     read_timeout=5.0,
                 )
+        if self._tensorboard is not None:
+            with contextlib.suppress(Exception):
+                self._tensorboard.close()
         self._client.close()
         self._set_group(None)
         self._builder.shutdown(wait=False)

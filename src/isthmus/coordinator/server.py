@@ -13,6 +13,9 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``):
   run, from before a coordinator restart, is answered ``evicted``.
 * ``POST /v1/leave``, ``GET /v1/status`` (members, epoch, revision, heartbeats, counters, recent
   events; try ``curl -H "Authorization: Bearer $TOKEN" http://host:port/v1/status``).
+* ``GET /`` the live dashboard, ``GET /metrics`` Prometheus (see :mod:`isthmus.coordinator.web`:
+  the page asks for the token and keeps it as a cookie; ``metrics_port`` serves ``/metrics``
+  without one, where the operator binds it).
 
 Process groups rendezvous through a torch ``TCPStore`` served by this process on ``store_port``.
 The store has no authentication of its own: its port is handed only to peers holding the token,
@@ -41,6 +44,7 @@ from aiohttp import WSMsgType, web
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.protocol import Decision, TensorSpec
+from isthmus.coordinator.web import Dashboard
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
@@ -68,12 +72,19 @@ class CoordinatorConfig:
     """How long a begin/commit request is held before answering ``wait``."""
     tick_s: float = 0.1
     """How often timeouts are checked."""
+    metrics_port: int | None = None
+    """Also serve ``/metrics`` on this port *without* the token (0 picks a free one; None: only
+    on the main port, behind the token). Bind it where only your monitoring can reach it."""
+    metrics_host: str | None = None
+    """Address of ``metrics_port`` (default: ``host``)."""
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("a coordinator needs a non-empty token (peers must present it)")
         if not 0 <= self.port < 65536 or not 0 <= self.store_port < 65536:
             raise ValueError(f"ports must be in 0..65535, got {self.port} and {self.store_port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.heartbeat_interval <= 0 or self.poll_s <= 0 or self.tick_s <= 0:
             raise ValueError("heartbeat_interval, poll_s and tick_s must be positive")
         if self.heartbeat_interval * 2 > self.membership.heartbeat_timeout:
@@ -120,6 +131,7 @@ class Coordinator:
         self.store_port = config.store_port
         self.t0 = time.monotonic()
         self.started_at = time.time()  # wall clock of t0: events' "t" + started_at = Unix time
+        self.web = Dashboard(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
@@ -200,6 +212,7 @@ class Coordinator:
                 web.get("/v1/status", self._status),
             ]
         )
+        self.web.install(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -274,8 +287,8 @@ class Coordinator:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path == "/healthz":
-            return await handler(request)
+        if request.path == "/healthz" or self.web.handles(request.path):
+            return await handler(request)  # the dashboard's routes check access themselves
         header = request.headers.get("Authorization", "")
         token = header[7:] if header.startswith("Bearer ") else ""
         if not token:
@@ -333,6 +346,7 @@ class Coordinator:
         body = await self._json(request)
         name = str(body.get("name") or "peer")[:200]
         info = body.get("info") if isinstance(body.get("info"), dict) else {}
+        info = {**info, "address": request.remote}  # where the peer reached us from (dashboard)
         with self._lock:
             pid = self.membership.register(name, self._now(), info)
         self._mutated()
@@ -454,7 +468,10 @@ class Coordinator:
         final = {}
         if isinstance(digest, str) and isinstance(revision, int):
             final = {"digest": digest[:64], "revision": revision}
+        info = body.get("info")
         with self._lock:
+            if isinstance(info, dict):  # its last counters (bytes), for /metrics and the dashboard
+                self.membership.heartbeat(pid, self._now(), info)
             self.membership.leave(pid, self._now(), **final)
         self._mutated()
         return web.json_response({"ok": True})

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+import sys
+import urllib.parse
+from typing import Any, TextIO
 
 from isthmus.run.churn import ChurnHook, plan_from_config
 from isthmus.run.config import RunConfig, apply_overrides
@@ -20,10 +22,37 @@ from isthmus.run.record import RunDir, Summary
 from isthmus.run.summarize import collect_metrics, summarize
 from isthmus.spec import option_names
 
-__all__ = ["DEMO_SYNC_EVERY", "demo_config", "initial_eval", "publish", "run_builtin", "run_demo"]
+__all__ = [
+    "DEMO_SYNC_EVERY",
+    "DashboardLink",
+    "dashboard_url",
+    "demo_config",
+    "initial_eval",
+    "publish",
+    "run_builtin",
+    "run_demo",
+]
 
 DEMO_SYNC_EVERY = 20
 """H of the demo's (and the lab's) short runs, for strategies that have a ``sync_every``."""
+
+
+def dashboard_url(address: str, token: str) -> str:
+    """The coordinator's dashboard with the token in the URL's fragment: browsers never send a
+    fragment to the server, and the page removes it from the address bar once it logged in."""
+    return f"http://{address}/#token={urllib.parse.quote(token, safe='')}"
+
+
+class DashboardLink(Hook):
+    """Prints the live dashboard's URL once the coordinator is up (``isthmus demo``)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+        self.url: str | None = None
+
+    def start(self, launcher: Launcher) -> None:
+        self.url = dashboard_url(launcher.address, launcher.token)
+        print(f"dashboard: {self.url}", file=self.stream or sys.stderr, flush=True)
 
 
 def demo_config(overrides: dict[str, Any] | None = None) -> RunConfig:

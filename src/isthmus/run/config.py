@@ -268,6 +268,21 @@ class OutputConfig:
     """Also write the summary JSON here."""
     progress: bool = field(default=True, metadata={"negate": "no_progress"})
     """Show a live progress bar."""
+    tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Write TensorBoard event files here, one run per peer (DIR/<peer name>): loss, learning
+    rate, eval loss, bytes sent and world size per step. Needs the tensorboard package
+    (pip install 'isthmus[tensorboard]')."""
+
+    def __post_init__(self) -> None:
+        if self.tensorboard is not None:
+            import importlib.util
+
+            # fail before any peer starts rather than in every peer at its first step
+            if importlib.util.find_spec("tensorboard") is None:
+                raise SpecError(
+                    "needs the tensorboard package: pip install 'isthmus[tensorboard]'",
+                    key="output.tensorboard",
+                )
 
 
 @dataclass(kw_only=True)

@@ -217,6 +217,7 @@ def run_job(job: PeerJob) -> PeerResult:
             collective_timeout=t.collective_timeout,
             connect_timeout=t.connect_timeout,
             round_timeout=t.round_timeout,
+            tensorboard=run.output.tensorboard,
         ),
         faults=FaultInjector([Fault.parse(f) for f in me.faults]),
     )
@@ -272,6 +273,10 @@ def run_job(job: PeerJob) -> PeerResult:
                 )
             metrics.write(json.dumps(record) + "\n")
             session.report(step=strategy.step_count, loss=record["loss"])
+            scalars = {"loss": record["loss"], "lr": optimizer.param_groups[0]["lr"]}
+            if "eval_loss" in record:
+                scalars["eval_loss"] = record["eval_loss"]
+            session.log_scalars(step, **scalars)
             if checkpointer is not None:
                 checkpointer.maybe_save()
             if run.step_delay:

@@ -8,9 +8,12 @@ lab runs ``links.jsonl`` with interface counters). Writes:
   (thin lines) and their mean per step (thick), with eval loss points when recorded;
 * ``world_size.png``: peers in the run over time, with kills/evictions, joins and aborted rounds;
 * ``link_utilization.png`` (lab runs): each link's throughput against its shaped rate;
-* ``report.md``: the summary as a table and the plots embedded.
+* ``report.md``: the summary as a table and the plots embedded;
+* ``report.html``: the same on one self-contained page (plots inside it), with the events as a
+  timeline (:mod:`isthmus.run.report_html`).
 
-:func:`compare_runs` overlays several runs (``isthmus lab compare RUN...``).
+:func:`compare_runs` overlays several runs (``isthmus lab compare RUN...``) in ``compare.md``
+and ``compare.html``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.run.record import RunDir, Summary
+from isthmus.run.report_html import write_compare_html, write_html_report
 
 __all__ = ["LoadedRun", "compare_runs", "load_run", "plot_run", "write_report"]
 
@@ -100,7 +104,8 @@ def _label(run: LoadedRun) -> str:
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write the PNG plots and ``report.md`` for one run; returns the files written."""
+    """Write the PNG plots, ``report.md`` and ``report.html`` for one run; returns the files
+    written. Raises FileNotFoundError naming the directory if it is not a run directory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,7 +214,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if run.links:
         p = _plot_links(run, d, t0, plt)
         written.append(p)
-    written.append(write_report(run, [w.name for w in written]))
+    images = [w.name for w in written]
+    written.append(write_report(run, images))
+    written.append(write_html_report(run, images, t0, f"Run report: {_label(run)}"))
     return written
 
 
@@ -275,7 +282,8 @@ def write_report(run: LoadedRun, images: list[str]) -> Path:
 
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Overlay several runs: mean loss against step, wall-clock and total bytes; a table of their
-    summaries in ``compare.md``. Returns the files written."""
+    summaries in ``compare.md``, and all of it with each run's timeline in ``compare.html``.
+    Returns the files written. Raises FileNotFoundError naming a directory that is not a run's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -344,7 +352,10 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     lines += [f"![{p.name}]({p.name})" for p in written]
     md = out / "compare.md"
     md.write_text("\n".join(lines) + "\n")
-    written.append(md)
+    page = write_compare_html(
+        runs, [_label(r) for r in runs], [_t0(r) for r in runs], list(written), keys, out
+    )
+    written += [md, page]
     return written
 
 
