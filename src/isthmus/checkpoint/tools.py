@@ -16,7 +16,7 @@ import torch
 from isthmus.checkpoint.load import CheckpointCorrupt, NoCheckpoint, load_shared, read_manifest
 from isthmus.checkpoint.store import CheckpointStore
 
-__all__ = ["export", "inspect"]
+__all__ = ["export", "inspect", "templates"]
 
 
 def _pick(store: CheckpointStore, revision: int | None) -> int:
@@ -33,7 +33,8 @@ def _pick(store: CheckpointStore, revision: int | None) -> int:
     return revision
 
 
-def _templates(schema: list[list[Any]]) -> dict[str, torch.Tensor]:
+def templates(schema: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """Empty tensors shaped like a manifest's schema, to load a checkpoint into."""
     return {
         str(n): torch.empty(tuple(shape), dtype=getattr(torch, str(dtype).removeprefix("torch.")))
         for n, shape, dtype in schema
@@ -63,7 +64,7 @@ def inspect(url: str, *, revision: int | None = None, verify: bool = True) -> di
     }
     if verify:
         try:
-            load_shared(store, m, _templates(m.schema))
+            load_shared(store, m, templates(m.schema))
             out["verified"] = True
         except CheckpointCorrupt as e:
             out["verified"] = str(e)
@@ -81,7 +82,7 @@ def export(url: str, out: str | Path, *, revision: int | None = None) -> dict[st
     store = CheckpointStore(url)
     rev = _pick(store, revision)
     m = read_manifest(store, rev)
-    shared = load_shared(store, m, _templates(m.schema))
+    shared = load_shared(store, m, templates(m.schema))
     if m.model_keys:
         tensors = {key: shared[name].clone().contiguous() for key, name in m.model_keys.items()}
     else:  # a strategy that did not name the model's keys: the whole shared state, as saved

@@ -172,6 +172,12 @@ def resume(run: RunConfig, session: Session, strategy: Strategy, name: str) -> i
     if local is not None:
         strategy.load_local_state(local)
     session.revision = manifest.revision
+    slots = sorted(manifest.local)
+    if slot_of(name) in slots:
+        # Until the first round says otherwise, assume the membership that wrote the checkpoint
+        # (ranks follow names): the first batch is then the one the run would have drawn next,
+        # and a resume on the same peers is invisible.
+        session.rank, session.world = slots.index(slot_of(name)), len(slots)
     log.info("%s resumed from revision %d of %s", name, manifest.revision, url)
     return manifest.revision
 
@@ -234,7 +240,9 @@ def run_job(job: PeerJob) -> PeerResult:
         **strategy_options(s.name, s.options, run.steps),
     )
     flip = install_attack(me.attack, strategy, me.attack_from_step) if me.attack else None
+    t_resume = time.monotonic()
     resumed = resume(run, session, strategy, me.name)
+    resume_s = time.monotonic() - t_resume
     checkpointer = checkpointer_for(run, session, strategy)
     metrics = out.records_path(me.name).open("w", buffering=1)
     t0 = time.monotonic()
@@ -301,7 +309,10 @@ def run_job(job: PeerJob) -> PeerResult:
             rounds=session.rounds,
             wall_s=round(time.monotonic() - t0, 3),
             strategy=strategy.metrics(),
-            checkpoint=checkpointer.metrics() if checkpointer is not None else {},
+            checkpoint={
+                **(checkpointer.metrics() if checkpointer is not None else {}),
+                **({"resume_s": round(resume_s, 4)} if resumed is not None else {}),
+            },
             resumed_from=resumed,
         )
         if me.save_state:
