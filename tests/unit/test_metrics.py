@@ -88,6 +88,7 @@ def test_the_view_times_rounds_from_formation_to_outcome_and_keeps_abort_reasons
     )
     assert done == [("aborted", pytest.approx(0.1))]
     assert [a["reason"] for a in v.aborts] == ["peer 1 (b) dead"]
+    assert [e["kind"] for e in v.recent] == ["dead", "abort"]  # commits are only counted
     assert v.world == [[2.0, 3.0], [3.2, 2.0]]
     # b began round 0 last and the others waited 0.4 s for it
     assert (v.peers["b"].straggled, v.peers["b"].straggle_s) == (1, pytest.approx(0.4))

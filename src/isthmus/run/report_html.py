@@ -142,8 +142,9 @@ def timeline_svg(
         return round(height - bottom - w * (height - top - bottom) / ymax, 2)
 
     out = [
+        # inline SVG in HTML needs no namespace: the page names no URL at all
         f'<svg class="timeline" viewBox="0 0 {width} {height}" width="100%" '
-        f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="membership timeline">'
+        f'role="img" aria-label="membership timeline">'
     ]
     for w in range(ymax + 1):
         out.append(

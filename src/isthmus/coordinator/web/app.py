@@ -244,7 +244,7 @@ class Dashboard:
         now = self.now()
         if self._snapshot is not None and now - self._snapshot[0] < MIN_GAP_S:
             return self._snapshot[1]
-        status = self.coordinator.status(events=40)
+        status = self.coordinator.status(events=0)  # the view keeps the events it shows
         self.view.sample_peers(now, status["peers"])
         snap = self.view.snapshot(now, status, waiting_for=self._waiting_for())
         self._snapshot = (now, snap)

@@ -11,7 +11,10 @@ keeps
 * how long each round took from formation to commit or abort, and the recent aborts with their
   reasons,
 * stragglers: per peer, how many rounds it was the last member to begin and how long the others
-  waited for it.
+  waited for it,
+* the recent events other than commits (joins, evictions, epochs, aborts, resyncs, parity
+  failures, checkpoints): with data parallel a commit every few milliseconds would push them
+  out of any list of recent events; commits are counted instead.
 
 Every series is bounded: past its cap it keeps every other point (the whole run, coarser), so a
 week-long run costs what a ten-minute one does.
@@ -77,10 +80,12 @@ class PeerTrack:
 class RunView:
     """The history of one run as the coordinator saw it (see the module docstring)."""
 
-    def __init__(self, *, max_aborts: int = 50) -> None:
+    def __init__(self, *, max_aborts: int = 50, max_events: int = 60) -> None:
         self.world: list[list[float]] = []
         self.peers: dict[str, PeerTrack] = {}
         self.aborts: deque[dict[str, Any]] = deque(maxlen=max_aborts)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=max_events)
+        """The latest events that are not commits, as rows for the dashboard's list."""
         self.durations: list[list[float]] = []
         """[time, seconds, 1 if committed else 0] per finished round."""
         self._formed: dict[tuple[int, int], float] = {}
@@ -119,6 +124,8 @@ class RunView:
         done: list[tuple[str, float]] = []
         for e in events:
             kind = e.get("kind")
+            if kind != "commit":
+                self.recent.append(_event_row(e))
             if kind not in ("commit", "abort"):
                 continue
             key = (int(e.get("epoch", -1)), int(e.get("round", -1)))
@@ -241,19 +248,18 @@ class RunView:
             "loss_series": {n: t.loss for n, t in self.peers.items() if n in names and t.loss},
             "durations": self.durations[-200:],
             "aborts": list(self.aborts)[::-1],
-            "events": [_event_row(e) for e in status.get("events", [])][::-1],
+            "events": list(self.recent)[::-1],
         }
 
 
 def _event_row(e: dict[str, Any]) -> dict[str, Any]:
     """An event for the dashboard's list: its time and kind, and a short text of the rest."""
     rest = {k: v for k, v in e.items() if k not in ("t", "kind", "ts")}
-    if e.get("kind") == "resync":
-        rest = {
-            "transfers": [
-                f"{t.get('src')}->{t.get('dst')} ({len(t.get('names', []))} tensors)"
-                for t in e.get("transfers", [])
-            ]
-        }
-    text = ", ".join(f"{k} {v}" for k, v in rest.items() if v not in (None, "", [], {}))
+    if e.get("kind") == "resync":  # tensor names would fill the list: say how many
+        text = "; ".join(
+            f"peer {t.get('src')} -> peer {t.get('dst')}: {len(t.get('names', []))} tensors"
+            for t in e.get("transfers", [])
+        )
+    else:
+        text = ", ".join(f"{k} {v}" for k, v in rest.items() if v not in (None, "", [], {}))
     return {"t": round(float(e.get("t", 0.0)), 3), "kind": e.get("kind"), "text": text[:400]}
