@@ -101,7 +101,7 @@ class DiLoCo(Strategy):
         if not self.joined:
             self.joined = True
             self.drop_catch_up_forward()
-            self.sync()  # catch up with the run before training; this gradient is dropped
+            self.sync(catch_up=True)  # catch up with the run; this gradient is dropped
             return
         self.optimizer.step()
         self.local_steps += 1
@@ -117,9 +117,12 @@ class DiLoCo(Strategy):
             for g, p in zip(self.global_params, self.params, strict=True)
         ]
 
-    def sync(self) -> None:
+    def sync(self, *, catch_up: bool = False) -> None:
         """One outer round: average the outer gradients (and the floating buffers, with the
-        step count), apply the outer step, restart from theta."""
+        step count), apply the outer step, restart from theta. A ``catch_up`` round contributes
+        nothing: this peer has no work yet, and its parameters may not have started from theta
+        (a peer resumed without its local state); at the start of a run nobody contributes, which
+        leaves theta as a zero outer gradient would."""
         snap = self.buffers.snapshot()
         steps = torch.tensor([float(self.since_sync)])
         if self.buffers:
@@ -138,7 +141,7 @@ class DiLoCo(Strategy):
 
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
-                ok = not rnd.resynced and buffers.finite(snap)
+                ok = not catch_up and not rnd.resynced and buffers.finite(snap)
                 pending = reducer.start(rnd, items, contribute=ok, exact=steps)
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()

@@ -349,6 +349,7 @@ class DelayedOuter(Strategy):
             # this call's gradient is dropped, as in DiLoCo.
             self.joined = True
             self.drop_catch_up_forward()
+            self.stale = True  # it contributes nothing (see DiLoCo.sync)
             self._issue(self._phase_delta())
             return
         self.optimizer.step()

@@ -315,7 +315,7 @@ class StreamingDiLoCo(Strategy):
             self.drop_catch_up_forward()
             # Catch-up round (blocking): a joiner receives theta and the members' step; at the
             # start of a run it syncs fragment 0's zero outer gradient, exactly like DiLoCo.
-            self._issue(self.step_count)
+            self._issue(self.step_count, catch_up=True)
             self._settle()
             self.steady.mark_start()  # the catch-up round blocks by design
             return
@@ -332,15 +332,18 @@ class StreamingDiLoCo(Strategy):
             if tau == 0:
                 self._settle()
 
-    def _issue(self, apply_step: int) -> None:
+    def _issue(self, apply_step: int, *, catch_up: bool = False) -> None:
+        # a catch-up round contributes nothing (see DiLoCo.sync)
         def build(rnd: Round | None) -> Planned:
             number = rnd.number if rnd is not None else self.pipeline.next_number()
             frag = fragment_for_round(number, self.config.fragments)
             idx = self.fragments[frag]
             base = int(self.global_step)  # read after begin: a joiner's was just received
             snap = self.buffers.snapshot()
-            ok = (rnd is None or not rnd.resynced) and (
-                not self.buffers or self.buffers.finite(snap)
+            ok = (
+                not catch_up
+                and (rnd is None or not rnd.resynced)
+                and (not self.buffers or self.buffers.finite(snap))
             )
             return Planned(
                 items=[
