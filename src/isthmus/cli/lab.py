@@ -1,4 +1,4 @@
-"""``isthmus lab run|report|compare|sim|cleanup`` and ``isthmus bench allreduce``."""
+"""``isthmus lab run|soak|report|compare|sim|cleanup`` and ``isthmus bench allreduce|link``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,40 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
         )
     print(f"report: {Path(summary.run_dir) / 'report.html'}")
     return 0 if summary.ok else 1
+
+
+def _cmd_lab_soak(args: argparse.Namespace) -> int:
+    from isthmus.lab.netns import LabError
+    from isthmus.lab.scenario import load_scenario
+    from isthmus.run.flags import overrides_from
+    from isthmus.run.lab import LabOptions
+    from isthmus.run.soak import SoakOptions, run_soak
+
+    try:
+        scenario = load_scenario(args.scenario)
+        opts = SoakOptions(
+            minutes=args.minutes,
+            max_stall_s=args.max_stall,
+            hang_s=args.hang_s,
+            sample_s=args.sample_s,
+        )
+        lab = LabOptions(network=args.network, prefix=args.prefix)
+        rep, run_dir = run_soak(scenario, opts, lab, overrides=overrides_from(args))
+    except (ValueError, FileExistsError, OSError, LabError) as e:
+        print(f"isthmus lab soak: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "isthmus lab soak: interrupted; peers stopped and the network removed", file=sys.stderr
+        )
+        return 130
+    print("PASS" if rep.ok else "FAIL: " + "; ".join(rep.reasons))
+    print(
+        f"rounds committed {rep.rounds_committed}, aborted {rep.rounds_aborted}, parity failures "
+        f"{rep.parity_failures}, longest stall {rep.longest_stall_s} s (bound {rep.max_stall_s} s)"
+    )
+    print(f"report: {run_dir.path / 'soak.md'}")
+    return 0 if rep.ok else 1
 
 
 def _cmd_lab_compare(args: argparse.Namespace) -> int:
@@ -248,6 +282,9 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
             network=args.network,
             collectives=args.collectives,
             congestion_control=args.congestion_control,
+            rtt_ms=args.rtt_ms,
+            jitter_ms=args.jitter_ms,
+            loss=args.loss,
         )
         result = run_bench(cfg)
     except (argparse.ArgumentTypeError, ValueError, BenchError, LabError) as e:
@@ -260,6 +297,68 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
         return 130
     print(json.dumps(result, indent=1) if args.json else format_bench(result))
     return 0
+
+
+def _cmd_bench_link(args: argparse.Namespace) -> int:
+    from isthmus.lab.fidelity import LinkBenchConfig, format_link_bench, run_link_bench
+    from isthmus.lab.netns import LabError
+
+    try:
+        cfg = LinkBenchConfig(
+            rate_mbit=None if args.rate == "unlimited" else _rate(args.rate) / 1e6,
+            rtts_ms=tuple(args.rtt_ms),
+            jitter_ms=args.jitter_ms,
+            loss=args.loss,
+            seconds=args.seconds,
+            window_kib=args.window_kib,
+        )
+        result = run_link_bench(cfg)
+    except (argparse.ArgumentTypeError, ValueError, LabError) as e:
+        print(f"isthmus bench link: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("isthmus bench: interrupted; the network removed", file=sys.stderr)
+        return 130
+    print(json.dumps(result, indent=1) if args.json else format_link_bench(result))
+    return 0
+
+
+def _ms_list(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give round trips in ms separated by commas, e.g. 10,80,300; got {text!r}"
+        ) from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"no round trip in {text!r}")
+    return out
+
+
+def _add_impairment_flags(a: argparse.ArgumentParser, *, rtt_list: bool) -> None:
+    if rtt_list:
+        a.add_argument(
+            "--rtt-ms",
+            type=_ms_list,
+            default=[10.0, 40.0, 80.0, 150.0, 300.0],
+            help="round trips to measure, comma-separated (default 10,40,80,150,300)",
+        )
+    else:
+        a.add_argument(
+            "--rtt-ms",
+            type=float,
+            default=0.0,
+            help="round trip between two peers, ms (a user-space delay line per link; default 0)",
+        )
+    a.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=0.0,
+        help="the round trip varies within +- this many ms (at most the round trip)",
+    )
+    a.add_argument(
+        "--loss", type=float, default=0.0, help="share of packets lost one way, e.g. 0.001"
+    )
 
 
 def add_parsers(sub: Any) -> None:
@@ -282,6 +381,26 @@ def add_parsers(sub: Any) -> None:
     # what the scenario says (peers, model, strategy, churn, attacks) comes from the file
     add_config_flags(r, exclude=SCENARIO_KEYS)
     r.set_defaults(func=_cmd_lab_run)
+
+    k = lsub.add_parser(
+        "soak", help="run a scenario for a fixed time; fail on a stall, a parity failure or a hang"
+    )
+    k.add_argument("scenario", help="scenario TOML file (see scenarios/soak_*.toml)")
+    k.add_argument("--minutes", type=float, required=True, help="how long to run it")
+    k.add_argument(
+        "--max-stall", type=float, required=True, help="longest allowed time between commits, s"
+    )
+    k.add_argument(
+        "--hang-s",
+        type=float,
+        default=None,
+        help="a running peer without a step for this long is hung (default max(60, 10 x stall))",
+    )
+    k.add_argument("--sample-s", type=float, default=2.0, help="how often peers are sampled, s")
+    k.add_argument("--network", default="auto", choices=["auto", "netns", "loopback"])
+    k.add_argument("--prefix", default="isth", help="namespace name prefix (default isth)")
+    add_config_flags(k, exclude=(*SCENARIO_KEYS, "timeout"))  # --minutes is the timeout
+    k.set_defaults(func=_cmd_lab_soak)
 
     rp = lsub.add_parser(
         "report",
@@ -383,5 +502,18 @@ def add_parsers(sub: Any) -> None:
         metavar="NAME",
         help="TCP congestion control in the namespaces (e.g. reno, bbr; default: the host's)",
     )
+    _add_impairment_flags(a, rtt_list=False)
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.set_defaults(func=_cmd_bench_allreduce)
+
+    lk = bsub.add_parser(
+        "link",
+        help="fidelity of the emulated latency: ping, a windowed and a bulk TCP transfer per "
+        "round trip, against what the settings predict",
+    )
+    lk.add_argument("--rate", default="100mbit", help="link rate (e.g. 1gbit) or unlimited")
+    _add_impairment_flags(lk, rtt_list=True)
+    lk.add_argument("--seconds", type=float, default=6.0, help="length of each transfer")
+    lk.add_argument("--window-kib", type=int, default=256, help="the windowed transfer's window")
+    lk.add_argument("--json", action="store_true", help="print the result as JSON")
+    lk.set_defaults(func=_cmd_bench_link)

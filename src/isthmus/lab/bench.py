@@ -47,6 +47,7 @@ from isthmus.lab.netns import (
     inside_namespace,
     unavailable_reason,
 )
+from isthmus.lab.netspec import Impairment
 from isthmus.lab.wan import WanNetwork
 
 __all__ = ["BenchConfig", "BenchError", "bus_bandwidth_mbit", "format_bench", "run_bench"]
@@ -92,6 +93,12 @@ class BenchConfig:
     congestion_control: str | None = None
     """TCP congestion control in the namespaces (e.g. ``reno``, ``bbr``); ``None``: the host's.
     Reported back as ``tcp_congestion_control`` (what the namespaces used)."""
+    rtt_ms: float = 0.0
+    """Round trip between two peers (every peer link is a delay line); 0: none."""
+    jitter_ms: float = 0.0
+    """The round trip varies within +- this (at most ``rtt_ms``)."""
+    loss: float = 0.0
+    """Share of packets lost one way between two peers."""
     prefix: str = "isthb"
     """Prefix of the namespace names."""
     timeout_s: float = 900.0
@@ -121,12 +128,20 @@ class BenchConfig:
             raise ValueError(f"network must be auto, netns or loopback, got {self.network!r}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
+        self.impairment()  # a bad round trip, jitter or loss fails here, with what to write
+
+    def impairment(self) -> Impairment | None:
+        """The peers' links' round trip, jitter and loss; ``None`` when there are none. Raises
+        ``ValueError`` (a :class:`~isthmus.lab.checks.ScenarioError`) for impossible values."""
+        imp = Impairment(rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss)
+        return imp if imp.active else None
 
     def op_timeout_s(self) -> float:
-        """Bound on one collective: three times its ideal duration at the link rate, at least 60 s."""
+        """Bound on one collective: three times its ideal duration at the link rate, at least 60 s,
+        plus a second per 10 ms of round trip (a window-bound stream takes longer)."""
         rate = (self.rate_mbit or 1000.0) * 1e6
         ideal = 2 * max(self.sizes_mb) * 1e6 * 8 / rate
-        return max(60.0, 3 * ideal + 30)
+        return max(60.0, 3 * ideal + 30) + self.rtt_ms / 10
 
 
 @contextlib.contextmanager
@@ -141,6 +156,7 @@ def _network(cfg: BenchConfig) -> Iterator[tuple[WanNetwork | None, str | None]]
             rates_mbit=cfg.rate_mbit,
             prefix=cfg.prefix,
             congestion_control=cfg.congestion_control,
+            impairments=cfg.impairment(),
         )
         try:
             net.start()
@@ -321,6 +337,9 @@ def _combine(
     out: dict[str, Any] = {
         "peers": n,
         "link_mbit": link,
+        "rtt_ms": cfg.rtt_ms if mode == "netns" else None,
+        "jitter_ms": cfg.jitter_ms if mode == "netns" else None,
+        "loss": cfg.loss if mode == "netns" else None,
         "network": mode,
         "network_note": None
         if mode == "netns"
@@ -335,6 +354,12 @@ def _combine(
 def format_bench(r: dict[str, Any]) -> str:
     """The result of :func:`run_bench` as a few readable lines."""
     link = f"{r['link_mbit']:g} Mbit/s links" if r["link_mbit"] else "loopback, unshaped"
+    if r.get("rtt_ms"):
+        link += f", RTT {r['rtt_ms']:g} ms"
+        if r.get("jitter_ms"):
+            link += f" +- {r['jitter_ms']:g}"
+    if r.get("loss"):
+        link += f", loss {r['loss']:g}"
     cc = r.get("tcp_congestion_control")
     tcp = f", TCP {cc}" if cc else ""
     lines = [f"all-reduce, {r['peers']} peers, {link} ({r['network']}{tcp}, median of {r['reps']})"]

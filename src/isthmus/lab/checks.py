@@ -20,9 +20,11 @@ __all__ = [
     "check_scalar",
     "check_spec",
     "check_str",
+    "construct",
     "one_of",
     "rate_or_unlimited",
     "suggest",
+    "table_keys",
 ]
 
 Scalar = str | int | float | bool
@@ -57,6 +59,38 @@ class ScenarioError(ValueError):
 def suggest(word: str, choices: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def table_keys(
+    table: Any,
+    key: str,
+    allowed: Sequence[str],
+    required: Sequence[str] = (),
+    hints: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``table`` as a dict after checking it is a table with only ``allowed`` keys and every
+    ``required`` one; an unknown key gets ``hints[key]`` or the closest known key as advice."""
+    if not isinstance(table, Mapping):
+        raise ScenarioError(f"must be a table, got {table!r}", key=key)
+    for k in table:
+        if k not in allowed:
+            hint = (hints or {}).get(k) or suggest(k, allowed)
+            raise ScenarioError(
+                f"unknown key{hint}; known keys: {', '.join(allowed)}",
+                key=f"{key}.{k}" if key else k,
+            )
+    for k in required:
+        if k not in table:
+            raise ScenarioError(f"missing required key {k!r}", key=f"{key}.{k}" if key else k)
+    return dict(table)
+
+
+def construct(cls: type, key: str, **kwargs: Any) -> Any:
+    """``cls(**kwargs)``, with a :class:`ScenarioError` it raises put under ``key``."""
+    try:
+        return cls(**kwargs)
+    except ScenarioError as e:
+        raise e.within(key) from None
 
 
 def one_of(value: str, choices: Sequence[str], what: str, key: str) -> None:

@@ -10,6 +10,7 @@ shares it). :func:`open_network` is the lab's way in: it builds the network or f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -109,8 +110,9 @@ def open_network(
     ``mode``: ``auto`` builds namespaces and tc if the machine can, else falls back to loopback
     without shaping and says so (on stderr and in ``info["reason"]``); ``netns`` raises
     :class:`LabUnavailable` instead of falling back; ``loopback`` never builds namespaces
-    (``net`` is then None). ``info`` describes what was built, for the summary. The network is
-    torn down on every way out of the block.
+    (``net`` is then None). ``info`` describes what was built, for the summary; after the block
+    it also holds ``delay_lines``, the counters of every delay line (frames, drops, CPU seconds).
+    The network is torn down on every way out of the block.
     """
     if mode not in NETWORK_MODES:
         raise ValueError(f"network must be one of {', '.join(NETWORK_MODES)}, got {mode!r}")
@@ -121,6 +123,10 @@ def open_network(
         if spec.coordinator_rate_bps is None
         else spec.coordinator_rate_bps / 1e6,
         "congestion_control": spec.congestion_control,
+        "impairments": [dataclasses.asdict(x) for x in spec.impairments]
+        if any(x.active for x in spec.impairments)
+        else None,
+        "sites": dataclasses.asdict(spec.sites) if spec.sites is not None else None,
     }
     if mode == "loopback":
         yield None, {**info, "mode": "loopback", "reason": "asked for (--network loopback)"}
@@ -138,14 +144,16 @@ def open_network(
             raise LabUnavailable(f"the emulated network cannot be built here: {reason}")
         print(
             f"isthmus lab: no emulated network ({reason}); falling back to loopback WITHOUT "
-            "shaping: link rates are ignored and bytes cannot be attributed to peers",
+            "shaping: link rates, round trips, loss and sites are ignored and bytes cannot be "
+            "attributed to peers",
             file=sys.stderr,
         )
         yield None, {**info, "mode": "loopback", "reason": reason}
         return
     # started above (to catch LabUnavailable), so closed here rather than with `with net:`
+    info_out = {**info, "mode": "netns", "reason": None, "run_id": net.run_id}
     try:
-        yield net, {**info, "mode": "netns", "reason": None, "run_id": net.run_id}
+        yield net, info_out
     except BaseException:
         try:
             net.close()
@@ -156,3 +164,4 @@ def open_network(
             )
         raise
     net.close()
+    info_out["delay_lines"] = net.line_counters

@@ -23,7 +23,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from isthmus.lab.netspec import Impairment
 
 __all__ = [
     "LabError",
@@ -123,6 +126,10 @@ class Node:
     """The bridge-side end of its veth, in the bridge namespace (shapes its download)."""
     rate_bps: float | None
     """Shaped rate in each direction, bits/s; ``None``: unshaped."""
+    impairment: Impairment | None = None
+    """Round trip, jitter and loss of its link (a delay line carries it); ``None``: a veth."""
+    bridge: str = "br0"
+    """The bridge its link joins (its site's), in the bridge namespace."""
 
 
 def run_cmd(argv: Sequence[str], *, check: bool = True, timeout_s: float = CMD_TIMEOUT_S) -> str:

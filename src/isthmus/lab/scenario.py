@@ -16,7 +16,7 @@ numbers); the strategy factory validates their meaning when the run is built.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,11 +29,21 @@ from isthmus.lab.checks import (
     check_options,
     check_spec,
     check_str,
+    construct,
     one_of,
-    rate_or_unlimited,
-    suggest,
+    table_keys,
 )
 from isthmus.lab.churn import check_sequences, random_schedule
+from isthmus.lab.netspec import (
+    CONGESTION_CONTROL_NAME,
+    MAX_LAB_PEERS,
+    Impairment,
+    NetworkSpec,
+    Site,
+    SiteLink,
+    Sites,
+    parse_network,
+)
 from isthmus.lab.rates import format_rate, parse_rate
 from isthmus.strategies import STRATEGIES as _strategy_registry
 
@@ -44,15 +54,21 @@ except ModuleNotFoundError:  # Python 3.10: the same parser is published as toml
 
 __all__ = [
     "CHURN_ACTIONS",
+    "CONGESTION_CONTROL_NAME",
+    "MAX_LAB_PEERS",
     "MODEL_PRESETS",
     "STRATEGIES",
     "ByzantineSpec",
     "ChurnEvent",
+    "Impairment",
     "NetworkSpec",
     "RandomChurn",
     "RunSpec",
     "Scenario",
     "ScenarioError",
+    "Site",
+    "SiteLink",
+    "Sites",
     "StrategySpec",
     "format_rate",
     "load_scenario",
@@ -63,12 +79,6 @@ __all__ = [
 STRATEGIES = tuple(_strategy_registry.names())  # the strategies are named once, in their registry
 MODEL_PRESETS = ("tiny", "default")
 CHURN_ACTIONS = ("kill", "join", "stop", "cont")
-MAX_LAB_PEERS = 252
-"""The lab's /24 holds a coordinator and 252 peers; larger runs belong in the simulator."""
-
-
-#: what a TCP congestion control name may look like (``reno``, ``bbr``, ``cubic``, ...)
-CONGESTION_CONTROL_NAME = re.compile(r"[a-z0-9_]+")
 
 
 # ---------------------------------------------------------------------------- the parts
@@ -126,46 +136,6 @@ class StrategySpec:
             check_spec(self.compression, "compression", "compression")
         if self.aggregator is not None:
             check_spec(self.aggregator, "aggregator", "aggregator")
-
-
-@dataclass(frozen=True, kw_only=True)
-class NetworkSpec:
-    """``[network]``: how many peers and how fast each one's link is (both directions)."""
-
-    peers: int
-    """Peers at the start of the run, including any that join later (see ``[[churn]]``)."""
-    rates_bps: tuple[float | None, ...]
-    """Per-peer link rate in bits/s, one entry per peer; ``None``: unshaped."""
-    coordinator_rate_bps: float | None = None
-    """The coordinator's link rate; ``None`` (default): unshaped."""
-    congestion_control: str | None = None
-    """TCP congestion control in every namespace (e.g. ``reno``, ``bbr``); ``None``: the host's."""
-
-    def __post_init__(self) -> None:
-        check_int(self.peers, "peers", minimum=1)
-        if self.peers > MAX_LAB_PEERS:
-            raise ScenarioError(
-                f"{self.peers} peers do not fit the lab's /24 (at most {MAX_LAB_PEERS}); use the "
-                "simulator (isthmus.lab.sim) for larger runs",
-                key="peers",
-            )
-        rates = tuple(self.rates_bps)
-        if len(rates) != self.peers:
-            raise ScenarioError(
-                f"{len(rates)} rates for {self.peers} peers; give one rate for all or one per peer",
-                key="rate",
-            )
-        for i, r in enumerate([*rates, self.coordinator_rate_bps]):
-            if r is not None:
-                name = "coordinator_rate" if i == len(rates) else f"rate[{i}]"
-                check_float(r, name, positive=True)
-        cc = self.congestion_control
-        if cc is not None and not (isinstance(cc, str) and CONGESTION_CONTROL_NAME.fullmatch(cc)):
-            raise ScenarioError(
-                f"must be a TCP congestion control name such as 'reno' or 'bbr', got {cc!r}",
-                key="congestion_control",
-            )
-        object.__setattr__(self, "rates_bps", rates)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -387,69 +357,14 @@ class Scenario:
 # ---------------------------------------------------------------------------- parsing
 
 
-def _keys(
-    table: Any, key: str, allowed: Sequence[str], required: Sequence[str] = ()
-) -> dict[str, Any]:
-    if not isinstance(table, Mapping):
-        raise ScenarioError(f"must be a table, got {table!r}", key=key)
-    for k in table:
-        if k not in allowed:
-            hint = suggest(k, allowed)
-            if k in ("latency", "delay", "loss", "jitter") and key == "network":
-                hint = (
-                    " (the lab cannot emulate delay or loss: netem is not available in this "
-                    "kernel; model latency with the simulator, isthmus.lab.sim)"
-                )
-            raise ScenarioError(
-                f"unknown key{hint}; known keys: {', '.join(allowed)}",
-                key=f"{key}.{k}" if key else k,
-            )
-    for k in required:
-        if k not in table:
-            raise ScenarioError(f"missing required key {k!r}", key=f"{key}.{k}" if key else k)
-    return dict(table)
-
-
-def _build(cls: type, key: str, **kwargs: Any) -> Any:
-    try:
-        return cls(**kwargs)
-    except ScenarioError as e:
-        raise e.within(key) from None
-
-
 def _section_run(raw: Any) -> RunSpec:
-    t = _keys(raw, "run", [f.name for f in fields(RunSpec)], ["name"])
-    return _build(RunSpec, "run", **t)
+    t = table_keys(raw, "run", [f.name for f in fields(RunSpec)], ["name"])
+    return construct(RunSpec, "run", **t)
 
 
 def _section_strategy(raw: Any) -> StrategySpec:
-    t = _keys(raw, "strategy", ["name", "options", "compression", "aggregator"], ["name"])
-    return _build(StrategySpec, "strategy", **t)
-
-
-def _section_network(raw: Any) -> NetworkSpec:
-    t = _keys(
-        raw,
-        "network",
-        ["peers", "rate", "coordinator_rate", "congestion_control"],
-        ["peers", "rate"],
-    )
-    peers = check_int(t["peers"], "network.peers", minimum=1)
-    rate = t["rate"]
-    if isinstance(rate, list):
-        rates = tuple(rate_or_unlimited(r, f"network.rate[{i}]") for i, r in enumerate(rate))
-    else:
-        rates = (rate_or_unlimited(rate, "network.rate"),) * peers
-    coord = t.get("coordinator_rate", "unlimited")
-    coord_bps = rate_or_unlimited(coord, "network.coordinator_rate")
-    return _build(
-        NetworkSpec,
-        "network",
-        peers=peers,
-        rates_bps=rates,
-        coordinator_rate_bps=coord_bps,
-        congestion_control=t.get("congestion_control"),
-    )
+    t = table_keys(raw, "strategy", ["name", "options", "compression", "aggregator"], ["name"])
+    return construct(StrategySpec, "strategy", **t)
 
 
 def _array_of_tables(raw: Any, key: str) -> list[Any]:
@@ -461,23 +376,27 @@ def _array_of_tables(raw: Any, key: str) -> list[Any]:
 def _section_churn(raw: Any) -> list[ChurnEvent]:
     out = []
     for i, item in enumerate(_array_of_tables(raw, "churn")):
-        t = _keys(item, f"churn[{i}]", [f.name for f in fields(ChurnEvent)], ["action", "peer"])
-        out.append(_build(ChurnEvent, f"churn[{i}]", **t))
+        t = table_keys(
+            item, f"churn[{i}]", [f.name for f in fields(ChurnEvent)], ["action", "peer"]
+        )
+        out.append(construct(ChurnEvent, f"churn[{i}]", **t))
     return out
 
 
 def _section_random_churn(raw: Any) -> RandomChurn:
-    t = _keys(raw, "random_churn", [f.name for f in fields(RandomChurn)], ["failures_per_minute"])
-    return _build(RandomChurn, "random_churn", **t)
+    t = table_keys(
+        raw, "random_churn", [f.name for f in fields(RandomChurn)], ["failures_per_minute"]
+    )
+    return construct(RandomChurn, "random_churn", **t)
 
 
 def _section_byzantine(raw: Any) -> list[ByzantineSpec]:
     out = []
     for i, item in enumerate(_array_of_tables(raw, "byzantine")):
-        t = _keys(
+        t = table_keys(
             item, f"byzantine[{i}]", [f.name for f in fields(ByzantineSpec)], ["peer", "attack"]
         )
-        out.append(_build(ByzantineSpec, f"byzantine[{i}]", **t))
+        out.append(construct(ByzantineSpec, f"byzantine[{i}]", **t))
     return out
 
 
@@ -499,14 +418,14 @@ def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>")
                 raise ScenarioError(f"not valid TOML: {e}") from None
         else:
             table = data
-        t = _keys(table, "", _TOP, ["run", "strategy", "network"])
+        t = table_keys(table, "", _TOP, ["run", "strategy", "network"])
         description = t.get("description", "")
         if not isinstance(description, str):
             raise ScenarioError("must be a string", key="description")
         return Scenario(
             run=_section_run(t["run"]),
             strategy=_section_strategy(t["strategy"]),
-            network=_section_network(t["network"]),
+            network=parse_network(t["network"]),
             churn=tuple(_section_churn(t["churn"])) if "churn" in t else (),
             random_churn=_section_random_churn(t["random_churn"]) if "random_churn" in t else None,
             byzantine=tuple(_section_byzantine(t["byzantine"])) if "byzantine" in t else (),

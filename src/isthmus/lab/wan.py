@@ -5,13 +5,21 @@ never touched)::
 
     ns <run>-c   (coordinator)  wan0 10.77.0.1 --veth-- c  \\
     ns <run>-p0  (peer 0)       wan0 10.77.0.2 --veth-- p0  >-- br0 (bridge, in ns <run>-br)
-    ns <run>-p1  (peer 1)       wan0 10.77.0.3 --veth-- p1 /
+    ns <run>-p1  (peer 1)       wan0 10.77.0.3 ==line== p1 /
 
 Each node's link is shaped in both directions with a token bucket filter
 (``tc qdisc add ... tbf``): its upload on its own ``wan0`` and its download on the bridge-side end
-of its veth (that end's egress is the node's ingress). Links are full duplex, so a ring all-reduce
-at rate R moves R bit/s each way on every link, as a real access link would. The namespace
-primitives and the teardown guarantees are :mod:`isthmus.lab.netns`'s.
+of its link (that end's egress is the node's ingress). Links are full duplex, so a ring all-reduce
+at rate R moves R bit/s each way on every link, as a real access link would.
+
+A link with a round trip, jitter or loss (``impairments``) is a **delay line**
+(:mod:`isthmus.lab.delayline`) instead of a veth: a user-space process owning two TAP devices
+(``wan0`` and the bridge port) that holds each frame for the link's delay, because this kernel has
+no netem. With **sites**, each site has its own bridge (``br0``, ``br1``, ...) and the sites are
+joined by one more line, the core, whose port on site k's bridge (``s<k>``) is shaped per
+destination site with htb; only traffic between sites goes through it. The namespace primitives and
+the teardown guarantees are :mod:`isthmus.lab.netns`'s; the lines are stopped at teardown and end
+by themselves if the owner dies.
 """
 
 from __future__ import annotations
@@ -31,22 +39,22 @@ from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
+from isthmus.lab.build import build_network
 from isthmus.lab.counters import InterfaceCounters, read_counters
+from isthmus.lab.lines import DelayLine
 from isthmus.lab.netns import (
     IFNAME,
     TERM_GRACE_S,
     LabError,
     LabUnavailable,
     Node,
-    allowed_congestion_controls,
     check_prefix,
     delete_namespace,
     list_namespaces,
     run_cmd,
-    tbf_parameters,
     unavailable_reason,
 )
-from isthmus.lab.scenario import CONGESTION_CONTROL_NAME, NetworkSpec
+from isthmus.lab.netspec import CONGESTION_CONTROL_NAME, Impairment, NetworkSpec, Sites, path_rtt_ms
 
 __all__ = ["WanNetwork"]
 
@@ -65,6 +73,11 @@ class WanNetwork:
     shaped, so membership traffic never waits behind tensors in the emulation). Addresses come
     from ``subnet``: the coordinator gets the first host address, peer i the (i+2)-th. Every run
     lives in its own namespaces, so concurrent runs may use the same subnet.
+    ``impairments`` (one :class:`~isthmus.lab.netspec.Impairment` for every peer, or one per peer,
+    ``None`` entries for none) give peers' links a round trip, jitter and loss, and ``sites``
+    puts peers on per-site bridges joined by thin links (see :mod:`isthmus.lab.netspec` for what
+    the numbers mean; :meth:`rtt_ms` is the round trip the emulation should show between two
+    peers). ``seed`` seeds the lines' jitter and loss draws.
     ``congestion_control`` (e.g. ``"reno"``, ``"bbr"``) sets TCP's congestion control in every
     node's namespace (default: the host's); it matters on shaped links: loss-based TCP (reno,
     cubic) and BBR share a tbf queue differently. The host's
@@ -89,6 +102,9 @@ class WanNetwork:
         subnet: str = "10.77.0.0/24",
         handle_signals: bool = True,
         congestion_control: str | None = None,
+        impairments: Impairment | Sequence[Impairment | None] | None = None,
+        sites: Sites | None = None,
+        seed: int = 0,
     ) -> None:
         if not isinstance(n_peers, int) or isinstance(n_peers, bool) or n_peers < 1:
             raise ValueError(f"n_peers must be a positive int, got {n_peers!r}")
@@ -136,6 +152,19 @@ class WanNetwork:
                 who = "coordinator_rate_mbit" if i == n_peers else f"rates_mbit[{i}]"
                 raise ValueError(f"{who} must be a positive number of Mbit/s or None, got {r!r}")
 
+        if impairments is None or isinstance(impairments, Impairment):
+            imps: list[Impairment | None] = [impairments] * n_peers
+        else:
+            imps = list(impairments)
+            if len(imps) != n_peers:
+                raise ValueError(
+                    f"impairments has {len(imps)} entries for {n_peers} peers: give one or one "
+                    "per peer"
+                )
+        if sites is not None:
+            sites.check_peers(n_peers)
+        self.sites = sites
+        self.seed = seed
         self.prefix = prefix
         self.congestion_control = congestion_control
         self.run_id = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
@@ -146,6 +175,11 @@ class WanNetwork:
         def bps(r: float | None) -> float | None:
             return None if r is None else float(r) * 1e6
 
+        def bridge(peer: int | None) -> str:
+            if sites is None:
+                return "br0"
+            return f"br{sites.coordinator_index if peer is None else sites.site_of(peer)}"
+
         self.coordinator = Node(
             role="coordinator",
             index=-1,
@@ -154,6 +188,7 @@ class WanNetwork:
             ifname=IFNAME,
             bridge_port="c",
             rate_bps=bps(coordinator_rate_mbit),
+            bridge=bridge(None),
         )
         self.peers: tuple[Node, ...] = tuple(
             Node(
@@ -164,9 +199,14 @@ class WanNetwork:
                 ifname=IFNAME,
                 bridge_port=f"p{i}",
                 rate_bps=bps(per_peer[i]),
+                impairment=imps[i] if imps[i] is not None and imps[i].active else None,  # type: ignore[union-attr]
+                bridge=bridge(i),
             )
             for i in range(n_peers)
         )
+        self._lines: list[DelayLine] = []
+        self.line_counters: list[dict[str, Any]] = []
+        """Each delay line's counters (frames, drops, CPU seconds), filled at teardown."""
         self._created: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._lock = threading.RLock()
@@ -189,6 +229,8 @@ class WanNetwork:
             rates_mbit=[mbit(r) for r in network.rates_bps],
             coordinator_rate_mbit=mbit(network.coordinator_rate_bps),
             congestion_control=network.congestion_control,
+            impairments=network.impairments,
+            sites=network.sites,
             **kwargs,
         )
 
@@ -198,6 +240,30 @@ class WanNetwork:
     def nodes(self) -> tuple[Node, ...]:
         """The coordinator followed by the peers."""
         return (self.coordinator, *self.peers)
+
+    @property
+    def lines(self) -> tuple[DelayLine, ...]:
+        """The delay lines carrying impaired links and the links between sites."""
+        return tuple(self._lines)
+
+    def rtt_ms(self, a: int, b: int) -> float:
+        """The round trip the emulation should give between peers ``a`` and ``b`` (ms, idle
+        queues, jitter aside)."""
+        return path_rtt_ms(
+            [self.node(a).impairment, self.node(b).impairment],
+            self.sites,
+            a,
+            b,
+        )
+
+    def dead_lines(self) -> list[str]:
+        """Delay lines whose process has ended while the network is up, each with its message
+        (a dead line is a cut link)."""
+        return [
+            f"{line.cfg.name}: {line.error() or 'exited'}"
+            for line in self._lines
+            if line.proc is not None and not line.alive()
+        ]
 
     @property
     def namespaces(self) -> list[str]:
@@ -252,71 +318,21 @@ class WanNetwork:
             self.close()
             raise
 
-    def _add_namespace(self, name: str) -> None:
-        try:
-            run_cmd(["ip", "netns", "add", name])
-        except LabError as e:
-            if not self._created:
-                # the very first namespace: the kernel or container refuses namespaces at all
-                raise LabUnavailable(f"cannot create network namespaces here: {e}") from e
-            raise
-        self._created.append(name)
-        # IPv6 would add neighbour-discovery chatter to the byte counters; the lab is IPv4 only.
-        run_cmd(
-            f"ip netns exec {name} sysctl -q -w net.ipv6.conf.all.disable_ipv6=1 "
-            "net.ipv6.conf.default.disable_ipv6=1".split(),
-            check=False,
-        )
-        run_cmd(["ip", "-n", name, "link", "set", "lo", "up"])
-
-    def _shape(self, netns: str, dev: str, rate_bps: float) -> None:
-        burst, limit = tbf_parameters(rate_bps)
-        # names were validated to contain no whitespace, so splitting a command line is safe
-        argv = (
-            f"tc -n {netns} qdisc replace dev {dev} root tbf rate {int(rate_bps)}bit "
-            f"burst {burst} limit {limit}"
-        ).split()
-        try:
-            run_cmd(argv)
-        except LabError as e:
-            raise LabUnavailable(f"tc tbf shaping is not available here: {e}") from e
+    def _start_line(self, line: DelayLine) -> None:
+        self._lines.append(line)  # first, so that teardown stops it whatever happens next
+        line.start()
 
     def _build(self) -> None:
-        br = self.bridge_netns
-        self._add_namespace(br)
-        run_cmd(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
-        run_cmd(["ip", "-n", br, "link", "set", "br0", "up"])
-        prefixlen = self.subnet.prefixlen
-        for node in self.nodes:
-            self._add_namespace(node.netns)
-            n, dev = node.netns, node.ifname
-            run_cmd(
-                f"ip -n {br} link add {node.bridge_port} type veth peer name {dev} netns {n}".split()
-            )
-            run_cmd(f"ip -n {br} link set {node.bridge_port} master br0 up".split())
-            run_cmd(f"ip -n {n} addr add {node.ip}/{prefixlen} dev {dev}".split())
-            run_cmd(f"ip -n {n} link set {dev} up".split())
-            if node.rate_bps is not None:
-                self._shape(node.netns, node.ifname, node.rate_bps)  # the node's upload
-                self._shape(br, node.bridge_port, node.rate_bps)  # the node's download
-            if self.congestion_control is not None:
-                self._set_congestion_control(n, self.congestion_control)
-
-    def _set_congestion_control(self, netns: str, name: str) -> None:
-        # A namespace starts with the host's default; only the host's allowed list may be set.
-        try:
-            run_cmd(
-                [
-                    *("ip", "netns", "exec", netns, "sysctl", "-q", "-w"),
-                    f"net.ipv4.tcp_congestion_control={name}",
-                ]
-            )
-        except LabError as e:
-            raise LabError(
-                f"TCP congestion control {name!r} cannot be used in a namespace here (allowed: "
-                f"{allowed_congestion_controls() or 'unknown'}; the host's "
-                "net.ipv4.tcp_allowed_congestion_control decides): " + str(e)
-            ) from e
+        build_network(
+            bridge_netns=self.bridge_netns,
+            nodes=self.nodes,
+            prefixlen=self.subnet.prefixlen,
+            sites=self.sites,
+            congestion_control=self.congestion_control,
+            seed=self.seed,
+            created=self._created,
+            start_line=self._start_line,
+        )
 
     def tcp_congestion_control(self) -> str | None:
         """The TCP congestion control the peers' namespaces use (read in peer 0's), or None if
@@ -361,6 +377,12 @@ class WanNetwork:
                         proc.kill()
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=TERM_GRACE_S)
+            # the lines after the processes (no link is cut under a peer that is still
+            # exiting), before the namespaces (their counters are kept)
+            for line in self._lines:
+                counters = line.stop()
+                if counters is not None:
+                    self.line_counters.append(counters)
             # node namespaces before the bridge: each veth goes with its node's namespace
             for name in [n.netns for n in self.nodes] + [self.bridge_netns]:
                 with contextlib.suppress(LabError):

@@ -268,6 +268,30 @@ def _lab_summary(
     )
 
 
+def _latency_note(net: Mapping[str, Any]) -> str:
+    """Round trips, loss and sites of the network, for the report's one line about it."""
+    out = ""
+    imps = net.get("impairments")
+    if imps:
+        out += "; round trips between peers' links " + ", ".join(
+            f"{x['rtt_ms']:g} ms"
+            + (f" +- {x['jitter_ms']:g}" if x["jitter_ms"] else "")
+            + (f" loss {x['loss']:g}" if x["loss"] else "")
+            for x in imps
+        )
+    sites = net.get("sites")
+    if sites:
+        names = {tuple(s["peers"]): s["name"] for s in sites["sites"]}
+        out += "; sites " + ", ".join(f"{n} (peers {list(p)})" for p, n in names.items())
+        for link in sites["links"]:
+            imp = link["impairment"]
+            rate = format_rate(link["rate_bps"])
+            out += f"; {link['sites'][0]}-{link['sites'][1]} {rate}, RTT {imp['rtt_ms']:g} ms"
+            if imp["loss"]:
+                out += f", loss {imp['loss']:g}"
+    return out
+
+
 def _append_report(run_dir: RunDir, s: Summary) -> None:
     report = run_dir.path / "report.md"
     if not report.exists() or s.lab is None:
@@ -282,7 +306,9 @@ def _append_report(run_dir: RunDir, s: Summary) -> None:
         "",
         f"Network: **{net['mode']}**"
         + (f" (fell back: {net['reason']})" if net["mode"] == "loopback" else "")
-        + f"; peer links {', '.join(net['rates'])}.",
+        + f"; peer links {', '.join(net['rates'])}"
+        + _latency_note(net)
+        + ".",
         "",
     ]
     bc = lab.bytes_check
