@@ -131,3 +131,29 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
     assert s.peers_final == 0
     log = (tmp_path / "default" / "peer0.log").read_text()
     assert "tok_emb.weight" in log and "in the checkpoint but" in log
+
+
+def test_a_users_script_checkpoints_through_its_session_and_resumes(tmp_path: Path) -> None:
+    """SessionConfig(checkpoint_dir=..., checkpoint_every=2, resume=...) in a user's own loop under
+    `isthmus run`: the strategy writes the checkpoints and a second run resumes from the last."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "scripts" / "user_train.py"
+    ck = tmp_path / "ck"
+
+    def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--run-dir",
+             str(tmp_path / name), "--peers", "2", str(script), *extra],
+            capture_output=True, text=True, timeout=240, check=False,
+        )  # fmt: skip
+
+    first = run("first", "--steps", "20", "--checkpoint-dir", str(ck))
+    assert first.returncode == 0, first.stdout + first.stderr
+    revisions = CheckpointStore(str(ck)).revisions()
+    assert revisions, "no complete checkpoint"
+    second = run("second", "--steps", "40", "--resume", str(ck))
+    assert second.returncode == 0, second.stdout + second.stderr
+    logs = "".join((tmp_path / "second" / f"peer{i}.log").read_text() for i in range(2))
+    assert logs.count(f"resumed from revision {revisions[-1]}") == 2, logs

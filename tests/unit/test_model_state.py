@@ -15,7 +15,7 @@ from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import Group
 from isthmus.comm.state import SharedState
 from isthmus.strategies import STRATEGIES, DiLoCo, DiLoCoConfig, Strategy, make_strategy
-from isthmus.strategies.base import ModelState, SharedBuffers, as_started, global_copy
+from isthmus.strategies.model_state import ModelState, SharedBuffers, as_started, global_copy
 from isthmus.testing import local_groups, run_parallel
 
 OPTIONS: dict[str, dict[str, Any]] = {

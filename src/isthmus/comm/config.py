@@ -51,6 +51,16 @@ class SessionConfig:
     after at most this long (usually much sooner: the coordinator aborts the round)."""
     round_timeout: float = 600.0
     """Bound on waiting for a round to form (e.g. fewer than ``min_peers`` alive) or finish."""
+    checkpoint_dir: str | None = None
+    """Write checkpoints of the run here (a directory or an fsspec URL; see
+    :mod:`isthmus.checkpoint`): the strategy writes them between steps, in the background."""
+    checkpoint_every: int = 0
+    """A checkpoint every this many committed rounds (0: only when the strategy finishes)."""
+    checkpoint_keep: int = 3
+    """How many complete checkpoints to keep."""
+    resume: str | None = None
+    """Before the first round, load the latest complete checkpoint here (the shared state, and
+    this peer's own local state if the checkpoint has its slot)."""
     max_attempts: int = 100
     """How many times one round may abort and retry before :class:`RoundFailed`."""
     tensorboard: str | None = None
@@ -69,6 +79,11 @@ class SessionConfig:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
+            raise ValueError(
+                f"checkpoint_every must be >= 0 and checkpoint_keep >= 1, got "
+                f"{self.checkpoint_every} and {self.checkpoint_keep}"
+            )
         if self.interface and self.hostname:
             raise ValueError("give either interface or hostname for Gloo, not both")
 

@@ -28,11 +28,8 @@ import torch
 import xxhash
 
 from isthmus.checkpoint import (
-    Checkpointer,
     CheckpointMismatch,
     StorageError,
-    load_latest,
-    slot_of,
 )
 from isthmus.comm.faults import Fault, FaultInjector
 from isthmus.comm.session import RoundTimeout, RunFinished, Session, SessionConfig, StateMismatch
@@ -158,48 +155,6 @@ def install_attack(spec: str, strategy: Strategy, from_step: int = 0) -> Any:
     return None
 
 
-def resume(run: RunConfig, session: Session, strategy: Strategy, name: str) -> int | None:
-    """Load the latest complete checkpoint of ``run.checkpoint.resume`` (shared state, and this
-    peer slot's local state if it has one) before the first round; returns its revision, or
-    None when not resuming. Raises what :func:`isthmus.checkpoint.load_latest` raises (no
-    checkpoint, another model's, an unreadable location): the peer then starts nothing."""
-    url = run.checkpoint.resume
-    if not url:
-        return None
-    manifest, local = load_latest(
-        url, session.state, slot=slot_of(name), local_template=strategy.local_state()
-    )
-    if local is not None:
-        strategy.load_local_state(local)
-    session.revision = manifest.revision
-    slots = sorted(manifest.local)
-    if slot_of(name) in slots:
-        # Until the first round says otherwise, assume the membership that wrote the checkpoint
-        # (ranks follow names): the first batch is then the one the run would have drawn next,
-        # and a resume on the same peers is invisible.
-        session.rank, session.world = slots.index(slot_of(name)), len(slots)
-    log.info("%s resumed from revision %d of %s", name, manifest.revision, url)
-    return manifest.revision
-
-
-def checkpointer_for(run: RunConfig, session: Session, strategy: Strategy) -> Checkpointer | None:
-    """The run's checkpointer, or None without ``checkpoint_dir``."""
-    ck = run.checkpoint
-    if not ck.checkpoint_dir:
-        return None
-    return Checkpointer(
-        session,
-        ck.checkpoint_dir,
-        # 0: only at the end (maybe_save(force=True) after the last step)
-        every=ck.checkpoint_every or 1 << 62,
-        keep=ck.checkpoint_keep,
-        local_state=strategy.local_state,
-        strategy=run.strategy.name,
-        strategy_config=run.strategy.options,
-        model_keys=strategy.model_keys(),
-    )
-
-
 def run_job(job: PeerJob) -> PeerResult:
     """Train as one peer until the run reaches ``job.run.steps``. Returns the final record."""
     run, me = job.run, job.peer
@@ -223,6 +178,10 @@ def run_job(job: PeerJob) -> PeerResult:
             collective_timeout=t.collective_timeout,
             connect_timeout=t.connect_timeout,
             round_timeout=t.round_timeout,
+            checkpoint_dir=run.checkpoint.checkpoint_dir,
+            checkpoint_every=run.checkpoint.checkpoint_every,
+            checkpoint_keep=run.checkpoint.checkpoint_keep,
+            resume=run.checkpoint.resume,
             tensorboard=run.output.tensorboard,
         ),
         faults=FaultInjector([Fault.parse(f) for f in me.faults]),
@@ -240,10 +199,7 @@ def run_job(job: PeerJob) -> PeerResult:
         **strategy_options(s.name, s.options, run.steps),
     )
     flip = install_attack(me.attack, strategy, me.attack_from_step) if me.attack else None
-    t_resume = time.monotonic()
-    resumed = resume(run, session, strategy, me.name)
-    resume_s = time.monotonic() - t_resume
-    checkpointer = checkpointer_for(run, session, strategy)
+    checkpointer = strategy.checkpointer
     metrics = out.records_path(me.name).open("w", buffering=1)
     t0 = time.monotonic()
     ev = run.eval
@@ -285,14 +241,9 @@ def run_job(job: PeerJob) -> PeerResult:
             if "eval_loss" in record:
                 scalars["eval_loss"] = record["eval_loss"]
             session.log_scalars(step, **scalars)
-            if checkpointer is not None:
-                checkpointer.maybe_save()
             if run.step_delay:
                 time.sleep(run.step_delay)
-        strategy.finish()
-        if checkpointer is not None:
-            checkpointer.maybe_save(force=True)  # the run's end, so a resume continues from it
-            checkpointer.wait(max(60.0, t.collective_timeout))
+        strategy.finish()  # and the run's last checkpoint, so a resume continues from its end
         result = PeerResult(
             name=me.name,
             peer_id=session.peer_id,
@@ -311,9 +262,13 @@ def run_job(job: PeerJob) -> PeerResult:
             strategy=strategy.metrics(),
             checkpoint={
                 **(checkpointer.metrics() if checkpointer is not None else {}),
-                **({"resume_s": round(resume_s, 4)} if resumed is not None else {}),
+                **(
+                    {"resume_s": round(strategy.resume_s, 4)}
+                    if strategy.resumed_from is not None
+                    else {}
+                ),
             },
-            resumed_from=resumed,
+            resumed_from=strategy.resumed_from,
         )
         if me.save_state:
             torch.save(session.state.snapshot(), out.state_path(me.name))

@@ -33,31 +33,28 @@ of the model's ``state_dict`` keys).
 
 from __future__ import annotations
 
-import io
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from isthmus.checkpoint.attach import checkpointer_for, resume_from
+from isthmus.checkpoint.save import Checkpointer
 from isthmus.comm.session import Session
-from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import Reducer
 from isthmus.spec import config_from
+from isthmus.strategies.model_state import (
+    ModelState,
+    SharedBuffers,
+    blob,
+    load_tensors,
+    unblob,
+)
 
-__all__ = [
-    "ModelState",
-    "SharedBuffers",
-    "Strategy",
-    "as_started",
-    "global_copy",
-    "load_tensors",
-    "materialize_optimizer_state",
-    "outer_dtype",
-    "register_optimizer",
-]
+__all__ = ["Strategy", "materialize_optimizer_state", "outer_sgd", "register_optimizer"]
 
 log = logging.getLogger("isthmus.strategy")
 S = TypeVar("S", bound="Strategy")
@@ -128,186 +125,6 @@ def outer_sgd(
     """The DiLoCo family's outer optimizer: SGD on the global parameters, Nesterov only with
     momentum (torch refuses Nesterov without it)."""
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
-
-
-# -- the model's state ----------------------------------------------------------------------------
-
-
-def outer_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype of a tensor's global copy: fp32 for fp16/bf16 tensors (so that the outer
-    optimizer and the averages keep the precision half-precision steps lose), else its own."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-
-
-def global_copy(t: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous copy of ``t`` in :func:`outer_dtype` (the same bits for fp32)."""
-    return torch.empty_like(t, dtype=outer_dtype(t), memory_format=torch.contiguous_format).copy_(
-        t.detach()
-    )
-
-
-def as_started(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The global value ``g`` as the local tensor ``p`` received it (cast to ``p``'s dtype), in
-    ``g``'s dtype. Outer gradients are measured from it: with a bf16 model, ``g - p`` would also
-    carry the rounding of the cast, and every round would pull the fp32 state onto the bf16 grid.
-    For tensors of one dtype it is ``g`` itself."""
-    return g if g.dtype == p.dtype else g.to(p.dtype).to(g.dtype)
-
-
-@dataclass(frozen=True)
-class ModelState:
-    """What a model's ``state_dict`` holds, enumerated once for every strategy.
-
-    ``trainable`` and ``frozen`` are ``named_parameters()`` split by ``requires_grad`` (a tied or
-    shared parameter appears once, under its first name); ``float_buffers`` and ``other_buffers``
-    are the *persistent* buffers (a module lists the others in ``_non_persistent_buffers_set``;
-    they are not in the ``state_dict`` and stay local), floating point or not. ``keys`` maps every
-    ``state_dict`` key, tied duplicates included, to the first name of the tensor behind it.
-    """
-
-    trainable: Named
-    frozen: Named
-    float_buffers: Named
-    other_buffers: Named
-    keys: dict[str, str]
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelState:
-        """Enumerate ``model``. A ``state_dict`` entry that is none of the model's parameters or
-        persistent buffers (a module's extra state, a custom ``_save_to_state_dict``) is not
-        shared: it is left out of :attr:`keys` with a warning naming it."""
-        first: dict[int, str] = {}
-        trainable: Named = []
-        frozen: Named = []
-        for n, p in model.named_parameters():
-            (trainable if p.requires_grad else frozen).append((n, p))
-            first[id(p)] = n
-        floats: Named = []
-        others: Named = []
-        # every module, repeats included: a buffer shared by two modules may be persistent in one
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            for bname, b in module._buffers.items():
-                if b is None or bname in module._non_persistent_buffers_set or id(b) in first:
-                    continue
-                full = f"{prefix}.{bname}" if prefix else bname
-                first[id(b)] = full
-                (floats if b.is_floating_point() else others).append((full, b))
-        keys: dict[str, str] = {}
-        unknown: list[str] = []
-        for key, v in model.state_dict(keep_vars=True).items():
-            if isinstance(v, torch.Tensor) and id(v) in first:
-                keys[key] = first[id(v)]
-            else:
-                unknown.append(key)
-        if unknown:
-            log.warning(
-                "state_dict entries that are not parameters or buffers are not shared: %s",
-                ", ".join(unknown),
-            )
-        return cls(trainable, frozen, floats, others, keys)
-
-    def state_dict_keys(self) -> dict[str, str]:
-        """Every ``state_dict`` key -> the first name of its tensor (a copy)."""
-        return dict(self.keys)
-
-
-class SharedBuffers:
-    """The global copy of a model's floating persistent buffers (BatchNorm's running statistics),
-    averaged over a round's contributors through the reducer's ``exact`` values.
-
-    The copy (``global/<name>``, fp32 for half-precision buffers) changes only when a round
-    commits, so it can be hashed and repaired like any shared tensor while the model's own
-    buffers move with every forward pass. A round carries a *snapshot* of the model's buffers
-    (:meth:`snapshot`, :meth:`flat`); once it committed, :meth:`land` writes the mean into the
-    copy and :meth:`restart` or :meth:`rebase` brings it into the model.
-
-    The exact values are an fp32 sum with no compression and no robust rule: a byzantine peer can
-    move the buffers' average, and fp64 buffers are averaged in fp32.
-    """
-
-    def __init__(self, named: Named) -> None:
-        self.names = [n for n, _ in named]
-        self.local = [b for _, b in named]
-        self.globals = [global_copy(b) for b in self.local]
-        self.numel = sum(b.numel() for b in self.local)
-
-    def __bool__(self) -> bool:
-        return bool(self.local)
-
-    def snapshot(self) -> list[torch.Tensor]:
-        """Fresh copies of the model's buffers, in the global copy's dtypes."""
-        return [global_copy(b) for b in self.local]
-
-    def shared(self) -> list[torch.Tensor]:
-        """Fresh copies of the global copy."""
-        return [g.clone() for g in self.globals]
-
-    def flat(self, snap: Sequence[torch.Tensor]) -> torch.Tensor:
-        """A snapshot as one fp32 vector (what the exact values carry)."""
-        if not snap:
-            return torch.zeros(0)
-        return torch.cat([s.reshape(-1).to(torch.float32) for s in snap])
-
-    def finite(self, snap: Sequence[torch.Tensor]) -> bool:
-        """True if the snapshot holds no NaN/Inf. A peer whose buffers are not finite must not
-        contribute: its values would reach every peer's average unchecked."""
-        ok = all(all_finite(s) for s in snap)
-        if not ok:
-            log.warning("non-finite values in this peer's buffers: contributing nothing")
-        return ok
-
-    def land(self, mean: torch.Tensor) -> None:
-        """A committed round's mean (fp32, as :meth:`flat` lays it out) becomes the copy."""
-        off = 0
-        with torch.no_grad():
-            for g in self.globals:
-                g.copy_(mean[off : off + g.numel()].view(g.shape))
-                off += g.numel()
-
-    def restart(self) -> None:
-        """The model's buffers <- the global copy (cast to their dtype)."""
-        with torch.no_grad():
-            for b, g in zip(self.local, self.globals, strict=True):
-                b.copy_(g)
-
-    def rebase(self, ref: Sequence[torch.Tensor]) -> None:
-        """Keep what the model's buffers gathered since ``ref`` (the snapshot they continued
-        from), on top of the global copy: ``b <- b + (global - ref)``. The two ends are exact: a
-        buffer the round did not move (one peer's own mean) is left as it is, and one that did not
-        change since ``ref`` becomes the copy. Used where forward passes run while a round is in
-        flight (Streaming DiLoCo's overlap, eager DiLoCo, CO2)."""
-        with torch.no_grad():
-            for b, g, r in zip(self.local, self.globals, ref, strict=True):
-                if torch.equal(g, r):
-                    continue
-                if torch.equal(b.to(r.dtype), r):
-                    b.copy_(g)
-                else:
-                    b.add_(g - r)
-
-
-def _blob(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unblob(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def load_tensors(what: str, dest: Mapping[str, torch.Tensor], saved: Mapping[str, Any]) -> None:
-    """Copy ``saved[name]`` into every ``dest[name]`` (a part of a loaded local state). Raises
-    ValueError naming a missing or misshapen tensor before anything is copied."""
-    for n, t in dest.items():
-        s = saved.get(n)
-        if not isinstance(s, torch.Tensor) or s.shape != t.shape:
-            raise ValueError(
-                f"local state {what}/{n}: expected a {list(t.shape)} tensor, got {s!r:.80}"
-            )
-    with torch.no_grad():
-        for n, t in dest.items():
-            t.copy_(saved[n])
 
 
 class Strategy(ABC):
@@ -382,6 +199,20 @@ class Strategy(ABC):
             # Session does not declare it: the sampler reads it with getattr (False if unset).
             session.first_round_uses_work = self.first_round_uses_work  # type: ignore[attr-defined]
         self.setup()
+        self.checkpointer: Checkpointer | None = None
+        """Writes the checkpoints the session's config asks for (None: none)."""
+        self.resumed_from: int | None = None
+        """The revision of the checkpoint this peer resumed from (None: not resumed)."""
+        self.resume_s = 0.0
+        """Seconds the resume took (reading, verifying and loading the checkpoint)."""
+        # (a test's stand-in session may have no config: then no checkpoints either)
+        config = getattr(session, "config", None)
+        if config is not None:
+            if config.resume:
+                t0 = time.monotonic()
+                self.resumed_from = resume_from(session, self, config.resume)
+                self.resume_s = time.monotonic() - t0
+            self.checkpointer = checkpointer_for(session, self)
 
     def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Create this strategy's own state and register the shared part with the session (in a
@@ -461,12 +292,27 @@ class Strategy(ABC):
         if self.session is not None:
             self.session.faults.check(point, step=self.step_count, state=self.session.state)
 
-    @abstractmethod
-    def step(self) -> None:
-        """Apply one training step (called after ``loss.backward()``)."""
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """One training step (call it after ``loss.backward()``, instead of ``optimizer.step()``),
+        then a checkpoint if one is due (the snapshot only: writing runs in the background)."""
+        self._step(*args, **kwargs)
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save()
 
-    def finish(self) -> None:  # noqa: B027 (optional hook, empty by default)
-        """Called once after the last step (strategies with a final merge override this)."""
+    def finish(self) -> None:
+        """Call once after the last step: the strategy's final round (the DiLoCo family syncs
+        what is left, gossip merges), then the run's last checkpoint, waited for (bounded)."""
+        self._finish()
+        if self.checkpointer is not None and self.session is not None:
+            self.checkpointer.maybe_save(force=True)
+            self.checkpointer.wait(max(60.0, self.session.config.collective_timeout))
+
+    @abstractmethod
+    def _step(self, *args: Any, **kwargs: Any) -> None:
+        """The strategy's own training step."""
+
+    def _finish(self) -> None:  # noqa: B027 (optional hook, empty by default)
+        """The strategy's own end of the run (strategies with a final round override this)."""
 
     # -- what checkpoints need --------------------------------------------------------------------
     def model_keys(self) -> dict[str, str]:
@@ -490,7 +336,7 @@ class Strategy(ABC):
             "rng": torch.get_rng_state(),
             "compressor": b""
             if comp is None
-            else _blob({"name": comp.name, "local": comp.state_dict()["local"]}),
+            else blob({"name": comp.name, "local": comp.state_dict()["local"]}),
             "progress": self._progress(),
         }
         out.update(self._local_tensors())
@@ -509,7 +355,7 @@ class Strategy(ABC):
             if key not in state:
                 raise ValueError(f"local state has no {key!r}")
         comp = self.reducer.compressor
-        saved = _unblob(state["compressor"]) if state["compressor"] else None
+        saved = unblob(state["compressor"]) if state["compressor"] else None
         if saved is not None and comp is not None and saved["name"] != comp.name:
             raise ValueError(
                 f"local state holds the error feedback of compressor {saved['name']!r}, this "

@@ -33,7 +33,8 @@ import torch
 
 from isthmus.comm.session import Round
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.base import SharedBuffers, Strategy, register_optimizer
+from isthmus.strategies.base import Strategy, register_optimizer
+from isthmus.strategies.model_state import SharedBuffers
 
 __all__ = ["DDP", "DDPConfig"]
 
@@ -65,7 +66,7 @@ class DDP(Strategy):
             register_optimizer(self.session, "opt", self.optimizer)
             self._register_counter()
 
-    def step(self) -> None:
+    def _step(self) -> None:
         self.check_faults("step")
         if self.session is None:
             self.optimizer.step()

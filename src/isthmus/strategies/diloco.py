@@ -37,14 +37,8 @@ import torch
 from isthmus.comm.session import Round
 from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.base import (
-    SharedBuffers,
-    Strategy,
-    as_started,
-    global_copy,
-    outer_sgd,
-    register_optimizer,
-)
+from isthmus.strategies.base import Strategy, outer_sgd, register_optimizer
+from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -96,7 +90,7 @@ class DiLoCo(Strategy):
     def step_count(self) -> int:
         return int(self.global_step) + self.since_sync
 
-    def step(self) -> None:
+    def _step(self) -> None:
         self.check_faults("step")
         if not self.joined:
             self.joined = True
@@ -169,7 +163,7 @@ class DiLoCo(Strategy):
         self.since_sync = 0
         self.outer_rounds += 1
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Sync the inner steps done since the last outer round, so the run ends on theta."""
         if self.since_sync > 0:
             self.sync()

@@ -52,13 +52,8 @@ from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
-from isthmus.strategies.base import (
-    SharedBuffers,
-    Strategy,
-    as_started,
-    global_copy,
-    load_tensors,
-)
+from isthmus.strategies.base import Strategy
+from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy, load_tensors
 
 __all__ = ["Build", "DelayedOuter", "Flight", "Planned", "RoundPipeline", "Settled"]
 
@@ -340,7 +335,7 @@ class DelayedOuter(Strategy):
     def step_count(self) -> int:
         return int(self.global_step) + self.since
 
-    def step(self) -> None:
+    def _step(self) -> None:
         self.check_faults("step")
         if self._resume is not None:
             self._reissue(self._resume)
@@ -432,7 +427,7 @@ class DelayedOuter(Strategy):
             self.buffers.restart()
             self._ref = self.buffers.shared()
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Settle the round in flight and sync the last (partial) phase, blocking, so that every
         peer ends on the same global parameters (model included)."""
         if not self.joined:

@@ -74,15 +74,9 @@ from typing import Any, Literal, get_args
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.strategies.base import (
-    SharedBuffers,
-    Strategy,
-    as_started,
-    global_copy,
-    outer_sgd,
-    register_optimizer,
-)
+from isthmus.strategies.base import Strategy, outer_sgd, register_optimizer
 from isthmus.strategies.diloco import DiLoCoConfig
+from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 from isthmus.strategies.overlap import Planned, RoundPipeline, SteadyOverlap
 
 __all__ = [
@@ -306,7 +300,7 @@ class StreamingDiLoCo(Strategy):
         """Elements per fragment (what one sync moves, before compression)."""
         return [sum(self.params[i].numel() for i in idx) for idx in self.fragments]
 
-    def step(self) -> None:
+    def _step(self) -> None:
         self.check_faults("step")
         if self._resume is not None:
             self._reissue(self._resume)
@@ -404,7 +398,7 @@ class StreamingDiLoCo(Strategy):
         self.outer_rounds += 1
         self.sync_log.append((step_at, tag.fragment))
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Settle the sync in flight, then sync every fragment that has progress not yet synced
         (one round each), and end on theta (model included) on every peer."""
         if not self.joined:

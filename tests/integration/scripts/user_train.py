@@ -22,6 +22,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--crash-at", type=int, default=-1)
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--resume", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial model on every peer
@@ -30,9 +32,17 @@ def main() -> None:
     )
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     session = isthmus.Session(
-        isthmus.SessionConfig.from_env(collective_timeout=15.0, round_timeout=90.0)
+        isthmus.SessionConfig.from_env(
+            collective_timeout=15.0,
+            round_timeout=90.0,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=2,
+            resume=args.resume,
+        )
     )
     strategy = isthmus.DiLoCo(session, model, inner, isthmus.DiLoCoConfig(sync_every=5))
+    if strategy.resumed_from is not None:
+        print(f"{session.name}: resumed from revision {strategy.resumed_from}", flush=True)
     w = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
     with session:
         while strategy.step_count < args.steps:

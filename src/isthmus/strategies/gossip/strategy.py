@@ -135,7 +135,7 @@ class Gossip(Strategy):
         self.share_model(None)
 
     # -- the local step ---------------------------------------------------------------------------
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> None:
+    def _step(self, closure: Callable[[], torch.Tensor] | None = None) -> None:
         """One training step: the local update (or nothing, for a connectivity-only peer or a
         MoDeST non-trainer), then the round the schedule asks for after this step, if any.
 
@@ -212,7 +212,7 @@ class Gossip(Strategy):
             return MEMBERSHIP, 0
         return None
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """End of training: drop a pending SAM perturbation, and hold the final merge now if the
         run stopped before the schedule's last step (all peers must stop at the same step)."""
         if self._sam_saved is not None:

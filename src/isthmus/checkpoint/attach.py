@@ -1,0 +1,81 @@
+"""Checkpoints for a strategy configured through its session: what ``SessionConfig(resume=...)``
+and ``SessionConfig(checkpoint_dir=..., checkpoint_every=...)`` do, for the built-in job and a
+user's own loop alike (:class:`isthmus.strategies.Strategy` calls these once it is built).
+
+The strategy is taken by what it offers (``local_state``, ``load_local_state``, ``model_keys``,
+``name``, ``config``), so this layer imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Protocol
+
+from isthmus.checkpoint.load import load_latest
+from isthmus.checkpoint.save import Checkpointer, slot_of
+
+__all__ = ["checkpointer_for", "resume_from"]
+
+log = logging.getLogger("isthmus.checkpoint")
+
+
+class _Strategy(Protocol):
+    name: str
+    config: Any
+
+    def local_state(self) -> dict[str, Any]: ...
+
+    def load_local_state(self, state: Any) -> None: ...
+
+    def model_keys(self) -> dict[str, str]: ...
+
+
+def resume_from(session: Any, strategy: _Strategy, url: str) -> int:
+    """Load the latest complete checkpoint at ``url`` into the session's shared state and this
+    peer slot's local state (if the checkpoint has it), before the first round; returns its
+    revision, which becomes the session's.
+
+    Until the first round says otherwise the peer assumes the membership that wrote the
+    checkpoint (ranks follow peer names), so the first batch it draws is the one the run would
+    have drawn next and a resume on the same peers is invisible. Raises what
+    :func:`~isthmus.checkpoint.load.load_latest` raises (no checkpoint, another model's, an
+    unreadable location); nothing is changed then.
+    """
+    name = session.name
+    manifest, local = load_latest(
+        url, session.state, slot=slot_of(name), local_template=strategy.local_state()
+    )
+    if local is not None:
+        strategy.load_local_state(local)
+    session.revision = manifest.revision
+    slots = sorted(manifest.local)
+    if slot_of(name) in slots:
+        session.rank, session.world = slots.index(slot_of(name)), len(slots)
+    log.info("%s resumed from revision %d of %s", name, manifest.revision, url)
+    return manifest.revision
+
+
+def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
+    """The checkpointer the session's config asks for, or None without ``checkpoint_dir``."""
+    cfg = session.config
+    if not cfg.checkpoint_dir:
+        return None
+    options = strategy.config
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        options = {
+            f.name: getattr(options, f.name)
+            for f in dataclasses.fields(options)
+            if f.init and isinstance(getattr(options, f.name), (int, float, str, bool, type(None)))
+        }
+    return Checkpointer(
+        session,
+        cfg.checkpoint_dir,
+        # 0: only at the end of the run (the strategy's finish() forces one)
+        every=cfg.checkpoint_every or 1 << 62,
+        keep=cfg.checkpoint_keep,
+        local_state=strategy.local_state,
+        strategy=strategy.name,
+        strategy_config=options if isinstance(options, dict) else {},
+        model_keys=strategy.model_keys(),
+    )
