@@ -1,6 +1,6 @@
 """The model's whole state in one process: what ModelState enumerates, the shared-state schema
 every strategy registers (names, dtypes), the buffers' global copy, mixed precision, and the
-local state a checkpoint holds. Multi-peer parity is tests/integration/test_model_state.py."""
+local state a checkpoint holds. Multi-peer parity is tests/integration/test_model_state_runs.py."""
 
 from __future__ import annotations
 

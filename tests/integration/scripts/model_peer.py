@@ -2,7 +2,7 @@
 
 The models are what a user brings and the GPT does not have: a CNN with BatchNorm (floating and
 integer buffers), a model whose head is tied to its embedding, frozen parameters and a
-non-persistent buffer (a rotary-style table). ``tests/integration/test_model_state.py`` starts
+non-persistent buffer (a rotary-style table). ``tests/integration/test_model_state_runs.py`` starts
 this script with ``subprocess`` and imports its models for one-process runs.
 
     python model_peer.py --coordinator HOST:PORT --token T --name a --strategy ddp --model cnn
