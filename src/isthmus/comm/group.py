@@ -7,8 +7,9 @@ torch does not give us:
 * every wait is bounded (the group timeout) *and* abortable: when the coordinator announces that
   the round failed (a peer died elsewhere), waiting collectives raise at once instead of sitting
   out Gloo's timeout;
-* an abandoned group is never destroyed while an operation is still in flight (Gloo's destructor
-  would block until that operation times out); it is parked until its work completes;
+* an abandoned group's connections are shut down (see :mod:`isthmus.comm.wires`), so that work
+  Gloo would leave waiting on a silent peer fails at once; a group with work still in flight is
+  never destroyed (Gloo's destructor would block until that work ends): the session parks it;
 * every call records the bytes this peer puts on the wire, using the volumes measured for Gloo's
   algorithms (see :func:`wire_bytes`).
 
@@ -23,11 +24,13 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from isthmus.comm.accounting import CommStats, wire_bytes
+from isthmus.comm.wires import Wires
 
 __all__ = [
     "CollectiveError",
@@ -42,64 +45,6 @@ __all__ = [
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died or went silent, the wait timed out, or the round was
     aborted by the coordinator. The round it belongs to must be aborted and retried."""
-
-
-def _broadcast_sends(vrank: int, world: int) -> int:
-    """How many copies a rank sends in Gloo's binomial-tree broadcast (vrank relative to root)."""
-    sends = 0
-    k = vrank.bit_length()
-    while vrank + (1 << k) < world:
-        sends += 1
-        k += 1
-    return sends
-
-
-def wire_bytes(op: str, nbytes: int, world: int, rank: int = 0, root: int = 0) -> int:
-    """Bytes this rank sends for one collective over ``nbytes`` of payload per rank.
-
-    The volumes were measured with ``/proc/self/io`` on Gloo (torch 2.13): ring all-reduce sends
-    2(n-1)/n of the buffer, ring all-gather (n-1) times the input, all-to-all (n-1)/n of the input,
-    broadcast is a binomial tree rooted at ``root``. TCP/IP headers are not included (a few
-    percent on the wire).
-    """
-    if world <= 1:
-        return 0
-    if op == "all_reduce":
-        return (2 * (world - 1) * nbytes) // world
-    if op == "all_gather":
-        return (world - 1) * nbytes
-    if op == "all_to_all":
-        return ((world - 1) * nbytes) // world
-    if op == "broadcast":
-        return _broadcast_sends((rank - root) % world, world) * nbytes
-    if op in ("send",):
-        return nbytes
-    if op in ("recv", "barrier"):
-        return 0
-    raise ValueError(f"unknown collective {op!r}")
-
-
-@dataclass
-class CommStats:
-    """Bytes and time this peer spent on collectives. Shared by all epochs of one session."""
-
-    bytes_sent: int = 0
-    calls: int = 0
-    wait_s: float = 0.0
-    by_op: dict[str, int] = field(default_factory=dict)
-
-    def record(self, op: str, nbytes: int) -> None:
-        self.bytes_sent += nbytes
-        self.calls += 1
-        self.by_op[op] = self.by_op.get(op, 0) + nbytes
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "calls": self.calls,
-            "wait_s": round(self.wait_s, 6),
-            "by_op": dict(self.by_op),
-        }
 
 
 class Handle:
@@ -121,7 +66,11 @@ class Handle:
         self._result = result
         self._op = op
         self._finish = finish
-        self._done_event = threading.Event()
+        # Two events on purpose: `completed` says torch finished the operation (what busy() and
+        # done() report), `wakeup` also fires on an abort. One event for both made an aborted
+        # group look idle, and dropping it blocked the training thread in Gloo's destructor.
+        self._completed = threading.Event()
+        self._wakeup = threading.Event()
         self._finished = False
         # Set by the waiter thread for works without a future (Gloo send/recv): their outcome.
         self._waited: list[BaseException | None] = []
@@ -129,17 +78,19 @@ class Handle:
         self.done_at: list[float] = []
         self.issued_at = time.monotonic()
         if work is None:
-            self._done_event.set()
+            self._completed.set()
+            self._wakeup.set()
         else:
-            # Callbacks run on another thread. They must hold nothing but the event and the
+            # Callbacks run on another thread. They must hold nothing but the events and the
             # outcome list: if one held the last reference to this handle (and so to the group),
             # the process group's destructor would run on its own worker thread and abort the
             # process ("Resource deadlock avoided").
-            ev, waited, done_at = self._done_event, self._waited, self.done_at
+            ev, wake, waited, done_at = self._completed, self._wakeup, self._waited, self.done_at
 
             def on_done(_f: Any) -> None:
                 done_at.append(time.monotonic())
                 ev.set()
+                wake.set()
 
             try:
                 work.get_future().add_done_callback(on_done)
@@ -148,18 +99,18 @@ class Handle:
                 # a daemon thread does the blocking wait (bounded by the group's timeout).
                 threading.Thread(
                     target=_wait_in_thread,
-                    args=(work, ev, waited, done_at),
+                    args=(work, ev, wake, waited, done_at),
                     daemon=True,
                     name="isthmus-wait",
                 ).start()
         group._register(self)
 
     def done(self) -> bool:
-        """True when the operation finished (successfully or not); never blocks."""
-        return self._work is None or self._done_event.is_set()
+        """True when the operation finished inside torch (successfully or not); never blocks."""
+        return self._work is None or self._completed.is_set()
 
     def _wake(self) -> None:
-        self._done_event.set()
+        self._wakeup.set()
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the collective completes and return its result.
@@ -185,7 +136,7 @@ class Handle:
                         f"{self._op} did not complete within {limit:.1f}s (a peer is silent or "
                         f"the link is too slow for the collective timeout)"
                     )
-                self._done_event.wait(min(remaining, 0.05))
+                self._wakeup.wait(min(remaining, 0.05))
             if g.aborted:
                 raise CollectiveError(f"{self._op} abandoned: {g.abort_reason}")
             if self._waited:
@@ -208,7 +159,11 @@ class Handle:
 
 
 def _wait_in_thread(
-    work: Any, ev: threading.Event, out: list[BaseException | None], done_at: list[float]
+    work: Any,
+    ev: threading.Event,
+    wake: threading.Event,
+    out: list[BaseException | None],
+    done_at: list[float],
 ) -> None:
     try:
         work.wait()
@@ -218,6 +173,7 @@ def _wait_in_thread(
     finally:
         done_at.append(time.monotonic())
         ev.set()
+        wake.set()
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -305,6 +261,8 @@ class Group:
     ``connect_reverse``, if given, builds a second Gloo process group over the same members
     (collectively: every member calls it at the same point); :meth:`exchange` builds it on first
     use and sends on it what would otherwise share a connection with data going the other way.
+    ``wires``, if given, holds the connections of both (see :func:`isthmus.comm.connect.
+    connect_gloo`); :meth:`abort` shuts them down.
     """
 
     def __init__(
@@ -317,13 +275,16 @@ class Group:
         stats: CommStats | None = None,
         name: str = "",
         connect_reverse: Callable[[], Any] | None = None,
+        wires: Wires | None = None,
     ) -> None:
         if world > 1 and pg is None:
             raise ValueError("a group of more than one peer needs a process group")
         self.pg = pg
+        self.wires = wires
         self._connect_reverse = connect_reverse
         self._reverse: Any = None
         self._reverse_lock = threading.Lock()
+        self._reverse_thread: threading.Thread | None = None
         self._exchanges = 0
         self.rank = rank
         self.world = world
@@ -345,8 +306,10 @@ class Group:
         """Make every pending and future wait on this group raise :class:`CollectiveError`.
 
         Safe to call from any thread (the session calls it when the coordinator announces that
-        this epoch's round aborted). Operations already inside Gloo keep running until they finish
-        or time out; their buffers must not be reused.
+        this epoch's round aborted). With ``wires``, the group's connections are shut down, so
+        operations inside Gloo fail within milliseconds (and the members at the other ends see
+        the connections close); without, they keep running until they finish or time out. Either
+        way their buffers must not be reused.
         """
         with self._lock:
             if not self.aborted:
@@ -355,12 +318,18 @@ class Group:
             pending = list(self._inflight)
         for h in pending:
             h._wake()
+        if self.wires is not None:
+            self.wires.cut(reason)
 
     def busy(self) -> bool:
-        """True while any operation issued on this group may still be running inside torch."""
+        """True while any operation issued on this group (or the build of its reverse
+        connections) may still be running inside torch."""
         with self._lock:
             self._inflight = [x for x in self._inflight if not x.done()]
-            return bool(self._inflight)
+            if self._inflight:
+                return True
+        t = self._reverse_thread
+        return t is not None and t.is_alive()
 
     def _check(self, op: str) -> None:
         if self.aborted:
@@ -546,7 +515,10 @@ class Group:
                 except BaseException as e:  # reported below
                     box.append(e)
 
-            threading.Thread(target=build, daemon=True, name="isthmus-reverse").start()
+            self._reverse_thread = threading.Thread(
+                target=build, daemon=True, name="isthmus-reverse"
+            )
+            self._reverse_thread.start()
             deadline = time.monotonic() + self.timeout_s
             while not box:
                 if self.aborted:

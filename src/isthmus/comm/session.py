@@ -14,7 +14,11 @@ A :class:`Session` registers with the coordinator, keeps a heartbeat, and runs *
 :meth:`Session.run_round` wraps that loop for the common case.
 
 What happens on failure: a collective that fails or is aborted raises
-:class:`~isthmus.comm.group.CollectiveError` (the round runner reports it and retries); a peer
+:class:`~isthmus.comm.group.CollectiveError` (the round runner reports it and retries). When the
+coordinator aborts a round (a member died or went silent), the epoch's connections are shut down
+(:mod:`isthmus.comm.wires`), so a collective waiting on a silent member raises at once instead of
+sitting out ``collective_timeout``; groups and connection attempts left behind are parked until
+torch is done with them (:class:`~isthmus.comm.connect.Graveyard`). A peer
 evicted by the coordinator (it was stopped or cut off) registers again and is resynced before it
 takes part; a peer whose shared-state schema differs from the run's gets :class:`StateMismatch`
 and the run goes on without it; a coordinator that cannot be reached raises
@@ -25,7 +29,6 @@ and the run goes on without it; a coordinator that cannot be reached raises
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import logging
 import os
@@ -34,17 +37,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from isthmus.comm.config import RoundFailed, RoundTimeout, RunFinished, SessionConfig, StateMismatch
+from isthmus.comm.connect import Connecting, Graveyard, StoreClients, connect_gloo
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
+from isthmus.comm.wires import Wires
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
 from isthmus.coordinator.protocol import RoundPlan
 
@@ -144,19 +148,18 @@ class Session:
         self._client = CoordinatorClient(
             config.coordinator, config.token, connect_timeout=config.connect_timeout
         )
-        self._store: dist.Store | None = None
+        self._stores: StoreClients | None = None
         self._group: Group | None = None
-        self._graveyard: list[Any] = []
+        # Abandoned groups and connection attempts, held until torch is done with them.
+        self._graveyard = Graveyard()
         self._aborted_epochs: set[int] = set()
         self._push_lock = threading.Lock()
         self._fresh = True  # never began a round since (re)registering: send schema and hashes
-        self._builder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="isthmus-connect")
         self._closed = False
         try:
             self._register()
         except BaseException:
             self._client.close()
-            self._builder.shutdown(wait=False)
             raise
 
     # -- registration, heartbeat, pushes --------------------------------------------------------
@@ -170,12 +173,9 @@ class Session:
         self.parity_every = int(reply.get("parity_every", 1))
         self._fresh = True
         self._set_group(None)
-        self._store = dist.TCPStore(
-            self._client.host,
-            int(reply["store_port"]),
-            is_master=False,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.config.collective_timeout),
+        # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
+        self._stores = StoreClients(
+            self._client.host, int(reply["store_port"]), timeout_s=self.config.collective_timeout
         )
         self._client.start_heartbeat(
             self.peer_id,
@@ -192,6 +192,7 @@ class Session:
             "revision": self.revision,
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
+            "parked_groups": len(self._graveyard),
         }
 
     def _on_push(self, msg: dict[str, Any]) -> None:
@@ -250,12 +251,11 @@ class Session:
         old = self._group
         self._group = g
         if old is not None and old is not g:
+            # Aborting cuts its connections, so work still inside Gloo fails within milliseconds;
+            # until it has, dropping the group would block this thread in Gloo's destructor.
             old.abort("superseded by a new epoch")
-            if old.busy():
-                # Destroying a Gloo group with work in flight blocks until that work times out,
-                # so keep it referenced until its operations finish.
-                self._graveyard.append(old)
-        self._graveyard = [x for x in self._graveyard if x.busy()]
+            self._graveyard.park(old)
+        self._graveyard.reap()
 
     def _group_for(self, plan: RoundPlan) -> Group:
         name = f"epoch{plan.epoch}"
@@ -263,56 +263,63 @@ class Session:
         if g is not None and g.name == name and not g.aborted:
             return g
         rank, world = plan.rank_of(self.peer_id or 0), len(plan.members)
+        cfg = self.config
         if world == 1:
-            g = Group(
-                None, 0, 1, timeout_s=self.config.collective_timeout, stats=self.stats, name=name
-            )
+            g = Group(None, 0, 1, timeout_s=cfg.collective_timeout, stats=self.stats, name=name)
             self._set_group(g)
             return g
-        assert self._store is not None
-        store = dist.PrefixStore(f"isthmus/{self.run_id}/{name}/", self._store)
-        cfg = self.config
-        fut: Future[Any] = self._builder.submit(
-            build_process_group,
-            store,
-            rank,
-            world,
+        wires = Wires(f"{self.name} {name}")
+        backend = self._backend()
+        gloo = functools.partial(
+            connect_gloo,
+            rank=rank,
+            world=world,
             timeout_s=cfg.collective_timeout,
-            backend=self._backend(),
+            wires=wires,
             interface=cfg.interface,
             hostname=cfg.hostname,
         )
         deadline = time.monotonic() + cfg.collective_timeout
-        while not fut.done():
+
+        def abandon() -> str | None:
             if plan.epoch in self._aborted_epochs:
-                # The builder thread finishes on its own (connected or timed out); an idle group
-                # it may still produce is simply dropped.
-                raise CollectiveError(f"epoch {plan.epoch} aborted while its group was connecting")
+                return f"epoch {plan.epoch} aborted while its group was connecting"
             if time.monotonic() > deadline:
-                raise CollectiveError(
+                return (
                     f"could not connect the process group of epoch {plan.epoch} within "
                     f"{cfg.collective_timeout:.0f}s (a member is unreachable: check the network "
                     f"interface and that peers can reach each other's Gloo ports)"
                 )
-            time.sleep(0.01)
-        try:
-            pg = fut.result()
-        except Exception as e:
-            raise CollectiveError(
-                f"building the process group of epoch {plan.epoch} failed: {e}"
-            ) from e
-        reverse = None
-        if self._backend() == "gloo":
-            # a second connection set, built on first use by Group.exchange
-            reverse = functools.partial(
-                build_process_group,
-                dist.PrefixStore("reverse/", store),
+            return None
+
+        assert self._stores is not None
+        store = dist.PrefixStore(
+            f"isthmus/{self.run_id}/{name}/", self._stores.take(wires, abandon)
+        )
+
+        def build() -> Any:
+            if backend == "gloo":
+                return gloo(store)
+            return build_process_group(
+                store,
                 rank,
                 world,
                 timeout_s=cfg.collective_timeout,
+                backend=backend,
                 interface=cfg.interface,
                 hostname=cfg.hostname,
             )
+
+        attempt = Connecting(build, wires, name=f"connect-{name}")
+        try:
+            pg = attempt.wait(abandon)
+        except CollectiveError:
+            self._graveyard.park(attempt)  # until its thread is out of torch
+            raise
+        reverse = None
+        if backend == "gloo":
+            # a second connection set, built on first use by Group.exchange
+            reverse = functools.partial(gloo, dist.PrefixStore("reverse/", store))
         g = Group(
             pg,
             rank,
@@ -321,6 +328,7 @@ class Session:
             stats=self.stats,
             name=name,
             connect_reverse=reverse,
+            wires=wires,
         )
         self._set_group(g)
         if plan.epoch in self._aborted_epochs:
@@ -337,6 +345,7 @@ class Session:
         """
         if self._closed:
             raise RuntimeError("session is closed")
+        self._graveyard.reap()  # groups retired earlier that went idle: let them go now
         cfg = self.config
         deadline = time.monotonic() + cfg.round_timeout
         for _attempt in range(cfg.max_attempts):
@@ -535,7 +544,9 @@ class Session:
                 self._tensorboard.close()
         self._client.close()
         self._set_group(None)
-        self._builder.shutdown(wait=False)
+        # Cut groups go idle within milliseconds; give them that (bounded), so that none is left
+        # for the interpreter's exit to destroy while it still works.
+        self._graveyard.drain(5.0)
 
     def __enter__(self) -> Session:
         return self

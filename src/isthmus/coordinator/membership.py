@@ -326,6 +326,9 @@ class Membership:
         if self.first_ready_at is None:
             self.first_ready_at = now
         cfg = self.config
+        speaking = [p for p in ready if not self._quiet(p, now)]
+        if speaking:  # a peer that went quiet while waiting is left out like a quiet member
+            ready = speaking
         expected = self._expected()
         missing = [pid for pid in expected if pid not in ready]
         # The clock starts when a member of the last epoch is ready, never because of a joiner:
@@ -340,6 +343,10 @@ class Membership:
                 self._remove(
                     pid, now, f"did not begin round {self.revision} within {cfg.begin_timeout:.0f}s"
                 )
+            missing = []
+        if missing and member_ready and all(self._quiet(p, now) for p in missing):
+            # Members that went quiet are not waited for (MembershipConfig.quiet_after): a second
+            # silent member must not hold the retry until its own eviction.
             missing = []
         if missing:
             return
@@ -360,7 +367,21 @@ class Membership:
             return  # waiting peers are told to send hashes by poll_begin
         self._form(now, ready, voters, need_hashes)
 
+    def _quiet(self, pid: int, now: float) -> bool:
+        return now - self.peers[pid].last_seen > self.config.quiet_after_s
+
     def _form(self, now: float, ready: list[int], voters: list[int], checked: bool) -> None:
+        for pid in self.members:
+            if pid not in ready and self._alive(pid):  # only a quiet member is left out alive
+                p = self.peers[pid]
+                self._event(
+                    now,
+                    "quiet",
+                    peer=pid,
+                    name=p.name,
+                    reason=f"left out of round {self.revision}: silent for "
+                    f"{now - p.last_seen:.1f}s",
+                )
         if not self.started:
             self.revision = self.peers[voters[0]].revision or 0
         transfers: list[Transfer] = []

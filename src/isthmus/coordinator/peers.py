@@ -22,6 +22,12 @@ class MembershipConfig:
     """How long the first round waits for ``start_peers`` before starting with whoever is there."""
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is evicted (a stopped or partitioned process)."""
+    quiet_after: float | None = None
+    """A member of the last epoch that has not begun the next round and has been silent (no
+    heartbeat, no request) this long is not waited for: the round forms without it. It is not
+    evicted (that takes ``heartbeat_timeout``); if it speaks again it joins a later round, resynced
+    if it missed a commit. Without this, a second member that went silent shortly after the first
+    would hold the retry until its own eviction. Default: a third of ``heartbeat_timeout``."""
     begin_timeout: float = 600.0
     """A live member of the last epoch that has not called begin this long after another member
     did is evicted (joiners waiting do not start this clock).
@@ -41,8 +47,15 @@ class MembershipConfig:
         for name in ("start_timeout", "heartbeat_timeout", "begin_timeout", "commit_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.quiet_after is not None and self.quiet_after <= 0:
+            raise ValueError(f"quiet_after must be positive, got {self.quiet_after}")
         if self.parity_every < 1:
             raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+
+    @property
+    def quiet_after_s(self) -> float:
+        """``quiet_after``, or its default."""
+        return self.quiet_after if self.quiet_after is not None else self.heartbeat_timeout / 3
 
 
 class PeerState(str, enum.Enum):
