@@ -311,6 +311,7 @@ def _cmd_bench_link(args: argparse.Namespace) -> int:
             loss=args.loss,
             seconds=args.seconds,
             window_kib=args.window_kib,
+            congestion_control=args.congestion_control,
         )
         result = run_link_bench(cfg)
     except (argparse.ArgumentTypeError, ValueError, LabError) as e:
@@ -515,5 +516,11 @@ def add_parsers(sub: Any) -> None:
     _add_impairment_flags(lk, rtt_list=True)
     lk.add_argument("--seconds", type=float, default=6.0, help="length of each transfer")
     lk.add_argument("--window-kib", type=int, default=256, help="the windowed transfer's window")
+    lk.add_argument(
+        "--congestion-control",
+        default=None,
+        metavar="NAME",
+        help="TCP congestion control in the namespaces (e.g. reno, bbr; default: the host's)",
+    )
     lk.add_argument("--json", action="store_true", help="print the result as JSON")
     lk.set_defaults(func=_cmd_bench_link)

@@ -6,14 +6,16 @@ a delay line, :mod:`isthmus.lab.delayline`), and measured from inside their name
 * **ping**: round trips (``ping``; without it, TCP connect times from :mod:`isthmus.lab.probe`),
   the first one dropped (it waits for ARP), against the setting;
 * **windowed transfer**: a TCP stream whose application keeps at most ``window`` bytes
-  unacknowledged (:mod:`isthmus.lab.probe`), against ``window / (RTT + chunk / rate)``, the rate
-  such a stream gets on a real link of that round trip;
+  unacknowledged (:mod:`isthmus.lab.probe`), against ``min(payload rate, window / (RTT + chunk /
+  rate))``, the rate such a stream gets on a real link of that round trip;
 * **bulk TCP**: one stream with the kernel's own windows (``iperf3`` when installed, else the
   probe without a window), with what TCP reported (retransmissions, largest congestion window,
-  mean round trip), against ``min(rate, tcp_wmem max / RTT)``: Linux's send buffer (4 MiB by
+  mean round trip), against ``min(payload rate, tcp_wmem max / RTT)``: Linux's send buffer (4 MiB by
   default) bounds what one connection keeps in flight, which is why a single stream cannot fill
   a long fat link;
-* **CPU**: the delay lines' CPU seconds per second during the bulk transfer (of one core).
+* **CPU**: the delay lines' CPU seconds per second during the bulk transfer (cores), in all and
+  in user space alone (the rest is the kernel's receive path of the frames they write, which a
+  veth would run in softirq anyway).
 
 Failures: :class:`~isthmus.lab.netns.LabUnavailable` without root; a probe that fails or runs
 past its bound raises :class:`~isthmus.lab.netns.LabError` with its message. Every network is
@@ -42,6 +44,9 @@ from isthmus.lab.wan import WanNetwork
 __all__ = ["LinkBenchConfig", "format_link_bench", "measure_rtt_ms", "run_link_bench", "windowed"]
 
 PROBE = [sys.executable, "-I", str(Path(probe.__file__))]
+PAYLOAD_SHARE = 1448 / 1514
+"""TCP payload per byte the shapers count (a full frame: 1448 payload bytes behind Ethernet, IP
+and TCP headers with timestamps)."""
 
 
 @dataclass(kw_only=True)
@@ -59,6 +64,8 @@ class LinkBenchConfig:
     window_kib: int = 256
     """The windowed transfer's window."""
     pings: int = 20
+    congestion_control: str | None = None
+    """TCP congestion control in the namespaces (e.g. ``reno``); ``None``: the host's."""
     prefix: str = "isthl"
 
     def __post_init__(self) -> None:
@@ -76,22 +83,23 @@ def _ping_times(out: str) -> list[float]:
 
 
 def measure_rtt_ms(net: WanNetwork, a: int, b: int, count: int = 10) -> list[float]:
-    """Round trips from peer ``a`` to peer ``b``, in ms, the first (ARP) dropped: ``ping`` where
-    installed, TCP connect times otherwise (a probe server must listen on ``b``:
-    :func:`serve_probe`). Raises :class:`LabError` if neither gives an answer."""
+    """Round trips from peer ``a`` to peer ``b``, in ms: ``ping`` where installed, TCP connect
+    times otherwise (a probe server must listen on ``b``: :func:`serve_probe`). The neighbours
+    are resolved first and that exchange not counted: an echo sent while ARP is still waiting
+    for its answer would wait for it too. Raises :class:`LabError` if nothing answers."""
     ip = net.peers[b].ip
     bound = 30 + count * (0.05 + 2 * net.rtt_ms(a, b) / 1000)
     if shutil.which("ping"):
-        r = net.run(a, ["ping", "-n", "-c", str(count + 1), "-i", "0.05", ip], timeout_s=bound)
+        net.run(a, ["ping", "-n", "-c", "2", "-i", "0.2", "-w", "10", ip], timeout_s=bound)
+        r = net.run(a, ["ping", "-n", "-c", str(count), "-i", "0.05", ip], timeout_s=bound)
         times = _ping_times(r.stdout)
     else:
-        r = net.run(
-            a, [*PROBE, "connect", ip, str(probe.PORT), str(count + 1), "0.05"], timeout_s=bound
-        )
-        times = json.loads(r.stdout)["rtt_ms"] if r.returncode == 0 else []
-    if len(times) < 2:
+        argv = [*PROBE, "connect", ip, str(probe.PORT), str(count + 1), "0.05"]
+        r = net.run(a, argv, timeout_s=bound)
+        times = json.loads(r.stdout)["rtt_ms"][1:] if r.returncode == 0 else []
+    if not times:
         raise LabError(f"no round trips measured from peer {a} to {ip}: {r.stderr.strip()}")
-    return times[1:]
+    return times
 
 
 def serve_probe(net: WanNetwork, which: int) -> subprocess.Popen[str]:
@@ -139,6 +147,14 @@ def _iperf3(net: WanNetwork, seconds: float) -> dict[str, Any]:
     }
 
 
+def _cpu(net: WanNetwork) -> tuple[float, float]:
+    user = system = 0.0
+    for line in net.lines:
+        u, s = line.cpu_times() or (0.0, 0.0)
+        user, system = user + u, system + s
+    return user, system
+
+
 def _wmem_max(net: WanNetwork) -> int | None:
     r = net.run(0, ["sysctl", "-n", "net.ipv4.tcp_wmem"])
     parts = r.stdout.split()
@@ -147,26 +163,34 @@ def _wmem_max(net: WanNetwork) -> int | None:
 
 def _one(cfg: LinkBenchConfig, rtt: float) -> dict[str, Any]:
     imp = Impairment(rtt_ms=rtt, jitter_ms=min(cfg.jitter_ms, rtt), loss=cfg.loss)
-    with WanNetwork(2, rates_mbit=cfg.rate_mbit, impairments=imp, prefix=cfg.prefix) as net:
+    with WanNetwork(
+        2,
+        rates_mbit=cfg.rate_mbit,
+        impairments=imp,
+        prefix=cfg.prefix,
+        congestion_control=cfg.congestion_control,
+    ) as net:
         srv = serve_probe(net, 1)
         times = measure_rtt_ms(net, 0, 1, cfg.pings)
         window = cfg.window_kib * 1024
         win = windowed(net, 0, 1, seconds=cfg.seconds, window=window)
         srv.kill()
-        cpu0, t0 = sum(line.cpu_seconds() or 0.0 for line in net.lines), time.monotonic()
+        cpu0, t0 = _cpu(net), time.monotonic()
         if shutil.which("iperf3"):
             bulk = _iperf3(net, cfg.seconds)
         else:
             srv = serve_probe(net, 1)
             bulk = {"tool": "probe", **windowed(net, 0, 1, seconds=cfg.seconds, window=0)}
-        cpu = sum(line.cpu_seconds() or 0.0 for line in net.lines) - cpu0
-        wall = time.monotonic() - t0
+        cpu1, wall = _cpu(net), time.monotonic() - t0
         wmem = _wmem_max(net)
+        cc = net.tcp_congestion_control()
     rate_bps = cfg.rate_mbit * 1e6 if cfg.rate_mbit else math.inf
-    predicted_win = window * 8 / (rtt / 1000 + probe.CHUNK * 8 / rate_bps) / 1e6
-    ceiling = min(rate_bps, wmem * 8 / (rtt / 1000) if wmem and rtt else math.inf) / 1e6
+    payload_bps = rate_bps * PAYLOAD_SHARE
+    predicted_win = min(payload_bps, window * 8 / (rtt / 1000 + probe.CHUNK * 8 / rate_bps)) / 1e6
+    ceiling = min(payload_bps, wmem * 8 / (rtt / 1000) if wmem and rtt else math.inf) / 1e6
     return {
         "rtt_ms": rtt,
+        "tcp_congestion_control": cc,
         "ping_min_ms": round(min(times), 2),
         "ping_median_ms": round(statistics.median(times), 2),
         "ping_max_ms": round(max(times), 2),
@@ -177,7 +201,8 @@ def _one(cfg: LinkBenchConfig, rtt: float) -> dict[str, Any]:
         "bulk": bulk,
         "bulk_ceiling_mbit": round(ceiling, 1),
         "tcp_wmem_max": wmem,
-        "line_cpu_cores": round(cpu / wall, 3),
+        "line_cpu_cores": round((sum(cpu1) - sum(cpu0)) / wall, 3),
+        "line_user_cores": round((cpu1[0] - cpu0[0]) / wall, 3),
     }
 
 
@@ -191,12 +216,13 @@ def run_link_bench(cfg: LinkBenchConfig) -> dict[str, Any]:
 def format_link_bench(r: dict[str, Any]) -> str:
     """The result of :func:`run_link_bench` as a Markdown table."""
     rate = f"{r['rate_mbit']:g} Mbit/s" if r["rate_mbit"] else "unshaped"
+    cc = r["rows"][0].get("tcp_congestion_control") if r["rows"] else None
     lines = [
-        f"link {rate}, jitter {r['jitter_ms']:g} ms, loss {r['loss']:g}",
+        f"link {rate}, jitter {r['jitter_ms']:g} ms, loss {r['loss']:g}, TCP {cc or 'unknown'}",
         "",
         "| RTT set (ms) | ping min / median / max (ms) | window (KiB) | windowed Mbit/s "
         "(predicted) | bulk TCP Mbit/s (ceiling) | retrans | max cwnd (KiB) | TCP mean RTT (ms) "
-        "| line CPU (cores) |",
+        "| line CPU, all / user (cores) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["rows"]:
@@ -206,6 +232,7 @@ def format_link_bench(r: dict[str, Any]) -> str:
             f"| {x['rtt_ms']:g} | {x['ping_min_ms']} / {x['ping_median_ms']} / {x['ping_max_ms']} "
             f"| {x['window_kib']} | {x['window_mbit']:.1f} ({x['window_predicted_mbit']:.1f}) "
             f"| {b['mbit']:.1f} ({x['bulk_ceiling_mbit']:.0f}) | {b.get('retransmits', '-')} "
-            f"| {cwnd} | {b.get('mean_rtt_ms') or '-'} | {x['line_cpu_cores']:.2f} |"
+            f"| {cwnd} | {b.get('mean_rtt_ms') or '-'} | {x['line_cpu_cores']:.2f} / "
+            f"{x['line_user_cores']:.2f} |"
         )
     return "\n".join(lines)

@@ -64,8 +64,10 @@ class DelayLine:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def cpu_seconds(self) -> float | None:
-        """CPU time (user + system) the process has used so far; ``None`` once it has ended."""
+    def cpu_times(self) -> tuple[float, float] | None:
+        """CPU seconds the process has used so far, ``(user, system)``; ``None`` once it has
+        ended. System time includes the receive path of every frame it writes (the stack runs
+        it in the writer's context), work a veth's softirq would do anyway."""
         if self.proc is None:
             return None
         try:
@@ -73,7 +75,8 @@ class DelayLine:
         except OSError:
             return None
         # fields after the command name: utime and stime are the 12th and 13th, in clock ticks
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Spawn the process and wait until its ports exist. Raises :class:`LabError` with the
