@@ -20,6 +20,7 @@ import torch
 
 from isthmus.comm.state import tensor_bytes
 from isthmus.coordinator.membership import MembershipConfig
+from isthmus.coordinator.protocol import RestorePoint
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.lab.netns import cleanup_stale, list_namespaces, unavailable_reason
 from isthmus.run.job import PeerJob
@@ -30,7 +31,7 @@ TOKEN = "integration-test-token"
 class Cluster:
     """A coordinator in this process plus peer processes it launched; cleans up after itself."""
 
-    def __init__(self, tmp: Path, **membership: Any) -> None:
+    def __init__(self, tmp: Path, restore_from: RestorePoint | None = None, **membership: Any):
         self.dir = tmp
         membership.setdefault("heartbeat_timeout", 3.0)
         self.coord = Coordinator(
@@ -39,6 +40,7 @@ class Cluster:
                 port=0,
                 heartbeat_interval=0.25,
                 membership=MembershipConfig(**membership),
+                restore_from=restore_from,
             )
         ).start()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

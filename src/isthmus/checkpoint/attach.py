@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from isthmus.checkpoint.load import load_latest
 from isthmus.checkpoint.save import Checkpointer, slot_of
 
-__all__ = ["checkpointer_for", "resume_from"]
+__all__ = ["checkpointer_for", "restore_shared", "resume_from"]
 
 log = logging.getLogger("isthmus.checkpoint")
 
@@ -31,10 +31,10 @@ class _Strategy(Protocol):
     def model_keys(self) -> dict[str, str]: ...
 
 
-def resume_from(session: Any, strategy: _Strategy, url: str) -> int:
-    """Load the latest complete checkpoint at ``url`` into the session's shared state and this
-    peer slot's local state (if the checkpoint has it), before the first round; returns its
-    revision, which becomes the session's.
+def resume_from(session: Any, strategy: _Strategy, url: str, upto: int | None = None) -> int:
+    """Load the latest complete checkpoint at ``url`` (of revision ``upto`` or older, when
+    given) into the session's shared state and this peer slot's local state (if the checkpoint
+    has it), before the first round; returns its revision, which becomes the session's.
 
     Until the first round says otherwise the peer assumes the membership that wrote the
     checkpoint (ranks follow peer names), so the first batch it draws is the one the run would
@@ -44,7 +44,7 @@ def resume_from(session: Any, strategy: _Strategy, url: str) -> int:
     """
     name = session.name
     manifest, local = load_latest(
-        url, session.state, slot=slot_of(name), local_template=strategy.local_state()
+        url, session.state, slot=slot_of(name), local_template=strategy.local_state(), upto=upto
     )
     if local is not None:
         strategy.load_local_state(local)
@@ -53,6 +53,19 @@ def resume_from(session: Any, strategy: _Strategy, url: str) -> int:
     if slot_of(name) in slots:
         session.rank, session.world = slots.index(slot_of(name)), len(slots)
     log.info("%s resumed from revision %d of %s", name, manifest.revision, url)
+    return manifest.revision
+
+
+def restore_shared(session: Any, url: str, revision: int) -> int:
+    """Load the shared state of checkpoint ``revision`` at ``url`` (or an older one, if that
+    one fails to verify) into a session that has been running: what a peer does when the
+    coordinator answers ``restore``. Local state is not touched (the coordinator makes this
+    peer's next round drop its work instead). Returns the revision loaded; raises what
+    :func:`~isthmus.checkpoint.load.load_latest` raises, changing nothing then."""
+    manifest, _ = load_latest(url, session.state, upto=revision)
+    log.warning(
+        "%s restored the shared state of checkpoint %d at %s", session.name, manifest.revision, url
+    )
     return manifest.revision
 
 

@@ -105,18 +105,21 @@ def load_latest(
     *,
     slot: str | None = None,
     local_template: dict[str, Any] | None = None,
+    upto: int | None = None,
 ) -> tuple[Manifest, dict[str, Any] | None]:
-    """Load the newest usable complete checkpoint at ``url`` into ``state`` (in place), and the
-    local state of ``slot`` into a copy of ``local_template`` (None if it has none).
+    """Load the newest usable complete checkpoint at ``url`` (of revision ``upto`` or older,
+    when given) into ``state`` (in place), and the local state of ``slot`` into a copy of
+    ``local_template`` (None if it has none or without a slot).
 
     Raises :class:`StorageError` for a missing or unreadable location, :class:`NoCheckpoint` if
     no complete checkpoint can be used, :class:`CheckpointMismatch` for another model's
     checkpoint. Nothing in ``state`` changes unless the whole shared state verified.
     """
     store = CheckpointStore(url)
-    revisions = store.revisions()
+    revisions = [r for r in store.revisions() if upto is None or r <= upto]
     if not revisions:
-        raise NoCheckpoint(f"no complete checkpoint at {url!r}")
+        at_most = "" if upto is None else f" of revision {upto} or older"
+        raise NoCheckpoint(f"no complete checkpoint{at_most} at {url!r}")
     for rev in reversed(revisions):
         where = f"{url}/{store.dirname(rev)}"
         try:

@@ -209,7 +209,8 @@ class Checkpointer:
         )
         path = store.path(store.dirname(revision), "manifest.json")
         store.write_atomic(path, manifest.to_bytes())
-        s.report_checkpoint({"revision": revision, "manifest": path})
+        # the root, so that the coordinator can restart the run from it (RestorePoint)
+        s.report_checkpoint({"revision": revision, "manifest": path, "url": store.url})
         self.manifests += 1
         self._prune(revision)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from typing import Any
 
@@ -28,8 +29,27 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from isthmus.coordinator.membership import MembershipConfig
     from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 
+    restore = None
+    if args.resume:
+        from isthmus.checkpoint.store import CheckpointStore, StorageError
+        from isthmus.coordinator.protocol import RestorePoint
+
+        url = args.resume if "://" in args.resume else os.path.abspath(args.resume)
+        try:
+            revisions = CheckpointStore(url).revisions()
+        except StorageError as e:
+            print(f"isthmus coordinator: --resume: {e}", file=sys.stderr)
+            return 2
+        if not revisions:
+            print(
+                f"isthmus coordinator: --resume: no complete checkpoint at {url!r}", file=sys.stderr
+            )
+            return 2
+        restore = RestorePoint(url, revisions[-1])
+        print(f"the run continues from checkpoint {restore.revision} at {url}", file=sys.stderr)
     cfg = CoordinatorConfig(
         token=read_token(args) or "",
+        restore_from=restore,
         host=args.host,
         port=args.port,
         store_port=args.store_port,
@@ -178,6 +198,12 @@ def add_parsers(sub: Any) -> None:
         default=None,
         help="address of --metrics-port (default: --host); bind it where only your monitoring "
         "reaches it",
+    )
+    c.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run from the latest complete checkpoint in DIR (a path or fsspec URL "
+        "every peer can read): peers that start without one of their own load it",
     )
     c.set_defaults(func=_cmd_coordinator)
 

@@ -50,7 +50,7 @@ from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
 from isthmus.comm.wires import Wires
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
-from isthmus.coordinator.protocol import RoundPlan
+from isthmus.coordinator.protocol import RestorePoint, RoundPlan
 
 __all__ = [
     "Round",
@@ -140,6 +140,13 @@ class Session:
         self.rounds: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
         self.evictions = 0
+        self.restores = 0
+        self.restore_point: RestorePoint | None = None
+        """The checkpoint the coordinator told this peer to load before its first round (the run
+        restarts from it: no live peer holds its state); None: none. A strategy loads it."""
+        self.restore_handler: Callable[[RestorePoint], int] | None = None
+        """Loads a checkpoint's shared state into this session mid-run and returns its revision;
+        set by the strategy built on the session (the checkpoint layer lives above this one)."""
         self._last_by_op: dict[str, int] = {}
         self.rank = 0  # this peer's rank and the world size in the latest round (for data sharding)
         self.world = 1
@@ -171,6 +178,8 @@ class Session:
         self.peer_id = int(reply["peer_id"])
         self.run_id = str(reply["run_id"])
         self.parity_every = int(reply.get("parity_every", 1))
+        restore = reply.get("restore")
+        self.restore_point = RestorePoint.from_json(restore) if restore else None
         self._fresh = True
         self._set_group(None)
         # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
@@ -412,6 +421,9 @@ class Session:
         if kind == "refused":
             self.close(leave=False)
             raise StateMismatch(f"{self.name} was refused by the coordinator: {reason}")
+        if kind == "restore":
+            self._restore(RestorePoint.from_json(d["restore"]), reason)
+            return None
         if kind == "evicted":
             self.evictions += 1
             log.warning("%s was evicted (%s); registering again", self.name, reason)
@@ -422,6 +434,25 @@ class Session:
             raise CoordinatorError(f"unexpected answer to begin: {d}")
         self._fresh = False
         return RoundPlan.from_json(d["plan"])
+
+    def _restore(self, point: RestorePoint, reason: str) -> None:
+        """The coordinator says no live peer holds the run's state: load checkpoint ``point``.
+        Raises :class:`RoundFailed` when nothing on this session can load one (no strategy) or
+        the checkpoint cannot be loaded (the error names it); the shared state is unchanged."""
+        if self.restore_handler is None:
+            raise RoundFailed(
+                f"{self.name}: the coordinator asks to restore the run from checkpoint "
+                f"{point.revision} at {point.url} ({reason}), but nothing that loads checkpoints "
+                f"is attached to this session (build a strategy on it)"
+            )
+        try:
+            self.revision = self.restore_handler(point)
+        except Exception as e:
+            raise RoundFailed(
+                f"{self.name}: cannot restore checkpoint {point.revision} at {point.url}: {e}"
+            ) from e
+        self.restores += 1
+        self._fresh = True  # send hashes with the next begin
 
     def _report_outcome(self, plan: RoundPlan, *, ok: bool, error: str, t0: float) -> bool:
         deadline = time.monotonic() + self.config.round_timeout

@@ -1,34 +1,35 @@
 """Membership, rounds and parity as a pure state machine (no sockets, no clocks of its own).
 
 The coordinator server feeds this class requests and the current time; everything that decides
-who is in a round, whether a round commits, and who must be resynced from whom lives here, so it
-can be unit-tested with a fake clock.
+who is in a round, whether a round commits, who must be resynced from whom, and when a run
+restarts from a checkpoint lives here, so it can be unit-tested with a fake clock.
+docs/PROTOCOL.md walks through the protocol; in short:
 
-Protocol, as seen from here (docs/PROTOCOL.md):
-
-* A peer **registers**, then keeps a heartbeat. A peer whose heartbeat is older than
-  ``heartbeat_timeout`` (or whose heartbeat connection closed) is evicted.
-* A peer calls **begin** when it is ready for the next round. The run's next round is always
-  ``revision`` (the number of committed rounds). When every surviving member of the previous epoch
-  is ready (plus any joiners that are waiting), and at least ``min_peers`` are, the round is
-  *formed*: members, ranks (sorted peer ids), a new epoch number if membership changed or the
-  last round aborted, and a resync plan.
-* **Parity.** Peers send per-tensor content hashes with begin every ``parity_every`` rounds, and
-  always when they are new or stale. At formation, the voters (peers that were in sync at the
-  last commit) decide each tensor's canonical hash by majority (ties go to the longest-standing
-  member). A voter that differs is a *parity failure*; a joiner or stale peer that differs is an
-  ordinary resync. Either way the plan names, for each peer to repair, the tensors it must receive
-  and an in-sync source; the receiver checks the canonical hash before it takes part.
-* Each member reports **commit** (success or failure) for the round. One failure, a missing
-  report past ``commit_timeout``, or the death of a member aborts the round for everyone; only
-  when every member reported success is the round committed and ``revision`` incremented.
-  After an abort the next formation always opens a new epoch (fresh process groups).
-* **leave** removes a peer between rounds without aborting anything.
+* A peer **registers**, then keeps a heartbeat; one silent for ``heartbeat_timeout`` (or whose
+  heartbeat connection closed) is evicted.
+* **begin**: the run's next round is always ``revision`` (committed rounds so far). It forms
+  when every surviving member of the last epoch is ready (plus waiting joiners) and at least
+  ``min_peers`` are: members ranked by name, a new epoch if membership changed or the last
+  round aborted, and a resync plan.
+* **Parity** (:mod:`.parity`): with begin every ``parity_every`` rounds, and always when new or
+  stale, peers send per-tensor hashes; the voters (in sync at the last commit) decide the
+  canonical hashes by majority; a voter that differs is a *parity failure*, anyone who differs
+  is repaired from an in-sync source before taking part.
+* **commit**: one failure, a report missing past ``commit_timeout`` or a member's death aborts
+  the round for everyone; only when every member succeeded does ``revision`` advance. After an
+  abort the next round opens a new epoch (fresh process groups). **leave** aborts nothing.
+* **Restore**: when no live peer holds the run's state any more (every in-sync peer died or
+  left) and a complete checkpoint is known (:attr:`Membership.restore_point`: reported by the
+  peers that wrote it, or the coordinator's ``--resume``), the run *restarts* from it: the next
+  round forms as a run's first one does, from peers at the checkpoint's revision or later.
+  Peers registering then are told the point at registration (they load it, local state
+  included, before any work); peers already waiting are answered ``restore`` (they load the
+  shared state, and their first round's work does not count).
 
 Every wait that this class can cause is bounded by one of the timeouts in
-:class:`MembershipConfig`: a waiting peer is either admitted, or the peers it waits for are evicted.
-The only unbounded condition, fewer than ``min_peers`` alive, is bounded on the client side
-(the session gives up with an error naming the shortfall).
+:class:`MembershipConfig`: a waiting peer is either admitted, or the peers it waits for are
+evicted. The only unbounded condition, fewer than ``min_peers`` alive, is bounded on the client
+side (the session gives up with an error naming the shortfall).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from isthmus.coordinator.peers import MembershipConfig, Peer, PeerState
+from isthmus.coordinator.parity import canonical, repairs
+from isthmus.coordinator.peers import COUNTERS, MembershipConfig, Peer, PeerState
 from isthmus.coordinator.protocol import (
     Decision,
+    RestorePoint,
     RoundPlan,
     TensorSpec,
     Transfer,
@@ -49,17 +52,6 @@ __all__ = ["Membership", "MembershipConfig", "PeerState"]  # config and states l
 
 
 _HISTORY = 256
-COUNTERS = (
-    "registrations",
-    "rounds_committed",
-    "rounds_aborted",
-    "parity_checks",
-    "parity_failures",
-    "resyncs",
-    "evictions",
-    "leaves",
-    "refusals",
-)
 
 
 class Membership:
@@ -89,6 +81,9 @@ class Membership:
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.events: list[dict[str, Any]] = []
         self.notices: list[tuple[tuple[int, ...], dict[str, Any]]] = []
+        self.restore_point: RestorePoint | None = None
+        """The latest complete checkpoint, which the run restarts from when no live peer holds
+        its state (None: unknown; such a run waits for a peer that holds it)."""
 
     # -- helpers --------------------------------------------------------------------------------
     def note(self, now: float, kind: str, **kw: Any) -> None:
@@ -118,6 +113,7 @@ class Membership:
 
     # -- registration and liveness ----------------------------------------------------------------
     def register(self, name: str, now: float, info: dict[str, Any] | None = None) -> int:
+        self._maybe_restart(now)
         pid = self._next_id
         self._next_id += 1
         self.peers[pid] = Peer(pid, name, now, now, info=dict(info or {}), uncounted=self.started)
@@ -189,6 +185,47 @@ class Membership:
                     )
         self.try_form(now)
 
+    # -- restoring from a checkpoint ------------------------------------------------------------
+    def set_restore_point(self, point: RestorePoint, now: float) -> None:
+        """A complete checkpoint exists at ``point`` (kept if it is the newest known)."""
+        if self.restore_point is None or point.revision >= self.restore_point.revision:
+            self.restore_point = point
+
+    def restore_wanted(self) -> RestorePoint | None:
+        """The checkpoint a peer registering now should load before its first round: set while
+        the run is (re)starting from one, else None."""
+        return None if self.started else self.restore_point
+
+    def _state_lost(self) -> bool:
+        return self.started and not any(
+            p.in_sync for p in self.peers.values() if p.state is PeerState.ACTIVE
+        )
+
+    def _maybe_restart(self, now: float) -> None:
+        """Every peer that held the run's state is gone: restart from the restore point."""
+        rp = self.restore_point
+        if rp is None or self.running is not None or not self._state_lost():
+            return
+        self._event(
+            now,
+            "restart",
+            checkpoint_revision=rp.revision,
+            url=rp.url,
+            reason=f"no live peer holds the state of revision {self.revision}: the run continues "
+            f"from checkpoint {rp.revision}",
+        )
+        self.started, self.members, self.force_new_epoch = False, (), True
+        self.first_ready_at, self.canonical = None, None
+
+    def _restore_for(self, p: Peer, ready: list[int]) -> RestorePoint | None:
+        """The checkpoint ``p`` must load before the restarting run can form (None: none)."""
+        rp = self.restore_point
+        if rp is None or self.started or (p.revision or 0) >= rp.revision or p.id not in ready:
+            return None
+        if max((self.peers[q].revision or 0) for q in ready) >= rp.revision:
+            return None  # a peer holds that state or a later one: p is repaired from it
+        return rp
+
     # -- begin ----------------------------------------------------------------------------------
     def begin(
         self,
@@ -224,6 +261,19 @@ class Membership:
             # A new attempt from a member means it gave up on the running round.
             self._abort(now, f"peer {pid} ({p.name}) abandoned round {self.running.round}")
         p.revision = revision
+        rp = self.restore_point
+        if rp is not None and p.told_restore == rp.revision and revision < rp.revision:
+            # it loaded an older checkpoint instead (this one failed to verify there): continue
+            # from what it could load rather than ask again forever
+            self._event(
+                now,
+                "checkpoint_unusable",
+                peer=pid,
+                name=p.name,
+                checkpoint_revision=rp.revision,
+                reason=f"{p.name} could not load checkpoint {rp.revision} and restored {revision}",
+            )
+            self.restore_point = None
         if hashes is not None:
             p.hashes = dict(hashes)
         if p.ready_nonce != nonce:
@@ -246,6 +296,16 @@ class Membership:
         if self.running is not None:
             return Decision("wait", f"round {self.running.round} is running; joining after it")
         ready = self._ready()
+        rp = self._restore_for(p, ready)
+        if rp is not None:
+            # Its work so far started from another state: the first round it is in drops it. It
+            # is not ready until it begins again, restored.
+            p.told_restore, p.uncounted, p.ready_nonce = rp.revision, True, None
+            return Decision(
+                "restore",
+                f"no live peer holds the run's state: load checkpoint {rp.revision} at {rp.url}",
+                restore=rp,
+            )
         if self._finished(ready):
             return Decision(
                 "finished",
@@ -273,6 +333,8 @@ class Membership:
             # Nobody has committed anything yet: everyone holds an initial state. Peers resuming
             # from a checkpoint may be ahead; the highest revision present wins.
             top = max((self.peers[p].revision or 0) for p in ready)
+            if self.restore_point is not None and top < self.restore_point.revision:
+                return []  # they load the checkpoint first (poll_begin answers restore)
             return [p for p in ready if (self.peers[p].revision or 0) == top]
         voters = [
             p for p in ready if self.peers[p].in_sync and self.peers[p].revision == self.revision
@@ -309,6 +371,9 @@ class Membership:
         start = self.config.start_peers or self.config.min_peers
         if not self.started and len(ready) < start:
             return f"waiting for the first {start} peers: {len(ready)} ready"
+        rp = self.restore_point
+        if not self.started and rp is not None and ready and not self._voters(ready):
+            return f"waiting for peers to load checkpoint {rp.revision} at {rp.url}"
         if ready and not self._voters(ready):
             return (
                 f"no ready peer holds the run's state (revision {self.revision}); waiting for one"
@@ -323,6 +388,7 @@ class Membership:
         if not ready:
             self.first_ready_at = None
             return
+        self._maybe_restart(now)  # lazily: when somebody is there to restart with
         if self.first_ready_at is None:
             self.first_ready_at = now
         cfg = self.config
@@ -387,36 +453,17 @@ class Membership:
         transfers: list[Transfer] = []
         expected: dict[str, str] = {}
         if checked:
-            canonical = self._canonical(voters)
-            self.canonical = canonical
+            hashes = {pid: self.peers[pid].hashes or {} for pid in ready}
+            names = [s.name for s in self.schema or []]
+            self.canonical = canonical(names, voters, hashes)
             self.counters["parity_checks"] += 1
-            sources = [v for v in voters if self.peers[v].hashes == canonical]
-            k = 0
-            for pid in ready:
-                hashes = self.peers[pid].hashes or {}
-                wrong = tuple(n for n, h in canonical.items() if hashes.get(n) != h)
-                if not wrong:
-                    continue
+            transfers, wrong_by_peer = repairs(self.canonical, ready, voters, hashes)
+            for pid, wrong in wrong_by_peer.items():
                 if pid in voters and self.started:
                     self.counters["parity_failures"] += 1
                     self._event(now, "parity_failure", peer=pid, tensors=list(wrong)[:20])
                 self.counters["resyncs"] += 1
-                if sources:
-                    src = sources[k % len(sources)]
-                    k += 1
-                    transfers.append(Transfer(src, pid, wrong))
-                else:
-                    # No voter holds every canonical tensor: fetch each from a voter that has it.
-                    by_src: dict[int, list[str]] = {}
-                    for n in wrong:
-                        src = next(
-                            v for v in voters if (self.peers[v].hashes or {}).get(n) == canonical[n]
-                        )
-                        by_src.setdefault(src, []).append(n)
-                    transfers.extend(
-                        Transfer(s, pid, tuple(ns)) for s, ns in sorted(by_src.items())
-                    )
-                expected.update({n: canonical[n] for n in wrong})
+                expected.update({n: self.canonical[n] for n in wrong})
         # in_sync: holds the canonical state of the run's revision. Repaired peers become in sync
         # only when the round commits (the transfer might not complete).
         dsts = {t.dst for t in transfers}
@@ -457,23 +504,6 @@ class Membership:
             p.hashes = None
         if transfers:
             self._event(now, "resync", transfers=[t.to_json() for t in transfers])
-
-    def _canonical(self, voters: list[int]) -> dict[str, str]:
-        """Per tensor, the hash most voters hold; ties go to the voter with the lowest id (the
-        longest-standing member). With two voters that disagree the direction of repair is
-        therefore arbitrary but deterministic: both copies look equally valid."""
-        names = [s.name for s in self.schema or []]
-        out: dict[str, str] = {}
-        for n in names:
-            votes = Counter((self.peers[v].hashes or {}).get(n) for v in voters)
-            best = max(votes.values())
-            winners = {h for h, c in votes.items() if c == best}
-            for v in sorted(voters):
-                h = (self.peers[v].hashes or {}).get(n)
-                if h in winners and h is not None:
-                    out[n] = h
-                    break
-        return out
 
     # -- commit ---------------------------------------------------------------------------------
     def commit(
@@ -542,32 +572,16 @@ class Membership:
         # which is the run's revision: it stays in sync.
         self._finish(now, "aborted", reason)
         self._event(now, "abort", round=plan.round, epoch=plan.epoch, reason=reason)
-        self.notices.append(
-            (
-                plan.members,
-                {"type": "abort", "epoch": plan.epoch, "round": plan.round, "reason": reason},
-            )
-        )
+        msg = {"type": "abort", "epoch": plan.epoch, "round": plan.round, "reason": reason}
+        self.notices.append((plan.members, msg))
 
     # -- introspection --------------------------------------------------------------------------
     def status(self, now: float) -> dict[str, Any]:
-        peers = []
-        for p in self.peers.values():
-            if p.state is not PeerState.ACTIVE and now - p.last_seen > 600:
-                continue
-            peers.append(
-                {
-                    "id": p.id,
-                    "name": p.name,
-                    "state": p.state.value,
-                    "reason": p.reason,
-                    "member": p.id in self.members and p.state is PeerState.ACTIVE,
-                    "revision": p.revision,
-                    "in_sync": p.in_sync,
-                    "last_heartbeat_s": round(now - p.last_seen, 3),
-                    "info": p.info,
-                }
-            )
+        peers = [
+            p.describe(now, member=p.id in self.members)
+            for p in self.peers.values()
+            if p.state is PeerState.ACTIVE or now - p.last_seen <= 600
+        ]
         return {
             "revision": self.revision,
             "epoch": self.epoch,
@@ -578,8 +592,8 @@ class Membership:
             "peers": peers,
             "counters": dict(self.counters),
             "config": {
-                "min_peers": self.config.min_peers,
-                "heartbeat_timeout": self.config.heartbeat_timeout,
-                "parity_every": self.config.parity_every,
+                k: getattr(self.config, k)
+                for k in ("min_peers", "heartbeat_timeout", "parity_every")
             },
+            "restore_point": self.restore_point and self.restore_point.to_json(),
         }

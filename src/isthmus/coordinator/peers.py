@@ -58,6 +58,20 @@ class MembershipConfig:
         return self.quiet_after if self.quiet_after is not None else self.heartbeat_timeout / 3
 
 
+COUNTERS = (
+    "registrations",
+    "rounds_committed",
+    "rounds_aborted",
+    "parity_checks",
+    "parity_failures",
+    "resyncs",
+    "evictions",
+    "leaves",
+    "refusals",
+)
+"""The coordinator's counters (``/v1/status``, ``/metrics``)."""
+
+
 class PeerState(str, enum.Enum):
     ACTIVE = "active"  # registered and alive (waiting or member)
     LEFT = "left"
@@ -82,4 +96,19 @@ class Peer:
     # its local work must not count until a round it is in commits: registered after the run
     # started, or repaired in an attempt that aborted
     uncounted: bool = False
+    told_restore: int | None = None  # the checkpoint revision it was last told to load
     info: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self, now: float, *, member: bool) -> dict[str, Any]:
+        """This peer as ``/v1/status`` lists it (``member``: of the current or last epoch)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state.value,
+            "reason": self.reason,
+            "member": member and self.state is PeerState.ACTIVE,
+            "revision": self.revision,
+            "in_sync": self.in_sync,
+            "last_heartbeat_s": round(now - self.last_seen, 3),
+            "info": self.info,
+        }

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Decision", "RoundPlan", "TensorSpec", "Transfer", "schema_mismatch"]
+__all__ = ["Decision", "RestorePoint", "RoundPlan", "TensorSpec", "Transfer", "schema_mismatch"]
 
 
 @dataclass(frozen=True)
@@ -124,20 +124,42 @@ class RoundPlan:
 
 
 @dataclass(frozen=True)
+class RestorePoint:
+    """The complete checkpoint a run continues from when no live peer holds its state: the
+    checkpoint root ``url`` (every peer must be able to read it) and its ``revision``."""
+
+    url: str
+    revision: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "revision": self.revision}
+
+    @staticmethod
+    def from_json(x: dict[str, Any]) -> RestorePoint:
+        """Inverse of :meth:`to_json`; raises KeyError, ValueError or TypeError if malformed."""
+        return RestorePoint(str(x["url"]), int(x["revision"]))
+
+
+@dataclass(frozen=True)
 class Decision:
     """Answer to begin or commit. ``kind`` is one of:
 
     wait (ask again), go (plan), hashes (send your hashes and ask again), refused (schema
     mismatch; do not retry), evicted (this peer id is gone; register again), finished (every
-    member left after the last round: there is no state to join), committed, aborted.
+    member left after the last round: there is no state to join), restore (no live peer holds
+    the run's state: load the shared state of checkpoint ``restore`` and ask again), committed,
+    aborted.
     """
 
     kind: str
     reason: str = ""
     plan: RoundPlan | None = None
+    restore: RestorePoint | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "reason": self.reason}
         if self.plan is not None:
             d["plan"] = self.plan.to_json()
+        if self.restore is not None:
+            d["restore"] = self.restore.to_json()
         return d

@@ -43,7 +43,7 @@ from aiohttp import WSMsgType, web
 
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 from isthmus.coordinator.membership import Membership, MembershipConfig
-from isthmus.coordinator.protocol import Decision, TensorSpec
+from isthmus.coordinator.protocol import Decision, RestorePoint, TensorSpec
 from isthmus.coordinator.web import Dashboard
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
@@ -66,6 +66,11 @@ class CoordinatorConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     checkpoint_dir: str | None = None
     """Where the run's checkpoints go (shown in ``/v1/status``; peers write them)."""
+    restore_from: RestorePoint | None = None
+    """A complete checkpoint the run continues from (``isthmus coordinator --resume DIR``):
+    peers without one of their own load it before their first round. Later checkpoints the
+    peers write replace it; whenever no live peer holds the run's state, it restarts from the
+    latest (see :mod:`isthmus.coordinator.membership`)."""
     heartbeat_interval: float = 1.0
     """How often peers should send heartbeats (told to them at registration)."""
     poll_s: float = 2.0
@@ -115,6 +120,8 @@ class Coordinator:
         self.config = config
         self.membership = Membership(config.membership)
         self.checkpoints = CheckpointBook(config.checkpoint_dir)
+        if config.restore_from is not None:
+            self.membership.set_restore_point(config.restore_from, 0.0)
         self.run_id = secrets.token_hex(4)
         self._lock = threading.Lock()
         self._changed: asyncio.Event | None = None
@@ -349,10 +356,12 @@ class Coordinator:
         info = {**info, "address": request.remote}  # where the peer reached us from (dashboard)
         with self._lock:
             pid = self.membership.register(name, self._now(), info)
+            restore = self.membership.restore_wanted()
         self._mutated()
         m = self.config.membership
         return web.json_response(
             {
+                "restore": restore and restore.to_json(),
                 "peer_id": pid,
                 "run_id": self.run_id,
                 "store_port": self.store_port,
@@ -484,7 +493,10 @@ class Coordinator:
             return web.json_response({"complete": False, "failed": "another run"})
         if "manifest" in body:
             path = str(_field(body, "manifest", str))[:4096]
+            url = body.get("url")
             with self._lock:
+                if isinstance(url, str) and url:
+                    self.membership.set_restore_point(RestorePoint(url[:4096], revision), 0.0)
                 self.checkpoints.manifest(revision, path, self._now())
                 self.membership.note(
                     self._now(), "checkpoint", checkpoint_revision=revision, path=path

@@ -257,6 +257,7 @@ def run_job(job: PeerJob) -> PeerResult:
             bytes_sent=session.stats.bytes_sent,
             bytes_by_op=session.stats.by_op,
             evictions=session.evictions,
+            restores=session.restores,
             rounds=session.rounds,
             wall_s=round(time.monotonic() - t0, 3),
             strategy=strategy.metrics(),

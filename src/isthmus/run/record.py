@@ -59,6 +59,9 @@ class PeerResult:
     bytes_sent: int
     bytes_by_op: dict[str, int] = field(default_factory=dict)
     evictions: int = 0
+    restores: int = 0
+    """Times the coordinator had this peer load a checkpoint's shared state mid-run (no live
+    peer held the run's state)."""
     rounds: list[dict[str, Any]] = field(default_factory=list)
     """Every round attempt: round, epoch, world, outcome, reason, t_start, t_end, bytes, ..."""
     wall_s: float = 0.0

@@ -33,6 +33,7 @@ of the model's ``state_dict`` keys).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -41,7 +42,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from isthmus.checkpoint.attach import checkpointer_for, resume_from
+from isthmus.checkpoint.attach import checkpointer_for, restore_shared, resume_from
 from isthmus.checkpoint.save import Checkpointer
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reducer
@@ -208,10 +209,16 @@ class Strategy(ABC):
         # (a test's stand-in session may have no config: then no checkpoints either)
         config = getattr(session, "config", None)
         if config is not None:
-            if config.resume:
+            # A run restarting from a checkpoint (its coordinator's) tells a peer at registration.
+            url, upto = config.resume, None
+            point = getattr(session, "restore_point", None)
+            if not url and point is not None:
+                url, upto = point.url, point.revision
+            if url:
                 t0 = time.monotonic()
-                self.resumed_from = resume_from(session, self, config.resume)
+                self.resumed_from = resume_from(session, self, url, upto)
                 self.resume_s = time.monotonic() - t0
+            session.restore_handler = functools.partial(restore_shared, session)
             self.checkpointer = checkpointer_for(session, self)
 
     def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
