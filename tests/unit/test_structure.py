@@ -36,3 +36,12 @@ def test_every_top_level_unit_has_a_layer() -> None:
 def test_no_module_is_two_things() -> None:
     _, _, long = _tool().check(ROOT / "src" / "isthmus")
     assert long == [], f"modules over 600 lines (split them): {long}"
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (rootdir-relative, no packages): two files named
+    alike in tests/unit and tests/integration stop the whole collection on a clean checkout."""
+    seen: dict[str, Path] = {}
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert p.name not in seen, f"{p} and {seen[p.name]} share a basename"
+        seen[p.name] = p
