@@ -99,3 +99,14 @@ def test_a_clean_soak_passes(tmp_path):
     rd = _run_dir(tmp_path, commits=commits, churn=[])
     rep = analyze(rd, SoakOptions(minutes=1, max_stall_s=1.0))
     assert rep.ok and rep.reasons == [] and rep.longest_stall_s == pytest.approx(0.2)
+
+
+def test_a_stop_while_not_a_member_is_not_a_detection(tmp_path):
+    """p1 is stopped while it is between an eviction and its registration: nobody evicts it, and
+    the teardown's departure after its resume is not a detection time."""
+    commits = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    extra = [(9.2, {"kind": "dead", "name": "p1", "reason": "heartbeat connection closed"})]
+    churn = [(1.0, "stop", "p1"), (9.0, "cont", "p1")]
+    rd = _run_dir(tmp_path, commits=commits, churn=churn, extra=extra)
+    rep = analyze(rd, SoakOptions(minutes=1, max_stall_s=8.0), scenario="s")
+    assert rep.detection_s["n"] == 0

@@ -341,7 +341,17 @@ def analyze(
             ),
             None,
         )
-        if c["action"] == "stop" and dead is not None:
+        # a stop counts only if the eviction came while the process was stopped: one stopped
+        # while it was not a member (between an eviction and its registration) is never evicted
+        resumed = next(
+            (
+                x["ts"]
+                for x in churn
+                if x["action"] == "cont" and x.get("name") == c["name"] and x["ts"] > c["ts"]
+            ),
+            float("inf"),
+        )
+        if c["action"] == "stop" and dead is not None and dead < resumed:
             detect.append(dead - c["ts"])
     evictions = [e["ts"] for e in events if e["kind"] == "abort" and "dead" in e.get("reason", "")]
     after = [n - t for t in evictions if (n := next((x for x in commits if x > t), None))]
