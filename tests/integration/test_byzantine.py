@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any
 
+import pytest
 import torch
 
 from conftest import Cluster, assert_bitwise_equal
@@ -46,6 +47,7 @@ def first_loss(c: Cluster, name: str) -> float:
         return float(json.loads(fh.readline())["loss"])
 
 
+@pytest.mark.slow  # two training runs compared; the robust rules' math is unit-tested
 def test_ddp_median_keeps_training_under_sign_flip_where_plain_mean_degrades(cluster):
     flip = {2: "sign_flip:scale=8"}
     robust = cluster(start_peers=3)
@@ -98,6 +100,7 @@ def test_nan_from_one_peer_leaves_every_state_finite(cluster):
     assert fr[0]["eval_loss"] < first_loss(robust, "rn1") - 0.5
 
 
+@pytest.mark.slow  # an attack of the data, not of the wire; ipm and NaN runs stay in make test
 def test_label_flip_peer_trains_on_flipped_targets_and_meamed_keeps_parity(cluster):
     c = cluster(start_peers=3)
     names = launch(c, "lf", 3, {2: "label_flip"}, aggregator="meamed", byzantine_f=1)

@@ -117,6 +117,7 @@ def test_a_peer_killed_while_saving_leaves_no_listed_checkpoint(tmp_path: Path) 
     assert inspect(str(ck), revision=later[-1])["verified"] is True
 
 
+@pytest.mark.slow  # tests/unit/test_checkpoint.py refuses another model's checkpoint by name too
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     _run(tmp_path, "tiny", strategy="ddp", steps=4, checkpoint_dir=str(ck), peers=1)
@@ -133,6 +134,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
     assert "tok_emb.weight" in log and "in the checkpoint but" in log
 
 
+@pytest.mark.slow  # the same Strategy path as the built-in job's runs above
 def test_a_users_script_checkpoints_through_its_session_and_resumes(tmp_path: Path) -> None:
     """SessionConfig(checkpoint_dir=..., checkpoint_every=2, resume=...) in a user's own loop under
     `isthmus run`: the strategy writes the checkpoints and a second run resumes from the last."""

@@ -109,9 +109,9 @@ def test_joiner_meets_a_stateful_compressor(cluster, strategy, spec):
     # Shared compressor state (PowerSGD's warm-start Q, the EF21 aggregate, random-k's round
     # counter, the sketch error) cannot travel to a joiner: every member restarts it at the new
     # epoch, so the joiner computes the same bits from then on.
-    # the members run for 20 s or more, so that the joiner (a fresh interpreter: seconds to
+    # the members run for 12 s or more, so that the joiner (a fresh interpreter: seconds to
     # start, many more on a loaded machine) arrives mid-run
-    job = {"strategy": strategy, "steps": 200, "step_delay": 0.1, "compression": spec}
+    job = {"strategy": strategy, "steps": 120, "step_delay": 0.1, "compression": spec}
     if strategy == "diloco":
         job["strategy_options"] = {"sync_every": 3}
     c = cluster(start_peers=2)

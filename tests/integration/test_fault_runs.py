@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from conftest import assert_bitwise_equal
 
 
@@ -46,6 +48,7 @@ def test_diloco_kill_during_outer_allreduce_keeps_parity(cluster):
     assert_bitwise_equal(c.state("a"), c.state("c"))
 
 
+@pytest.mark.slow  # joiners are in make test through the checkpoint, model-state and compression runs
 def test_joiner_receives_verified_state_and_contributes(cluster):
     c = cluster(start_peers=2)
     # a long enough run that the joiner (a fresh interpreter: seconds to start) arrives mid-run
@@ -70,6 +73,7 @@ def test_joiner_receives_verified_state_and_contributes(cluster):
     assert_bitwise_equal(c.state("a"), c.state("b"))
 
 
+@pytest.mark.slow  # test_silent_peer.py stops and resumes a member inside a collective
 def test_sigstop_peer_is_dropped_then_resynced_after_sigcont(cluster):
     c = cluster(start_peers=3, heartbeat_timeout=2.0)
     for n in ("a", "b", "s"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 
 def _gossip(c, name, steps, **options):
     fields = options.pop("job", {})
@@ -20,6 +22,7 @@ def _gossip(c, name, steps, **options):
     )
 
 
+@pytest.mark.slow  # the kill and join runs below end with the same merge
 def test_single_final_merge_makes_every_peer_bitwise_identical(cluster):
     c = cluster(start_peers=3)
     for n in ("a", "b", "c"):
@@ -84,6 +87,7 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
+@pytest.mark.slow  # the kill run above covers the rewiring; joiners elsewhere
 def test_joiner_starts_from_a_copy_and_ends_identical(cluster):
     # The members pause themselves (SIGSTOP, between rounds) until the joiner is waiting for a
     # round, so the joiner arrives mid-run however slowly its interpreter starts; the long

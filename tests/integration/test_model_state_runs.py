@@ -96,13 +96,15 @@ def kill_and_join(c: Cluster, common: list[str], *joiner: str) -> list[dict[str,
 @pytest.mark.parametrize(
     ("strategy", "model", "h"),
     [
+        # make test keeps one run per buffer rule (DDP's average, the DiLoCo family's global
+        # copy); the other combinations are slow tests (make test-slow)
         ("ddp", "cnn", 1),
-        ("ddp", "tied", 1),
-        ("diloco", "cnn", 5),
+        pytest.param("ddp", "tied", 1, marks=pytest.mark.slow),
+        pytest.param("diloco", "cnn", 5, marks=pytest.mark.slow),
         ("diloco", "tied", 5),
         # buffers that keep gathering statistics while a round is in flight (rebased on the mean)
-        ("eager", "cnn", 5),
-        ("streaming", "tied", 6),
+        pytest.param("eager", "cnn", 5, marks=pytest.mark.slow),
+        pytest.param("streaming", "tied", 6, marks=pytest.mark.slow),
     ],
 )
 def test_kill_and_join_end_with_every_state_dict_bitwise_equal(cluster, strategy, model, h):

@@ -164,7 +164,12 @@ MULTI = {
 }
 
 
-@pytest.mark.parametrize("strategy", list(MULTI))
+# make test runs Streaming DiLoCo (the overlapped skeleton of overlap.py with fragments); the
+# others share that skeleton and are slow tests (make test-slow)
+@pytest.mark.parametrize(
+    "strategy",
+    [s if s == "streaming" else pytest.param(s, marks=pytest.mark.slow) for s in MULTI],
+)
 def test_kill_inflight_and_join_inflight_end_bitwise_equal(cluster, strategy):
     # min_peers=3: after the kill the survivors cannot form a round until the joiner is there, so
     # the joiner arrives while the killed round is being retried, however long it takes to start
