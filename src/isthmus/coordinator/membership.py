@@ -80,6 +80,7 @@ class Membership:
         self.plans: dict[int, tuple[str, RoundPlan]] = {}  # peer -> (nonce, plan) of running round
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.events: list[dict[str, Any]] = []
+        self.events_total = 0  # ever recorded (the list keeps the last 10,000)
         self.notices: list[tuple[tuple[int, ...], dict[str, Any]]] = []
         self.restore_point: RestorePoint | None = None
         """The latest complete checkpoint, which the run restarts from when no live peer holds
@@ -92,7 +93,8 @@ class Membership:
 
     def _event(self, now: float, kind: str, **kw: Any) -> None:
         self.events.append({"t": now, "kind": kind, "revision": self.revision, **kw})
-        if len(self.events) > 10_000:
+        self.events_total += 1
+        if len(self.events) > 10_000:  # bounded memory; Coordinator.events_since drains them
             del self.events[:1000]
 
     def _alive(self, pid: int) -> bool:
@@ -197,9 +199,7 @@ class Membership:
         return None if self.started else self.restore_point
 
     def _state_lost(self) -> bool:
-        return self.started and not any(
-            p.in_sync for p in self.peers.values() if p.state is PeerState.ACTIVE
-        )
+        return self.started and not any(p.in_sync for p in map(self._peer, self.peers) if p)
 
     def _maybe_restart(self, now: float) -> None:
         """Every peer that held the run's state is gone: restart from the restore point."""

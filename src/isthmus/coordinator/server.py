@@ -537,6 +537,19 @@ class Coordinator:
         return s
 
     def events(self) -> list[dict[str, Any]]:
-        """Every recorded event (joins, evictions, epochs, commits, aborts, resyncs)."""
+        """The recorded events still held (joins, evictions, epochs, commits, aborts, resyncs):
+        the last 10,000; :meth:`events_since` drains them all over a long run."""
+        return self.events_since(0)[0]
+
+    def events_since(self, n: int) -> tuple[list[dict[str, Any]], int]:
+        """Events number ``n`` and later (counting from the coordinator's start) that are still
+        held, with their Unix time ``ts``, and how many there have been in all. A caller that
+        asks again with that count at least every 9,000 events misses none."""
         with self._lock:
-            return [{**e, "ts": round(self.started_at + e["t"], 4)} for e in self.membership.events]
+            m = self.membership
+            held = (
+                m.events[max(0, len(m.events) - (m.events_total - n)) :]
+                if n < m.events_total
+                else []
+            )
+            return [{**e, "ts": round(self.started_at + e["t"], 4)} for e in held], m.events_total

@@ -338,6 +338,8 @@ class Launcher:
         """The most advanced active peer's step (what step-clock churn waits for)."""
         self.t0: float | None = None
         self.status: dict[str, Any] = {}
+        self._events: list[dict[str, Any]] = []  # drained from an embedded coordinator
+        self._events_seen = 0
 
     # -- what hooks use -------------------------------------------------------------------------
     @property
@@ -435,8 +437,15 @@ class Launcher:
                 )
             ).start()
 
+    def _drain_events(self) -> None:
+        # the coordinator keeps its last 10,000 events; a long run (a soak) has many more
+        if self.coordinator is not None:
+            new, self._events_seen = self.coordinator.events_since(self._events_seen)
+            self._events += new
+
     def _poll_status(self) -> dict[str, Any]:
         if self.coordinator is not None:
+            self._drain_events()
             return self.coordinator.status(events=0)
         assert self.client is not None
         try:
@@ -447,7 +456,8 @@ class Launcher:
 
     def _final_view(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if self.coordinator is not None:
-            return self.coordinator.events(), self.coordinator.status()
+            self._drain_events()
+            return self._events, self.coordinator.status()
         assert self.client is not None
         with contextlib.suppress(Exception):
             status = self.client.get("/v1/status?events=100000")
