@@ -28,6 +28,7 @@ and the run goes on without it; a coordinator that cannot be reached raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -64,6 +65,8 @@ __all__ = [
 
 log = logging.getLogger("isthmus.session")
 T = TypeVar("T")
+ROUND_HISTORY = 10_000
+"""How many round attempts a session remembers in :attr:`Session.rounds` (about 2 KB each)."""
 
 
 class Round:
@@ -137,7 +140,9 @@ class Session:
         self.peer_id: int | None = None
         self.run_id = ""
         self.parity_every = 1
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds: collections.deque[dict[str, Any]] = collections.deque(maxlen=ROUND_HISTORY)
+        """The last :data:`ROUND_HISTORY` round attempts (round, epoch, world, outcome, bytes...):
+        bounded, so that a run of days does not grow by a record per round."""
         self.info: dict[str, Any] = {}
         self.evictions = 0
         self.restores = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -217,16 +218,26 @@ def run_job(job: PeerJob) -> PeerResult:
             )
             if flip is not None and step >= me.attack_from_step:
                 y = flip(y)
-            _, loss = model(x, y)
-            assert loss is not None
-            loss.backward()
-            strategy.step()
-            optimizer.zero_grad(set_to_none=False)
+            if getattr(strategy, "takes_loss_fn", False):
+                # zeroth order (zo): forward passes at perturbed points inside the step, no
+                # backward; its loss is the mean of those passes
+                strategy.step(lambda x=x, y=y: model(x, y)[1])
+                loss_value = float(strategy.last_loss)  # type: ignore[attr-defined]
+                if not math.isfinite(loss_value):  # it sent no estimate (resynced): measure
+                    with torch.no_grad():
+                        loss_value = float(model(x, y)[1])
+            else:
+                _, loss = model(x, y)
+                assert loss is not None
+                loss.backward()
+                strategy.step()
+                optimizer.zero_grad(set_to_none=False)
+                loss_value = loss.item()
             record: dict[str, Any] = {
                 "ts": round(time.time(), 4),
                 "t": round(time.monotonic() - t0, 4),
                 "step": step,
-                "loss": loss.item(),
+                "loss": loss_value,
                 "world": session.world,
                 "revision": session.revision,
                 "bytes_sent": session.stats.bytes_sent,
@@ -258,7 +269,7 @@ def run_job(job: PeerJob) -> PeerResult:
             bytes_by_op=session.stats.by_op,
             evictions=session.evictions,
             restores=session.restores,
-            rounds=session.rounds,
+            rounds=list(session.rounds),
             wall_s=round(time.monotonic() - t0, 3),
             strategy=strategy.metrics(),
             checkpoint={
