@@ -66,7 +66,7 @@ __all__ = [
 log = logging.getLogger("isthmus.session")
 T = TypeVar("T")
 ROUND_HISTORY = 10_000
-"""How many round attempts a session remembers in :attr:`Session.rounds` (about 2 KB each)."""
+"""How many round attempts a session remembers in :attr:`Session.rounds` (under 1 KB each)."""
 
 
 class Round:
