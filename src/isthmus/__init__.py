@@ -27,6 +27,7 @@ from isthmus.reduce import aggregate
 from isthmus.strategies import (
     CO2,
     DDP,
+    ZO,
     CO2Config,
     DDPConfig,
     DiLoCo,
@@ -40,6 +41,7 @@ from isthmus.strategies import (
     Strategy,
     StreamingConfig,
     StreamingDiLoCo,
+    ZOConfig,
     make_strategy,
 )
 from isthmus.version import __version__ as __version__
@@ -47,6 +49,7 @@ from isthmus.version import __version__ as __version__
 __all__ = [
     "CO2",
     "DDP",
+    "ZO",
     "AuthError",
     "CO2Config",
     "CollectiveError",
@@ -75,6 +78,7 @@ __all__ = [
     "Strategy",
     "StreamingConfig",
     "StreamingDiLoCo",
+    "ZOConfig",
     "aggregate",
     "make_strategy",
 ]

@@ -38,6 +38,7 @@ def test_names_are_written_once() -> None:
         "eager",
         "co2",
         "gossip",
+        "zo",
     ]
     assert tuple(STRATEGIES.names()) == SCENARIO_STRATEGIES
     for name in STRATEGIES.names():

@@ -17,9 +17,11 @@ and the mean goes into the model. Streaming DiLoCo carries all of them in every 
 eager DiLoCo and CO2 apply the mean of the snapshot taken at a boundary when its round settles,
 one boundary later; where forward passes ran while a round was in flight, the model keeps what
 they gathered on top of the mean. **gossip**: floating buffers are mixed like parameters, and
-the final merge averages them exactly. In mixed precision the DiLoCo family keeps fp32 global
-state (theta, the outer optimizer, the buffers' copy) for bf16/fp16 tensors and casts it into the
-model; fp32 models are unchanged bit for bit. A catch-up round (the first step of the DiLoCo
+the final merge averages them exactly. **zo**: buffers are not trained; every step puts them back
+(floating ones from their shared copy ``global/<name>``), since its forward passes only evaluate
+perturbed points. In mixed precision the DiLoCo family keeps fp32 global state (theta, the outer
+optimizer, the buffers' copy) for bf16/fp16 tensors and casts it into the model; fp32 models are
+unchanged bit for bit. A catch-up round (the first step of the DiLoCo
 family and gossip with a session) drops its forward pass's statistics with its gradient, so
 with one peer every strategy equals its run without a session bit for bit, buffers included.
 
@@ -47,11 +49,13 @@ from isthmus.strategies.eager import EagerConfig, EagerDiLoCo
 from isthmus.strategies.gossip import Gossip, GossipConfig
 from isthmus.strategies.localsgd import LocalSGD, LocalSGDConfig
 from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
+from isthmus.strategies.zo import ZO, ZOConfig
 
 __all__ = [
     "CO2",
     "DDP",
     "STRATEGIES",
+    "ZO",
     "CO2Config",
     "DDPConfig",
     "DiLoCo",
@@ -66,6 +70,7 @@ __all__ = [
     "Strategy",
     "StreamingConfig",
     "StreamingDiLoCo",
+    "ZOConfig",
     "make_strategy",
 ]
 
@@ -87,7 +92,7 @@ STRATEGIES: Registry[Strategy] = Registry("strategy")
 ``STRATEGIES.lookup(name).config(options)`` validates a strategy's options without building a
 model; ``build(config, session=, model=, optimizer=, reducer=...)`` makes the strategy."""
 
-for _cls in (DDP, DiLoCo, LocalSGD, StreamingDiLoCo, EagerDiLoCo, CO2, Gossip):
+for _cls in (DDP, DiLoCo, LocalSGD, StreamingDiLoCo, EagerDiLoCo, CO2, Gossip, ZO):
     STRATEGIES.add(
         _cls.name,
         config=_cls.Config,

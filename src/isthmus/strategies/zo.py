@@ -1,0 +1,336 @@
+"""Zeroth-order training with shared randomness: a few bytes per peer per step.
+
+Malladi et al., "Fine-Tuning Language Models with Just Forward Passes" (MeZO), NeurIPS 2023,
+arXiv:2305.17333; Zelikman et al., "Just One Byte (per gradient): A Note on Low-Bandwidth
+Decentralized Language Model Finetuning Using Shared Randomness", arXiv:2306.10015 (2023).
+
+MeZO estimates the gradient with two forward passes and no backward pass (SPSA): draw ``z ~ N(0,
+I)`` from a seed, measure ``L+ = L(theta + eps z)`` and ``L- = L(theta - eps z)`` on one batch,
+and step along ``z`` by the projected gradient ``g = (L+ - L-) / (2 eps)``. Since ``z`` is
+regenerated from its seed, a peer only has to send ``g``: one byte once quantized. Every peer
+regenerates every member's ``z`` and applies all the updates, so the models stay identical.
+
+One ``step(loss_fn)`` is one round (``loss_fn()`` returns the loss of the current parameters on
+this step's batch; it is called ``2 * perturbations`` times under ``torch.no_grad()``):
+
+1. Each member draws perturbation ``k`` from the seed ``perturbation_seed(seed, round, rank, k)``
+   (:mod:`isthmus.reduce.zo_math`): the round's members are ranked by peer name, so every peer
+   knows every member's seeds and none travels (the rank, not the name itself: a round's plan
+   lists peer ids, not names; a peer's perturbation thus depends on the round's membership,
+   which is the same for every member). Members whose work must not count (resynced at
+   the start of the round: a joiner, a repaired peer) send *absent* codes without running
+   forward passes.
+2. MeZO's in-place perturbation: ``theta += eps z``, ``L+``; ``theta -= 2 eps z``, ``L-``; then
+   ``theta`` is restored *from a copy* (MeZO adds ``eps z`` back, which is not exact in floating
+   point and would let each member's parameters drift by its own rounding). The forward passes
+   see the same dropout masks (the RNG state is replayed for ``L-``, as MeZO resets its seed), and
+   whatever they do to the model's buffers is undone.
+3. ``g`` is quantized to ``bits`` bits (:class:`~isthmus.reduce.zo_math.ScalarCodec`: sign and
+   a logarithmic magnitude between ``g_min`` and ``g_max``, flushed to zero below, clipped
+   above; ``bits=32`` sends the float32 itself) and the packed codes, ``ceil(bits *
+   perturbations / 8)`` bytes, are all-gathered in the round.
+4. After the commit every peer decodes every member's codes and applies, in rank order then
+   perturbation order, ``theta <- (1 - lr wd) theta - (lr / N) sum_m g_m z_m`` over the ``N``
+   present estimates (:func:`~isthmus.reduce.zo_math.apply_update` spells out the operations).
+   Weight decay applies to parameters of two or more dimensions.
+
+With ``session=None`` the same happens with one member (rank 0, round = the step counter): one
+MeZO step with the quantized ``g``; a one-peer run equals it bit for bit.
+
+Bytes per step per peer: the all-gather's payload is ``ceil(bits * perturbations / 8)`` bytes
+(1 with the defaults), and isthmus's accounting counts ``(world - 1)`` times that for a ring
+all-gather (:func:`isthmus.comm.accounting.wire_bytes`): 3 bytes per step per peer with 4 peers.
+
+MeZO's defaults (OPT fine-tuning): eps 1e-3, lr 1e-6 to 1e-7, one perturbation per step, batch
+16, weight decay 0, and many more steps than backpropagation needs (tens of thousands). They are
+this config's defaults; training a model from scratch needs a much larger ``lr`` (``lr=3e-4``
+for the demo's GPT: ``isthmus demo --strategy zo --option lr=3e-4``).
+
+Shared state: the model's trainable parameters (``model/<name>``), its frozen parameters and
+integer buffers (``model/<name>``), a copy of its floating buffers (``global/<name>``) and the
+step counter. No optimizer state: the optimizer passed in is not used and gradients are never
+read. Buffers: the forward passes of zeroth-order steps are evaluations at perturbed points, so
+they do not train buffers: every step puts the model's buffers back as they were (floating ones
+from the shared copy), and BatchNorm's running statistics stay those of the start of the run
+(MeZO fine-tunes transformers, whose LayerNorm has none).
+
+Memory: the parameters, one copy of them (the exact restore), one parameter's ``z`` at a time
+(in float64 on the CPU, then in the parameter's dtype) and one forward pass's activations; no
+gradients, no optimizer state. Parameters are updated in their own dtype: with bf16 or fp16
+parameters, steps of ``lr * g * z`` far below the parameters' precision round away (there is no
+fp32 master copy, unlike the DiLoCo family's global state).
+
+On failure: if a collective fails (a member died), the round is retried by the survivors; a
+member whose rank or round did not change reuses its codes, one whose rank changed draws new
+perturbations and runs its forward passes again. A non-finite loss makes that estimate absent
+(logged): every peer skips it and divides by the estimates present; a round with none present
+leaves the state unchanged. An exception from ``loss_fn`` restores the parameters and buffers,
+fails the round for everyone and is re-raised. Calling :meth:`ZO.step` without ``loss_fn``
+raises TypeError (the usual ``loss.backward(); strategy.step()`` loop does not apply). Nothing
+is applied before the round commits, so a member lost after the all-gather costs the round a
+retry, never a divergence. Byzantine peers: every estimate is applied as sent, and the clip at
+``g_max`` bounds what one estimate can move (``lr * g_max * |z| / N``); the reducer's vector
+attacks and robust rules do not act on zo.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from isthmus.comm.session import Round
+from isthmus.reduce.zo_math import (
+    ScalarCodec,
+    apply_update,
+    distinct,
+    perturb_,
+    perturbation_seed,
+    projected_gradient,
+)
+from isthmus.strategies.base import Strategy
+from isthmus.strategies.model_state import SharedBuffers
+
+__all__ = ["ZO", "ZOConfig"]
+
+log = logging.getLogger("isthmus.zo")
+
+LossFn = Callable[[], torch.Tensor | float]
+
+
+@dataclass(kw_only=True)
+class ZOConfig:
+    """Options of :class:`ZO`; the defaults are MeZO's (see the module docstring)."""
+
+    eps: float = 1e-3
+    """Perturbation scale (MeZO: 1e-3)."""
+    lr: float = 1e-6
+    """Learning rate of the zeroth-order SGD step (MeZO: 1e-6 to 1e-7 for OPT fine-tuning).
+    The demo's GPT (1.3M parameters) from scratch barely moves at 1e-6 (one peer, 60 steps: eval
+    loss 5.365 -> 5.359); 1e-4 gives 4.97 and 3e-4 gives 4.78 (measured 2026-11-25)."""
+    perturbations: int = 1
+    """Perturbations per peer per step (MeZO's n-SPSA; MeZO: 1). Each costs two forward passes
+    and ``bits`` bits on the wire."""
+    bits: int = 8
+    """Bits per projected gradient: 3 to 16 (sign and logarithmic magnitude) or 32 (float32,
+    unquantized). 8 is Just One Byte's one byte."""
+    g_min: float = 1e-3
+    """Smallest magnitude the code represents; below about ``g_min / 1.06`` (8 bits) a projected
+    gradient is sent as 0."""
+    g_max: float = 1e3
+    """Largest magnitude: larger projected gradients are clipped to it (keeping their sign)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay per step, ``theta *= 1 - lr * weight_decay``, on parameters of two
+    or more dimensions (MeZO: 0)."""
+    seed: int = 0
+    """The run's perturbation seed; every peer of a run must use the same."""
+
+    def __post_init__(self) -> None:
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be positive and finite, got {self.eps}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be positive and finite, got {self.lr}")
+        if not 1 <= self.perturbations <= 4096:
+            raise ValueError(f"perturbations must be 1 to 4096, got {self.perturbations}")
+        if not (self.weight_decay >= 0 and self.lr * self.weight_decay < 1):
+            raise ValueError(
+                f"weight_decay must be >= 0 with lr * weight_decay < 1, got {self.weight_decay}"
+            )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        # the codec checks bits, g_min and g_max (and names them)
+        ScalarCodec(self.bits, self.g_min, self.g_max)
+
+    def codec(self) -> ScalarCodec:
+        return ScalarCodec(self.bits, self.g_min, self.g_max)
+
+
+def _rng_state(devices: set[torch.device]) -> list[tuple[torch.device, torch.Tensor]]:
+    # the RNG of every device the model computes on: dropout draws from it
+    out = [(torch.device("cpu"), torch.get_rng_state())]
+    for d in devices:
+        if d.type == "cuda":
+            out.append((d, torch.cuda.get_rng_state(d)))
+    return out
+
+
+def _set_rng_state(states: list[tuple[torch.device, torch.Tensor]]) -> None:
+    for d, s in states:
+        if d.type == "cpu":
+            torch.set_rng_state(s)
+        else:
+            torch.cuda.set_rng_state(s, d)
+
+
+class ZO(Strategy):
+    """Zeroth-order SGD (MeZO) with shared randomness: each peer sends its quantized projected
+    gradients, every peer regenerates every perturbation. Call ``step(loss_fn)``, no backward.
+
+    With ``session=None`` this is one MeZO step per call (with the quantized projected
+    gradient). Refuses ``compression=`` and ``aggregator=`` (ValueError): what travels is already
+    a few quantized scalars, and no robust rule applies to them.
+    """
+
+    name = "zo"
+    Config = ZOConfig
+    config: ZOConfig
+    first_round_uses_work = True  # the forward passes run inside the round, on its batch
+    takes_loss_fn: ClassVar[bool] = True
+    """``step()`` takes the loss as a function instead of following ``loss.backward()``: a
+    training loop (isthmus's job) reads this to call ``strategy.step(loss_fn)``."""
+
+    def setup(self) -> None:
+        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
+            raise ValueError(
+                "zo sends quantized projected gradients (a few bytes) and applies every one: "
+                "drop compression= and aggregator= (choose the bits with the bits option)"
+            )
+        self.codec = self.config.codec()
+        self.keep = distinct(self.params)
+        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self.share_model([p.data for p in self.params], "model", self.buffers)
+        self._register_counter()
+        self.last_loss = math.nan
+        """Mean of ``(L+ + L-) / 2`` over this peer's perturbations of the last step (an
+        estimate of the loss at theta, exact to O(eps^2)); NaN if it sent no estimate."""
+        self.applied = 0
+        """Projected gradients applied so far (every member's)."""
+        self.absent_seen = 0
+        """Absent estimates seen in committed rounds (resynced members, non-finite losses)."""
+        self.flushed = 0
+        """This peer's estimates sent as 0 (below ``g_min``)."""
+        self.clipped = 0
+        """This peer's estimates clipped to ``g_max``."""
+        self._cache: tuple[int, int, list[int], float] | None = None  # round, rank, codes, loss
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes this peer contributes to each round's all-gather."""
+        return self.codec.payload_bytes(self.config.perturbations)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _step(self, loss_fn: LossFn | None = None) -> None:
+        if loss_fn is None:
+            raise TypeError(
+                "zo takes the loss as a function: call strategy.step(lambda: model(x, y)[1]) "
+                "instead of loss.backward(); strategy.step()"
+            )
+        self.check_faults("step")
+        per = self.config.perturbations
+        with torch.no_grad():
+            if self.session is None:
+                number = self.step_count
+                rows = [self._codes(loss_fn, number, 0)]
+            else:
+                codec = self.codec
+
+                def exchange(rnd: Round) -> tuple[int, list[list[int]]]:
+                    if rnd.resynced:
+                        codes = [codec.absent] * per
+                        self.last_loss = math.nan
+                    else:
+                        codes = self._codes(loss_fn, rnd.number, rnd.rank)
+                    rnd.check_faults("collective", step=self.step_count)
+                    flat = rnd.group.all_gather_flat(codec.pack(codes))
+                    rows = [codec.unpack(r, per) for r in flat.view(rnd.world, -1)]
+                    return rnd.number, rows
+
+                number, rows = self.session.run_round(exchange)
+            self._apply(number, rows)
+        self._cache = None
+        self.global_step += 1
+        self.local_steps += 1
+
+    def _codes(self, loss_fn: LossFn, number: int, rank: int) -> list[int]:
+        """This member's codes for round ``number`` at ``rank`` (computed once per pair)."""
+        c = self._cache
+        if c is not None and c[0] == number and c[1] == rank:
+            self.last_loss = c[3]
+            return list(c[2])
+        codes, loss = self._estimate(loss_fn, number, rank)
+        self._cache = (number, rank, codes, loss)
+        self.last_loss = loss
+        return list(codes)
+
+    def _estimate(self, loss_fn: LossFn, number: int, rank: int) -> tuple[list[int], float]:
+        """Two forward passes per perturbation; returns the codes and the mean loss. The
+        parameters and buffers are as before on return, also when ``loss_fn`` raises."""
+        cfg, codec, params, keep = self.config, self.codec, self.params, self.keep
+        backup = [params[i].detach().clone() for i in keep]
+        others = [b.detach().clone() for _, b in self.model_state.other_buffers]
+        devices = {p.device for p in params}
+        codes: list[int] = []
+        losses: list[float] = []
+        try:
+            for k in range(cfg.perturbations):
+                seed = perturbation_seed(cfg.seed, number, rank, k)
+                rng = _rng_state(devices)
+                perturb_(params, keep, seed, cfg.eps)
+                plus = float(loss_fn())
+                _set_rng_state(rng)  # the same dropout masks for both passes
+                perturb_(params, keep, seed, -2.0 * cfg.eps)
+                minus = float(loss_fn())
+                self._restore(backup)
+                g = projected_gradient(plus, minus, cfg.eps)
+                code = codec.encode(g)
+                if not math.isfinite(g):
+                    log.warning(
+                        "round %d: non-finite loss (%s, %s): estimate absent", number, plus, minus
+                    )
+                elif codec.bits != 32 and code == 0 and g != 0:
+                    self.flushed += 1
+                elif codec.bits != 32 and abs(code) == codec.levels and abs(g) > cfg.g_max:
+                    self.clipped += 1
+                codes.append(code)
+                losses.append((plus + minus) / 2)
+        finally:
+            self._restore(backup)
+            self.buffers.restart()
+            for (_, b), saved in zip(self.model_state.other_buffers, others, strict=True):
+                b.copy_(saved)
+        finite = [x for x in losses if math.isfinite(x)]
+        return codes, (sum(finite) / len(finite) if finite else math.nan)
+
+    def _restore(self, backup: list[torch.Tensor]) -> None:
+        for i, saved in zip(self.keep, backup, strict=True):
+            self.params[i].copy_(saved)
+
+    def _apply(self, number: int, rows: list[list[int]]) -> None:
+        """Apply a committed round's codes (``rows[rank][k]``), identically on every peer."""
+        cfg = self.config
+        seeds = [
+            perturbation_seed(cfg.seed, number, rank, k)
+            for rank in range(len(rows))
+            for k in range(cfg.perturbations)
+        ]
+        estimates = [self.codec.decode(c) for row in rows for c in row]
+        n = apply_update(
+            self.params,
+            self.keep,
+            seeds,
+            estimates,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+        )
+        self.applied += n
+        self.absent_seen += len(estimates) - n
+
+    # -- checkpoints and metrics ------------------------------------------------------------------
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        # the floating buffers are read from the shared copy (loaded with the shared state)
+        self.buffers.restart()
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            **super().metrics(),
+            "zo_bits": self.codec.bits,
+            "zo_payload_bytes": self.payload_bytes,
+            "zo_applied": self.applied,
+            "zo_absent": self.absent_seen,
+            "zo_flushed": self.flushed,
+            "zo_clipped": self.clipped,
+        }
