@@ -75,6 +75,7 @@ class Membership:
         self.first_ready_at: float | None = None
         self.force_new_epoch = True
         self.started = False  # a first round has formed
+        self.restarting = False  # restarted from a checkpoint: start_peers is not waited for
         self.canonical: dict[str, str] | None = None  # hashes at `revision`, when known
         self.outcomes: dict[tuple[int, int], tuple[str, str]] = {}  # (epoch, round) -> (kind, why)
         self.plans: dict[int, tuple[str, RoundPlan]] = {}  # peer -> (nonce, plan) of running round
@@ -214,7 +215,7 @@ class Membership:
             reason=f"no live peer holds the state of revision {self.revision}: the run continues "
             f"from checkpoint {rp.revision}",
         )
-        self.started, self.members, self.force_new_epoch = False, (), True
+        self.started, self.members, self.force_new_epoch, self.restarting = False, (), True, True
         self.first_ready_at, self.canonical = None, None
 
     def _restore_for(self, p: Peer, ready: list[int]) -> RestorePoint | None:
@@ -418,7 +419,7 @@ class Membership:
             return
         if len(ready) < cfg.min_peers:
             return
-        start = cfg.start_peers or cfg.min_peers
+        start = cfg.min_peers if self.restarting else cfg.start_peers or cfg.min_peers
         if (
             not self.started
             and len(ready) < start
@@ -495,7 +496,7 @@ class Membership:
         self.reports = {}
         self.round_started_at = now
         self.first_ready_at = None
-        self.started = True
+        self.started, self.restarting = True, False
         self.plans = {}
         for pid in members:
             p = self.peers[pid]
