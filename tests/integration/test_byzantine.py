@@ -63,6 +63,7 @@ def test_ddp_median_keeps_training_under_sign_flip_where_plain_mean_degrades(clu
     assert fr[0]["strategy"]["reducer"] == "median (f=1)"
 
 
+@pytest.mark.slow  # the NaN run above keeps a faulty peer in make test; rules unit-tested
 def test_diloco_centered_clipping_with_an_ipm_peer_stays_bitwise_equal(cluster):
     c = cluster(start_peers=3)
     names = launch(

@@ -33,6 +33,7 @@ def test_sigkill_mid_collective_survivors_retry_and_end_bitwise_equal(cluster):
     assert r10[-1]["world"] == 2
 
 
+@pytest.mark.slow  # the DiLoCo family's kill in a collective: test_strategies (streaming)
 def test_diloco_kill_during_outer_allreduce_keeps_parity(cluster):
     c = cluster(start_peers=3)
     opts = {"sync_every": 5}

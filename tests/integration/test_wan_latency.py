@@ -174,6 +174,7 @@ def test_a_line_that_cannot_start_says_why_and_leaves_nothing(
     assert all(_gone(line.pid) for line in net.lines if line.pid is not None)
 
 
+@pytest.mark.slow  # a whole lab run; the two-region links are measured by the test below
 def test_the_two_region_lab_run_ends_in_parity(tmp_path: Path, prefix: str) -> None:
     s = run_lab(
         load_scenario(TWO_REGION),
