@@ -242,9 +242,12 @@ class Coordinator:
             await self._stop_event.wait()
         finally:
             ticker.cancel()
-            for ws in list(self._sockets.values()):
+            # A stopped or vanished peer never answers the closing handshake (aiohttp waits 10 s
+            # for it, per socket): close them together, bounded.
+            closing = [ws.close() for ws in list(self._sockets.values())]
+            if closing:
                 with contextlib.suppress(Exception):
-                    await ws.close()
+                    await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), 1.0)
             await self._runner.cleanup()
             self._store = None
 
