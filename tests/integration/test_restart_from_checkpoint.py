@@ -26,7 +26,7 @@ def _commits_after_restart(events: list[dict[str, Any]]) -> list[int]:
 
 def test_new_peers_continue_from_the_checkpoint_when_every_peer_died(cluster, tmp_path: Path):
     ck = str(tmp_path / "ck")
-    c = cluster(start_peers=2)
+    c = cluster(start_peers=2, min_peers=2)  # a restart forms with min_peers restored peers
     for name in ("a", "b"):
         c.spawn(name, checkpoint_dir=ck, faults=[f"kill@step:step={KILL_AT}"], **JOB)
     assert c.wait(timeout=120) == {"a": -9, "b": -9}

@@ -33,7 +33,6 @@ of the model's ``state_dict`` keys).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -218,7 +217,9 @@ class Strategy(ABC):
                 t0 = time.monotonic()
                 self.resumed_from = resume_from(session, self, url, upto)
                 self.resume_s = time.monotonic() - t0
-            session.restore_handler = functools.partial(restore_shared, session)
+            session.restore_handler = lambda point: restore_shared(
+                session, point.url, point.revision
+            )
             self.checkpointer = checkpointer_for(session, self)
 
     def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
