@@ -49,3 +49,31 @@ def test_injector_fires_at_the_first_check_past_the_step() -> None:
     with pytest.raises(Exception, match="injected failure"):
         inj.check("commit", round=2)
     assert not inj.faults and len(inj.fired) == 1
+
+
+def test_slow_specs_parse_as_a_state_over_steps() -> None:
+    whole = Fault.parse("slow:3")
+    assert (whole.action, whole.factor, whole.step, whole.until) == ("slow", 3.0, 0, None)
+    bout = Fault.parse("slow:2.5@20-60")
+    assert (bout.factor, bout.step, bout.until) == (2.5, 20, 60)
+    inj = FaultInjector([bout])
+    assert [inj.slow_factor(s) for s in (19, 20, 59, 60)] == [1.0, 2.5, 2.5, 1.0]
+    inj.check("step", step=30)  # a slow fault is never fired away
+    assert inj.faults == [bout] and inj.fired == []
+    assert inj.pace(10, 1.0) == 0.0  # outside the bout: no sleep
+    assert inj.pace(30, 0.004) == pytest.approx(0.006)  # 2.5x: 1.5 times the work more
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("slow:x", r"factor 'x' is not a number"),
+        ("slow:0.5", r"factor must be a number >= 1"),
+        ("slow:3@60-20", r"must end after it starts"),
+        ("slow:3@20", r"slow:FACTOR@START-END"),
+        ("slow", r"slow:FACTOR or slow:FACTOR@START-END"),
+    ],
+)
+def test_bad_slow_specs_say_what_to_write(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Fault.parse(spec)

@@ -393,3 +393,13 @@ def test_dataclasses_validate_on_direct_construction() -> None:
             network=base.network,
             churn=(ChurnEvent(action="kill", peer=9, at_step=1),),
         )
+
+
+def test_fault_entries_reach_the_run_config() -> None:
+    from isthmus.run.lab import lab_config
+
+    s = parse_scenario(_with("", '[[fault]]\npeer = 1\nspec = "slow:3@5-10"\n'))
+    assert [(f.peer, f.spec) for f in s.faults] == [(1, "slow:3@5-10")]
+    assert lab_config(s).faults.peer_faults == {1: ["slow:3@5-10"]}
+    assert "fault[0].spec" in _err(_with("", '[[fault]]\npeer = 0\nspec = "slow:fast"\n'))
+    assert "fault[0].peer" in _err(_with("", '[[fault]]\npeer = 99\nspec = "slow:2"\n'))

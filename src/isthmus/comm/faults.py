@@ -7,7 +7,10 @@ round; the first matching, not-yet-fired fault acts:
 * ``kill``: SIGKILL this process (nothing is flushed; the closest thing to a power cut);
 * ``stop``: SIGSTOP this process (a silent peer; someone else must SIGCONT it);
 * ``fail``: raise :class:`InjectedFailure`, a collective failure (the round aborts and retries);
-* ``corrupt``: flip one bit of one shared tensor in place (the parity check must catch it).
+* ``corrupt``: flip one bit of one shared tensor in place (the parity check must catch it);
+* ``slow``: not an event but a state: while it is active, every step of this peer takes
+  ``factor`` times as long (:meth:`FaultInjector.pace` sleeps ``factor - 1`` times the time the
+  step's own work took). A heterogeneous or throttled machine, for tests, the demo and the lab.
 
 Points used by isthmus: ``step`` (start of a training step), ``collective`` (a round's reduction
 was issued and is in flight), ``commit`` (about to report the round's outcome), ``checkpoint``
@@ -16,12 +19,17 @@ thread, so a ``kill`` there is a peer dying in the middle of a save).
 Spec strings (CLI, scenarios) follow the grammar of :mod:`isthmus.spec`, the ``@`` part carrying
 the point: ``ACTION@POINT:step=N`` or ``ACTION@POINT:round=N`` (or both), e.g.
 ``kill@collective:step=20``; the short form ``kill@20`` means ``kill@step:step=20``.
+A slow peer is ``slow:FACTOR`` (the whole run) or ``slow:FACTOR@START-END`` (a bout: steps
+``START`` to ``END - 1``), e.g. ``slow:3`` or ``slow:2.5@20-60``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -35,7 +43,12 @@ __all__ = ["FAULT_ACTIONS", "Fault", "FaultInjector", "FaultWhen", "InjectedFail
 ACTIONS = ("kill", "stop", "fail", "corrupt")
 Point = Literal["step", "collective", "commit", "checkpoint"]
 POINTS: tuple[str, ...] = get_args(Point)
-_USAGE = "fault specs look like ACTION@POINT:step=N, ACTION@POINT:round=N or ACTION@N (step N)"
+_USAGE = (
+    "fault specs look like ACTION@POINT:step=N, ACTION@POINT:round=N, ACTION@N (step N), "
+    "slow:FACTOR or slow:FACTOR@START-END"
+)
+# slow:FACTOR or slow:FACTOR@START-END (a bout over steps START..END-1)
+_SLOW_RE = re.compile(r"^slow:([^@]+?)(?:@(\d+)-(\d+))?$")
 
 
 class InjectedFailure(CollectiveError):
@@ -76,8 +89,18 @@ class Fault:
     step: int | None = None
     round: int | None = None
     tensor: str | None = None  # for corrupt: which shared tensor (default: the first)
+    factor: float = 1.0  # for slow: how many times as long each step takes
+    until: int | None = None  # for slow: first step after the bout (None: to the end)
 
     def __post_init__(self) -> None:
+        if self.action == "slow":
+            if not (math.isfinite(self.factor) and self.factor >= 1.0):
+                raise ValueError(f"a slow fault's factor must be a number >= 1, got {self.factor}")
+            if self.until is not None and self.until <= (self.step or 0):
+                raise ValueError(
+                    f"a slow bout must end after it starts, got steps {self.step}-{self.until}"
+                )
+            return
         if self.action not in ACTIONS:
             raise ValueError(f"unknown fault action {self.action!r}; use one of {ACTIONS}")
         if self.point not in POINTS:
@@ -91,6 +114,8 @@ class Fault:
         Raises :class:`~isthmus.spec.SpecError` (a ValueError) naming the spec, what is wrong
         (an unknown action or point with the closest valid one, a missing step or round, a
         value that is not a count) and the accepted forms."""
+        if spec.strip().startswith("slow"):
+            return Fault._parse_slow(spec)
         try:
             parts = parse(spec, what="fault spec")
             if len(parts) != 1:
@@ -111,6 +136,30 @@ class Fault:
                 f"bad fault spec: {e.problem}; {_USAGE}", key=e.key, spec=spec
             ) from None
 
+    @staticmethod
+    def _parse_slow(spec: str) -> Fault:
+        m = _SLOW_RE.match(spec.strip())
+        problem = "write slow:FACTOR or slow:FACTOR@START-END (e.g. slow:3, slow:2@20-60)"
+        if m is not None:
+            try:
+                factor = float(m.group(1))
+            except ValueError:
+                problem = f"the factor {m.group(1)!r} is not a number"
+            else:
+                start = int(m.group(2)) if m.group(2) is not None else 0
+                until = int(m.group(3)) if m.group(3) is not None else None
+                try:
+                    return Fault(action="slow", step=start, until=until, factor=factor)
+                except ValueError as e:
+                    problem = str(e)
+        raise SpecError(f"bad fault spec: {problem}; {_USAGE}", spec=spec) from None
+
+    def slows(self, step: int) -> bool:
+        """Whether this is a slow fault active at ``step``."""
+        if self.action != "slow" or step < (self.step or 0):
+            return False
+        return self.until is None or step < self.until
+
 
 @dataclass
 class FaultInjector:
@@ -123,9 +172,10 @@ class FaultInjector:
     def check(
         self, point: str, *, step: int | None = None, round: int | None = None, state: Any = None
     ) -> None:
-        """Fire every pending fault that matches this point, step and round."""
+        """Fire every pending fault that matches this point, step and round (slow faults are
+        states, never fired: see :meth:`pace`)."""
         for f in list(self.faults):
-            if f.point != point:
+            if f.point != point or f.action == "slow":
                 continue
             if f.step is not None and (step is None or step < f.step):
                 continue
@@ -134,6 +184,19 @@ class FaultInjector:
             self.faults.remove(f)
             self.fired.append(f)
             self._fire(f, state)
+
+    def slow_factor(self, step: int) -> float:
+        """How many times as long a step takes at ``step`` (the largest active slow fault's
+        factor; 1.0 when none is active)."""
+        return max((f.factor for f in self.faults if f.slows(step)), default=1.0)
+
+    def pace(self, step: int, seconds: float) -> float:
+        """Called after a step's own work, which took ``seconds``: sleep ``(factor - 1) *
+        seconds`` when a slow fault is active at ``step``. Returns the seconds slept."""
+        extra = (self.slow_factor(step) - 1.0) * max(0.0, seconds)
+        if extra > 0:
+            time.sleep(extra)
+        return extra
 
     @staticmethod
     def _fire(f: Fault, state: Any) -> None:

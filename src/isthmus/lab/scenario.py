@@ -60,6 +60,7 @@ __all__ = [
     "STRATEGIES",
     "ByzantineSpec",
     "ChurnEvent",
+    "FaultEntry",
     "Impairment",
     "NetworkSpec",
     "RandomChurn",
@@ -229,6 +230,28 @@ class RandomChurn:
         ]
 
 
+@dataclass(frozen=True, kw_only=True)
+class FaultEntry:
+    """One ``[[fault]]`` entry: a fault spec peer ``peer`` fires on itself (see
+    :mod:`isthmus.comm.faults`), e.g. ``spec = "slow:3@20-60"`` (steps 20 to 59 take three times
+    as long) or ``spec = "fail@collective:round=12"``."""
+
+    peer: int
+    """Peer index, 0-based."""
+    spec: str
+    """The fault spec, checked with :meth:`isthmus.comm.faults.Fault.parse`."""
+
+    def __post_init__(self) -> None:
+        check_int(self.peer, "peer", minimum=0)
+        check_str(self.spec, "spec")
+        from isthmus.comm.faults import Fault  # lazily, as check_spec does: it needs torch
+
+        try:
+            Fault.parse(self.spec)
+        except ValueError as e:
+            raise ScenarioError(str(e), key="spec") from None
+
+
 _ATTACK_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -288,6 +311,7 @@ class Scenario:
     churn: tuple[ChurnEvent, ...] = ()
     random_churn: RandomChurn | None = None
     byzantine: tuple[ByzantineSpec, ...] = ()
+    faults: tuple[FaultEntry, ...] = ()
     description: str = ""
     source: str = "<scenario>"
     """Where it came from (a file path), for messages."""
@@ -295,7 +319,15 @@ class Scenario:
     def __post_init__(self) -> None:
         object.__setattr__(self, "churn", tuple(self.churn))
         object.__setattr__(self, "byzantine", tuple(self.byzantine))
+        object.__setattr__(self, "faults", tuple(self.faults))
         n = self.network.peers
+        for i, f in enumerate(self.faults):
+            if f.peer >= n:
+                raise ScenarioError(
+                    f"peer {f.peer} does not exist: network.peers = {n}, so peers are 0..{n - 1}",
+                    key=f"fault[{i}].peer",
+                    source=self.source,
+                )
         for i, ev in enumerate(self.churn):
             if ev.peer >= n:
                 raise ScenarioError(
@@ -400,7 +432,24 @@ def _section_byzantine(raw: Any) -> list[ByzantineSpec]:
     return out
 
 
-_TOP = ("description", "run", "strategy", "network", "churn", "random_churn", "byzantine")
+def _section_faults(raw: Any) -> list[FaultEntry]:
+    out = []
+    for i, item in enumerate(_array_of_tables(raw, "fault")):
+        t = table_keys(item, f"fault[{i}]", ["peer", "spec"], ["peer", "spec"])
+        out.append(construct(FaultEntry, f"fault[{i}]", **t))
+    return out
+
+
+_TOP = (
+    "description",
+    "run",
+    "strategy",
+    "network",
+    "churn",
+    "random_churn",
+    "byzantine",
+    "fault",
+)
 
 
 def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>") -> Scenario:
@@ -429,6 +478,7 @@ def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>")
             churn=tuple(_section_churn(t["churn"])) if "churn" in t else (),
             random_churn=_section_random_churn(t["random_churn"]) if "random_churn" in t else None,
             byzantine=tuple(_section_byzantine(t["byzantine"])) if "byzantine" in t else (),
+            faults=tuple(_section_faults(t["fault"])) if "fault" in t else (),
             description=description,
             source=source,
         )

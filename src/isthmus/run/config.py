@@ -192,7 +192,8 @@ class FaultConfig:
         metadata={"flat": "fault", "metavar": "PEER:SPEC", "parse": parse_fault},
     )
     """More fault specs per peer index: kill|stop|fail|corrupt @ step|collective|commit
-    :step=N or :round=N, e.g. 1:kill@collective:step=20."""
+    :step=N or :round=N, e.g. 1:kill@collective:step=20; or a slow peer, slow:FACTOR or
+    slow:FACTOR@START-END, e.g. 2:slow:3."""
     byzantine: list[ByzantinePeer] = field(
         default_factory=list,
         metadata={"flat": "byzantine", "metavar": "PEER:ATTACK", "parse": parse_byzantine},

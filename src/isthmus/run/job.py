@@ -227,9 +227,12 @@ def run_job(job: PeerJob) -> PeerResult:
                     with torch.no_grad():
                         loss_value = float(model(x, y)[1])
             else:
+                work = time.monotonic()
                 _, loss = model(x, y)
                 assert loss is not None
                 loss.backward()
+                # a slow fault stretches this step's work (and its emulated compute time)
+                session.faults.pace(step, time.monotonic() - work + run.step_delay)
                 strategy.step()
                 optimizer.zero_grad(set_to_none=False)
                 loss_value = loss.item()
@@ -328,6 +331,12 @@ def _leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def entry(argv: list[str]) -> NoReturn:
+    """What ``python -m isthmus.run.job JOB.json`` runs, for a peer forked from the warm server
+    (:mod:`isthmus.run.forkserver`) where this module is already imported."""
+    _leave(main(argv))
 
 
 if __name__ == "__main__":

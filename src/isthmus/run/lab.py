@@ -109,6 +109,13 @@ def _starting(scenario: Scenario) -> list[int]:
     return starting_slots(scenario.peers, _events(scenario, 0.0))
 
 
+def _scenario_faults(scenario: Scenario) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for f in scenario.faults:
+        out.setdefault(f.peer, []).append(f.spec)
+    return out
+
+
 def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """The scenario as a run config (every peer slot of ``network.peers`` counts as a peer), with
     ``overrides`` (flat names or dotted paths) applied. ``steps`` comes from ``run.steps`` or
@@ -137,6 +144,7 @@ def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -
                 ByzantinePeer(peer=b.peer, attack=b.spec, from_step=b.from_step)
                 for b in scenario.byzantine
             ],
+            **({"fault": _scenario_faults(scenario)} if scenario.faults else {}),
             **{k: v for k, v in over.items() if k != "steps"},
         },
     )
