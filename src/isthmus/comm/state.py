@@ -10,13 +10,14 @@ every peer of a run must register the same names, shapes and dtypes in the same 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import xxhash
 
 from isthmus.coordinator.protocol import TensorSpec
 
-__all__ = ["SharedState", "tensor_bytes", "tensor_hash"]
+__all__ = ["CatchUp", "SharedState", "tensor_bytes", "tensor_hash"]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -34,11 +35,50 @@ def tensor_hash(t: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(tensor_bytes(t))
 
 
+class CatchUp(Protocol):
+    """A strategy's way to bring a stale peer up to date by replaying the rounds it missed
+    instead of receiving its tensors (:mod:`isthmus.comm.transfer` runs the exchange and verifies
+    the result by hash either way). The zeroth-order strategy provides one: its rounds are a few
+    bytes each, far less than the state they change."""
+
+    def revision(self) -> int:
+        """The revision this peer's shared state is at (where a replay would start)."""
+        ...
+
+    def wish(self) -> int:
+        """How this peer wants to be caught up: 0 state transfer, 1 replay, 2 decide by cost."""
+        ...
+
+    def covers(self) -> frozenset[str]:
+        """The shared tensors a replay reproduces; the others are sent as they are."""
+        ...
+
+    def offer(self, since: int, upto: int, transfer_bytes: int, wish: int) -> bytes | None:
+        """Source side: the log of rounds ``since`` to ``upto - 1`` if this peer holds it and a
+        replay is chosen (``wish``, or the cost against ``transfer_bytes`` of tensors), else
+        None (a state transfer)."""
+        ...
+
+    def replay(self, log: bytes, since: int, upto: int) -> dict[str, torch.Tensor]:
+        """Destination side: new tensors for the covered names, this peer's state replayed
+        through ``log``; the live state is not changed. Raises ValueError for a log that does
+        not hold exactly rounds ``since`` to ``upto - 1``."""
+        ...
+
+    def adopt(self, log: bytes) -> None:
+        """Destination side, once the replayed state matched the run's hashes and was taken:
+        keep the log (this peer can then serve replays of those rounds)."""
+        ...
+
+
 class SharedState:
     """An ordered registry of named tensors, held by reference and mutated in place."""
 
     def __init__(self) -> None:
         self._tensors: dict[str, torch.Tensor] = {}
+        self.catch_up: CatchUp | None = None
+        """Set by a strategy that can replay missed rounds (see :class:`CatchUp`); None: stale
+        peers always receive the tensors."""
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         """Add ``tensor`` under ``name``. The tensor must stay the same object for the whole run

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -84,11 +85,20 @@ from typing import Any, ClassVar
 import torch
 
 from isthmus.comm.session import Round
+from isthmus.reduce.zo_log import (
+    LoggedRound,
+    RoundLog,
+    apply_round,
+    decode_rounds,
+    encode_rounds,
+    nonzero_estimates,
+    replay_is_cheaper,
+)
 from isthmus.reduce.zo_math import (
     ScalarCodec,
-    apply_update,
     distinct,
     perturb_,
+    perturbation,
     perturbation_seed,
     projected_gradient,
 )
@@ -128,6 +138,17 @@ class ZOConfig:
     or more dimensions (MeZO: 0)."""
     seed: int = 0
     """The run's perturbation seed; every peer of a run must use the same."""
+    catch_up: str = "auto"
+    """How this peer wants to be caught up when it is stale (a joiner, a peer back from an
+    eviction or a checkpoint): ``replay`` the rounds it missed from the source's log, take a
+    state ``transfer``, or ``auto``: replay when that costs less time (see ``link_mbps``). A
+    replay that does not reproduce the run's hashes falls back to a transfer."""
+    link_mbps: float = 100.0
+    """Link rate (Mbit/s) the ``auto`` choice assumes between two peers: a transfer takes the
+    state's bytes over it, a replay the log's bytes plus regenerating every ``z`` of the log."""
+    log_rounds: int = 100_000
+    """Committed rounds each peer keeps for replays (``12 + world * bits * perturbations / 8``
+    bytes each: about 1.6 MB for 100,000 rounds of 4 peers at one byte)."""
 
     def __post_init__(self) -> None:
         if not (self.eps > 0 and math.isfinite(self.eps)):
@@ -142,6 +163,14 @@ class ZOConfig:
             )
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.catch_up not in ("auto", "replay", "transfer"):
+            raise ValueError(
+                f"catch_up must be 'auto', 'replay' or 'transfer', got {self.catch_up!r}"
+            )
+        if not (self.link_mbps > 0 and math.isfinite(self.link_mbps)):
+            raise ValueError(f"link_mbps must be positive and finite, got {self.link_mbps}")
+        if self.log_rounds < 0:
+            raise ValueError(f"log_rounds must be >= 0, got {self.log_rounds}")
         # the codec checks bits, g_min and g_max (and names them)
         ScalarCodec(self.bits, self.g_min, self.g_max)
 
@@ -206,6 +235,14 @@ class ZO(Strategy):
         self.clipped = 0
         """This peer's estimates clipped to ``g_max``."""
         self._cache: tuple[int, int, list[int], float] | None = None  # round, rank, codes, loss
+        self.log = RoundLog(self.config.log_rounds)
+        """The committed rounds this peer can serve replays of (see :mod:`isthmus.reduce.zo_log`)."""
+        self.replays = 0
+        """Times this peer caught up by replaying rounds (not by a state transfer)."""
+        self.replayed_rounds = 0
+        self._seconds_per_estimate: float | None = None  # measured while applying rounds
+        if self.session is not None:
+            self.session.state.catch_up = _Replayer(self)
 
     @property
     def payload_bytes(self) -> int:
@@ -224,11 +261,12 @@ class ZO(Strategy):
         with torch.no_grad():
             if self.session is None:
                 number = self.step_count
-                rows = [self._codes(loss_fn, number, 0)]
+                codes = self._codes(loss_fn, number, 0)
+                entry = LoggedRound(number, 1, bytes(self.codec.pack(codes).tolist()))
             else:
                 codec = self.codec
 
-                def exchange(rnd: Round) -> tuple[int, list[list[int]]]:
+                def exchange(rnd: Round) -> LoggedRound:
                     if rnd.resynced:
                         codes = [codec.absent] * per
                         self.last_loss = math.nan
@@ -236,11 +274,12 @@ class ZO(Strategy):
                         codes = self._codes(loss_fn, rnd.number, rnd.rank)
                     rnd.check_faults("collective", step=self.step_count)
                     flat = rnd.group.all_gather_flat(codec.pack(codes))
-                    rows = [codec.unpack(r, per) for r in flat.view(rnd.world, -1)]
-                    return rnd.number, rows
+                    raw = bytes(flat.to(device="cpu").reshape(-1).tolist())
+                    return LoggedRound(rnd.number, rnd.world, raw)
 
-                number, rows = self.session.run_round(exchange)
-            self._apply(number, rows)
+                entry = self.session.run_round(exchange)
+                self.log.append(entry)
+            self._apply(entry)
         self._cache = None
         self.global_step += 1
         self.local_steps += 1
@@ -299,25 +338,38 @@ class ZO(Strategy):
         for i, saved in zip(self.keep, backup, strict=True):
             self.params[i].copy_(saved)
 
-    def _apply(self, number: int, rows: list[list[int]]) -> None:
-        """Apply a committed round's codes (``rows[rank][k]``), identically on every peer."""
+    def _apply(self, entry: LoggedRound) -> None:
+        """Apply a committed round, identically on every peer (and in a replay)."""
+        t0 = time.perf_counter()
+        n, total = self._apply_to(self.params, entry)
+        nonzero = nonzero_estimates([entry], self.codec, self.config.perturbations)
+        if nonzero:
+            self._seconds_per_estimate = (time.perf_counter() - t0) / nonzero
+        self.applied += n
+        self.absent_seen += total - n
+
+    def _apply_to(self, params: list[torch.Tensor], entry: LoggedRound) -> tuple[int, int]:
         cfg = self.config
-        seeds = [
-            perturbation_seed(cfg.seed, number, rank, k)
-            for rank in range(len(rows))
-            for k in range(cfg.perturbations)
-        ]
-        estimates = [self.codec.decode(c) for row in rows for c in row]
-        n = apply_update(
-            self.params,
+        return apply_round(
+            params,
             self.keep,
-            seeds,
-            estimates,
+            entry,
+            self.codec,
+            per=cfg.perturbations,
+            seed=cfg.seed,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
         )
-        self.applied += n
-        self.absent_seen += len(estimates) - n
+
+    def seconds_per_estimate(self) -> float:
+        """Seconds this peer takes to regenerate and apply one ``z`` (the last round's figure;
+        measured once on the spot before any round applied one)."""
+        if self._seconds_per_estimate is None:
+            t0 = time.perf_counter()
+            for j, i in enumerate(self.keep):
+                perturbation(0, j, self.params[i])
+            self._seconds_per_estimate = time.perf_counter() - t0
+        return self._seconds_per_estimate
 
     # -- checkpoints and metrics ------------------------------------------------------------------
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
@@ -333,4 +385,69 @@ class ZO(Strategy):
             "zo_absent": self.absent_seen,
             "zo_flushed": self.flushed,
             "zo_clipped": self.clipped,
+            "zo_replays": self.replays,
+            "zo_replayed_rounds": self.replayed_rounds,
+            "zo_log_rounds": len(self.log),
         }
+
+
+class _Replayer:
+    """:class:`~isthmus.comm.state.CatchUp` for :class:`ZO`: a stale peer replays the rounds it
+    missed from the source's :class:`~isthmus.reduce.zo_log.RoundLog` (the choice and the
+    exchange are described in :mod:`isthmus.reduce.zo_log` and :mod:`isthmus.comm.transfer`).
+    The replay runs on copies of the parameters (one extra copy of the model while catching
+    up); its time counts against the source's ``collective_timeout``, which waits for the
+    destination's verdict."""
+
+    _WISH: ClassVar[dict[str, int]] = {"transfer": 0, "replay": 1, "auto": 2}
+
+    def __init__(self, zo: ZO) -> None:
+        self.zo = zo
+        self._covers = frozenset([f"model/{zo.names[i]}" for i in zo.keep] + ["meta/step"])
+
+    def revision(self) -> int:
+        assert self.zo.session is not None
+        return self.zo.session.revision
+
+    def wish(self) -> int:
+        return self._WISH[self.zo.config.catch_up]
+
+    def covers(self) -> frozenset[str]:
+        return self._covers
+
+    def offer(self, since: int, upto: int, transfer_bytes: int, wish: int) -> bytes | None:
+        zo = self.zo
+        rounds = zo.log.span(since, upto)
+        if wish == 0 or rounds is None:
+            return None
+        raw = encode_rounds(rounds)
+        if wish == 2 and not replay_is_cheaper(
+            transfer_bytes=transfer_bytes,
+            log_bytes=len(raw),
+            estimates=nonzero_estimates(rounds, zo.codec, zo.config.perturbations),
+            seconds_per_estimate=zo.seconds_per_estimate(),
+            link_bytes_per_s=zo.config.link_mbps * 1e6 / 8,
+        ):
+            return None
+        return raw
+
+    def replay(self, log: bytes, since: int, upto: int) -> dict[str, torch.Tensor]:
+        zo = self.zo
+        rounds = decode_rounds(log, zo.codec.payload_bytes(zo.config.perturbations))
+        if [r.round for r in rounds] != list(range(since, upto)):
+            raise ValueError(f"the log does not hold exactly rounds {since} to {upto - 1}")
+        copies = [p.detach().clone() for p in zo.params]
+        with torch.no_grad():
+            for entry in rounds:
+                zo._apply_to(copies, entry)
+        out = {f"model/{zo.names[i]}": copies[i] for i in zo.keep}
+        out["meta/step"] = zo.global_step + len(rounds)
+        return out
+
+    def adopt(self, log: bytes) -> None:
+        zo = self.zo
+        rounds = decode_rounds(log, zo.codec.payload_bytes(zo.config.perturbations))
+        for entry in rounds:
+            zo.log.append(entry)
+        zo.replays += 1
+        zo.replayed_rounds += len(rounds)
