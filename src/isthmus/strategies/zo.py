@@ -240,6 +240,8 @@ class ZO(Strategy):
         self.replays = 0
         """Times this peer caught up by replaying rounds (not by a state transfer)."""
         self.replayed_rounds = 0
+        self.replay_bytes = 0
+        """Bytes of round log this peer received for its replays."""
         self._seconds_per_estimate: float | None = None  # measured while applying rounds
         if self.session is not None:
             self.session.state.catch_up = _Replayer(self)
@@ -387,6 +389,7 @@ class ZO(Strategy):
             "zo_clipped": self.clipped,
             "zo_replays": self.replays,
             "zo_replayed_rounds": self.replayed_rounds,
+            "zo_replay_bytes": self.replay_bytes,
             "zo_log_rounds": len(self.log),
         }
 
@@ -451,3 +454,4 @@ class _Replayer:
             zo.log.append(entry)
         zo.replays += 1
         zo.replayed_rounds += len(rounds)
+        zo.replay_bytes += len(log)
