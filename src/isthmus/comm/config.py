@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.coordinator.client import CoordinatorError
+from isthmus.coordinator.tls import normalize_fingerprint
 
 __all__ = ["RoundFailed", "RoundTimeout", "RunFinished", "SessionConfig", "StateMismatch"]
 
@@ -33,9 +34,16 @@ class SessionConfig:
     """How a peer joins a run. Times are seconds; every wait in the session is bounded by one."""
 
     coordinator: str
-    """The coordinator's ``host:port``."""
+    """The coordinator's ``host:port`` (``https://host:port`` when it serves TLS; a bare
+    ``host:port`` with a fingerprint or CA file means https)."""
     token: str
-    """The run's shared token."""
+    """The run's token: a join token of this peer's own (``isthmus token new --name NAME``), or
+    the admin token in a single-token run."""
+    coordinator_fingerprint: str | None = None
+    """Pin the coordinator's TLS certificate: the SHA-256 fingerprint it printed at start. Any
+    other certificate is refused (:class:`~isthmus.coordinator.client.TLSRefused` names both)."""
+    coordinator_ca: str | None = None
+    """Verify the coordinator's TLS certificate against this CA file (PEM) instead."""
     name: str | None = None
     """A name for logs and ``/status`` (default: ``hostname-pid``)."""
     interface: str | None = None
@@ -86,12 +94,25 @@ class SessionConfig:
             )
         if self.interface and self.hostname:
             raise ValueError("give either interface or hostname for Gloo, not both")
+        if self.coordinator_fingerprint and self.coordinator_ca:
+            raise ValueError("give either coordinator_fingerprint or coordinator_ca, not both")
+        if self.coordinator_fingerprint:
+            normalize_fingerprint(self.coordinator_fingerprint)  # raises saying what it expects
+
+    def client_options(self) -> dict[str, Any]:
+        """Keyword arguments of the session's :class:`CoordinatorClient`."""
+        return {
+            "connect_timeout": self.connect_timeout,
+            "fingerprint": self.coordinator_fingerprint,
+            "cafile": self.coordinator_ca,
+        }
 
     @classmethod
     def from_env(cls, **overrides: Any) -> SessionConfig:
         """The config ``isthmus run`` hands a script through the environment:
         ``ISTHMUS_COORDINATOR`` (host:port), ``ISTHMUS_TOKEN`` (or ``ISTHMUS_TOKEN_FILE``),
-        ``ISTHMUS_NAME``, and ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo. Keyword
+        ``ISTHMUS_NAME``, ``ISTHMUS_COORDINATOR_FINGERPRINT`` or ``ISTHMUS_COORDINATOR_CA`` for
+        TLS, and ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo. Keyword
         arguments win over the environment (which never overrides what the script says).
 
         Raises ValueError naming the missing variable when the script was not started by
@@ -103,6 +124,8 @@ class SessionConfig:
             ("coordinator", "ISTHMUS_COORDINATOR"),
             ("token", "ISTHMUS_TOKEN"),
             ("name", "ISTHMUS_NAME"),
+            ("coordinator_fingerprint", "ISTHMUS_COORDINATOR_FINGERPRINT"),
+            ("coordinator_ca", "ISTHMUS_COORDINATOR_CA"),
             ("hostname", "ISTHMUS_HOSTNAME"),
             ("interface", "ISTHMUS_INTERFACE"),
         ):

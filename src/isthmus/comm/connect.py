@@ -33,10 +33,21 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
 
+from isthmus.comm.exposure import warn_if_public
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.wires import Endpoint, SocketInfo, Wires, created_by, pair_sockets
+from isthmus.coordinator.client import CoordinatorClient
+from isthmus.coordinator.store_client import CoordinatorStore
 
-__all__ = ["Connecting", "Graveyard", "StoreClients", "connect_gloo"]
+__all__ = [
+    "Connecting",
+    "CoordinatorStores",
+    "Graveyard",
+    "Rendezvous",
+    "StoreClients",
+    "connect_gloo",
+    "rendezvous",
+]
 
 log = logging.getLogger("isthmus.connect")
 T = TypeVar("T")
@@ -83,6 +94,8 @@ def connect_gloo(
         log.warning(
             "could not identify the listener of a new Gloo device (%d candidates)", len(new)
         )
+    else:
+        warn_if_public(mine[0])
     store.set(f"{_LISTENER_KEY}{rank}", "" if mine is None else f"{mine[0]} {mine[1]}")
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dev]
@@ -151,6 +164,39 @@ class StoreClients:
         """True while a client is still connecting."""
         nxt = self._next
         return nxt is not None and nxt.busy()
+
+
+class CoordinatorStores:
+    """The authenticated rendezvous: each epoch gets a
+    :class:`~isthmus.coordinator.store_client.CoordinatorStore` on the session's coordinator
+    connection (nothing to connect ahead: requests share the client's connection pool). Cutting
+    the epoch's wires ends its store calls in flight."""
+
+    def __init__(self, client: CoordinatorClient, peer_id: int, run_id: str, *, timeout_s: float):
+        self.client, self.peer_id, self.run_id, self.timeout_s = client, peer_id, run_id, timeout_s
+
+    def take(self, wires: Wires, abandon: Callable[[], str | None]) -> dist.Store:
+        """A store for a new epoch, cut with ``wires``."""
+        store = CoordinatorStore(self.client, self.peer_id, self.run_id, timeout_s=self.timeout_s)
+        wires.on_cut(store.cut)
+        return store
+
+    def busy(self) -> bool:
+        return False
+
+
+Rendezvous = StoreClients | CoordinatorStores
+
+
+def rendezvous(
+    client: CoordinatorClient, reply: dict[str, Any], peer_id: int, run_id: str, timeout_s: float
+) -> Rendezvous:
+    """The rendezvous the coordinator's registration ``reply`` names: its own authenticated
+    store, or (``"rendezvous": "tcpstore"``, and coordinators from before it existed) torch's
+    TCPStore on ``store_port``."""
+    if reply.get("rendezvous", "tcpstore") == "coordinator":
+        return CoordinatorStores(client, peer_id, run_id, timeout_s=timeout_s)
+    return StoreClients(client.host, int(reply["store_port"]), timeout_s=timeout_s)
 
 
 class Connecting(Generic[T]):

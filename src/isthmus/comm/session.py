@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from isthmus.comm.config import RoundFailed, RoundTimeout, RunFinished, SessionConfig, StateMismatch
-from isthmus.comm.connect import Connecting, Graveyard, StoreClients, connect_gloo
+from isthmus.comm.connect import Connecting, Graveyard, Rendezvous, connect_gloo, rendezvous
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
 from isthmus.comm.state import SharedState
@@ -158,9 +158,9 @@ class Session:
         self._commit_hooks: list[Callable[[RoundPlan], None]] = []
         self._tensorboard: Any = None  # a SummaryWriter, made at the first log_scalars
         self._client = CoordinatorClient(
-            config.coordinator, config.token, connect_timeout=config.connect_timeout
+            config.coordinator, config.token, **config.client_options()
         )
-        self._stores: StoreClients | None = None
+        self._stores: Rendezvous | None = None
         self._group: Group | None = None
         # Abandoned groups and connection attempts, held until torch is done with them.
         self._graveyard = Graveyard()
@@ -188,8 +188,8 @@ class Session:
         self._fresh = True
         self._set_group(None)
         # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
-        self._stores = StoreClients(
-            self._client.host, int(reply["store_port"]), timeout_s=self.config.collective_timeout
+        self._stores = rendezvous(
+            self._client, reply, self.peer_id, self.run_id, self.config.collective_timeout
         )
         self._client.start_heartbeat(
             self.peer_id,

@@ -214,6 +214,7 @@ class Wires:
         self._held: set[int] = set()  # socket inodes
         self.cut_reason: str | None = None
         self.cut_count = 0
+        self._hooks: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         with self._lock:
@@ -232,6 +233,16 @@ class Wires:
                 return
         self.cut_count += _cut(new)
 
+    def on_cut(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(reason)`` at the cut (at once if it was cut already): for connections
+        that are not sockets of this process's own (the coordinator's rendezvous store)."""
+        with self._lock:
+            if self.cut_reason is None:
+                self._hooks.append(hook)
+                return
+            reason = self.cut_reason
+        hook(reason)
+
     def cut(self, reason: str) -> int:
         """Shut down every socket held (once; later calls do nothing). Returns how many were
         shut down. Never raises: a socket that is already gone is skipped."""
@@ -240,6 +251,10 @@ class Wires:
                 return 0
             self.cut_reason = reason
             held, self._held = self._held, set()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            with contextlib.suppress(Exception):  # cut never raises
+                hook(reason)
         n = _cut(held)
         self.cut_count += n
         if held:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -17,11 +18,14 @@ from typing import Any
 
 import aiohttp
 
+from isthmus.coordinator.tls import format_fingerprint, normalize_fingerprint
+
 __all__ = [
     "AuthError",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnreachable",
+    "TLSRefused",
     "normalize_address",
 ]
 
@@ -40,11 +44,22 @@ class AuthError(CoordinatorError):
     """The coordinator refused this peer's token."""
 
 
-def normalize_address(address: str) -> str:
-    """``host:port`` or ``http://host:port`` -> ``http://host:port`` (validated)."""
+class TLSRefused(CoordinatorError):
+    """The coordinator's certificate is not the pinned one (or not signed by the CA given)."""
+
+
+def normalize_address(address: str, tls: bool = False) -> str:
+    """``host:port`` or ``http(s)://host:port`` -> ``scheme://host:port`` (validated); a bare
+    ``host:port`` gets ``https`` when ``tls``. Raises ValueError for ``http://`` with ``tls``:
+    a pinned fingerprint over plain HTTP would protect nothing."""
     a = address.strip().rstrip("/")
     if not a.startswith(("http://", "https://")):
-        a = "http://" + a
+        a = ("https://" if tls else "http://") + a
+    elif tls and a.startswith("http://"):
+        raise ValueError(
+            f"coordinator address {address!r} is plain http but a fingerprint or CA file was "
+            f"given: use https://host:port (or host:port)"
+        )
     hostport = a.split("://", 1)[1]
     host, sep, port = hostport.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -56,11 +71,25 @@ class CoordinatorClient:
     """Talks to one coordinator with one token.
 
     ``connect_timeout`` bounds how long a call keeps retrying while the coordinator cannot be
-    reached (connection refused, reset, timeouts, 5xx). A 401 is never retried.
+    reached (connection refused, reset, timeouts, 5xx). A 401 is never retried, nor is a
+    certificate that is not the pinned ``fingerprint`` (or not signed by ``cafile``):
+    :class:`TLSRefused` names what was expected and what was found.
     """
 
-    def __init__(self, address: str, token: str, *, connect_timeout: float = 30.0) -> None:
-        self.base = normalize_address(address)
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        connect_timeout: float = 30.0,
+        fingerprint: str | None = None,
+        cafile: str | None = None,
+    ) -> None:
+        if fingerprint and cafile:
+            raise ValueError("give either the coordinator's fingerprint or a CA file, not both")
+        self.pin = normalize_fingerprint(fingerprint) if fingerprint else None
+        self.cafile = cafile
+        self.base = normalize_address(address, tls=bool(fingerprint or cafile))
         self.host = self.base.split("://", 1)[1].rpartition(":")[0].strip("[]")
         self.token = token
         self.connect_timeout = connect_timeout
@@ -82,13 +111,40 @@ class CoordinatorClient:
             fut.cancel()
             raise
 
+    def _ssl(self) -> ssl.SSLContext | aiohttp.Fingerprint | bool:
+        if self.pin is not None:
+            return aiohttp.Fingerprint(self.pin)  # the certificate itself, no CA involved
+        if self.cafile is not None:
+            try:
+                return ssl.create_default_context(cafile=self.cafile)
+            except (OSError, ssl.SSLError) as e:
+                raise CoordinatorError(f"cannot use CA file {self.cafile}: {e}") from None
+        return True  # https:// with the system's CAs; ignored for http://
+
     async def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 headers={"Authorization": f"Bearer {self.token}"},
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
+                connector=aiohttp.TCPConnector(ssl=self._ssl()),
             )
         return self._session
+
+    def tls_refused(self, e: BaseException) -> TLSRefused | None:
+        """The error to raise for a refused certificate, or None when ``e`` is not one."""
+        if isinstance(e, aiohttp.ServerFingerprintMismatch):
+            return TLSRefused(
+                f"refusing the coordinator at {self.base}: its certificate's SHA-256 fingerprint "
+                f"is {format_fingerprint(e.got)}, but this peer is pinned to "
+                f"{format_fingerprint(e.expected)} (a different coordinator, a new certificate, "
+                f"or someone in between)"
+            )
+        if isinstance(e, aiohttp.ClientConnectorCertificateError):
+            return TLSRefused(
+                f"refusing the coordinator at {self.base}: its certificate does not verify "
+                f"against {self.cafile or 'the system CAs'}: {e.certificate_error}"
+            )
+        return None
 
     async def _post(self, path: str, body: dict[str, Any], read_timeout: float) -> dict[str, Any]:
         url = self.base + path
@@ -106,17 +162,26 @@ class CoordinatorClient:
                     if r.status == 401:
                         msg = (await r.json(content_type=None) or {}).get("error", "unauthorized")
                         raise AuthError(f"the coordinator at {self.base} refused this peer: {msg}")
-                    if 400 <= r.status < 500:
+                    if r.status == 429:  # over a limit: back off and try again, bounded
+                        last = "HTTP 429 " + (await r.text())[:200]
+                    elif 400 <= r.status < 500:
                         text = await r.text()
                         raise CoordinatorError(
                             f"coordinator at {self.base} rejected {path}: {text[:500]}"
                         )
-                    if r.status >= 500:
+                    elif r.status >= 500:
                         last = f"HTTP {r.status}"
                     else:
                         return dict(await r.json())
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+                refused = self.tls_refused(e)
+                if refused is not None:
+                    raise refused from None
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                if isinstance(e, aiohttp.ServerDisconnectedError) and self.base.startswith(
+                    "http://"
+                ):
+                    last += " (is the coordinator serving TLS? then use https:// or a fingerprint)"
             if time.monotonic() + delay > deadline:
                 raise CoordinatorUnreachable(
                     f"could not reach the coordinator at {self.base} ({path}) after {attempts} "
@@ -136,10 +201,19 @@ class CoordinatorClient:
     def get(self, path: str) -> dict[str, Any]:
         async def go() -> dict[str, Any]:
             s = await self._sess()
-            async with s.get(self.base + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
-                if r.status == 401:
-                    raise AuthError(f"the coordinator at {self.base} refused this peer's token")
-                return dict(await r.json())
+            try:
+                async with s.get(self.base + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    if r.status in (401, 403):
+                        msg = (await r.json(content_type=None) or {}).get("error", "")
+                        raise AuthError(
+                            f"the coordinator at {self.base} refused this peer's token: {msg}"
+                        )
+                    return dict(await r.json())
+            except aiohttp.ClientConnectionError as e:
+                refused = self.tls_refused(e)
+                if refused is not None:
+                    raise refused from None
+                raise
 
         return self._run(go(), 15)
 

@@ -17,10 +17,11 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``):
   the page asks for the token and keeps it as a cookie; ``metrics_port`` serves ``/metrics``
   without one, where the operator binds it).
 
-Process groups rendezvous through a torch ``TCPStore`` served by this process on ``store_port``.
-The store has no authentication of its own: its port is handed only to peers holding the token,
-but anyone who can reach the port can read and write rendezvous keys. Keep it (like the Gloo ports
-between peers) on a network you trust or behind a firewall; see the README.
+Process groups rendezvous through the coordinator's own API (``POST /v1/store``,
+:mod:`isthmus.coordinator.store_service`), behind the same tokens and TLS as everything else;
+``rendezvous="tcpstore"`` serves torch's unauthenticated ``TCPStore`` on ``store_port`` instead
+(for comparison). Tokens, identities, limits and TLS: :mod:`.gate`, :mod:`.auth`, :mod:`.limits`,
+:mod:`.tls` and docs/SECURITY.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import hmac
 import json
 import logging
 import secrets
@@ -42,8 +42,12 @@ import torch.distributed as dist
 from aiohttp import WSMsgType, web
 
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
+from isthmus.coordinator.gate import BadRequest as _BadRequest
+from isthmus.coordinator.gate import Gate
+from isthmus.coordinator.limits import Limits
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.protocol import Decision, RestorePoint, TensorSpec
+from isthmus.coordinator.tls import TLSFiles, server_context
 from isthmus.coordinator.web import Dashboard
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
@@ -56,7 +60,16 @@ class CoordinatorConfig:
     """Where the coordinator listens and the rules of the run."""
 
     token: str
-    """Shared secret every peer must present. Required; use a long random string."""
+    """The admin credential: required; use a long random string. Peers may present it (a
+    single-token run) or a join token derived from it (see :mod:`isthmus.coordinator.auth`)."""
+    tls: TLSFiles | None = None
+    """Serve everything over TLS with this certificate (None: plain HTTP)."""
+    rendezvous: str = "coordinator"
+    """Where process groups meet: ``coordinator`` (the authenticated store of this API) or
+    ``tcpstore`` (torch's TCPStore on ``store_port``: no authentication; for comparison)."""
+    limits: Limits = field(default_factory=Limits)
+    revoked: tuple[str, ...] = ()
+    """Join token names refused from the start (revocations survive a restart this way)."""
     host: str = "127.0.0.1"
     """Address to listen on. Use 0.0.0.0 (and a firewall) to accept peers from other hosts."""
     port: int = 29400
@@ -86,6 +99,10 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("a coordinator needs a non-empty token (peers must present it)")
+        if self.rendezvous not in ("coordinator", "tcpstore"):
+            raise ValueError(
+                f"rendezvous must be 'coordinator' or 'tcpstore', not {self.rendezvous!r}"
+            )
         if not 0 <= self.port < 65536 or not 0 <= self.store_port < 65536:
             raise ValueError(f"ports must be in 0..65535, got {self.port} and {self.store_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -97,10 +114,6 @@ class CoordinatorConfig:
                 f"heartbeat_timeout ({self.membership.heartbeat_timeout}s) must be at least twice "
                 f"heartbeat_interval ({self.heartbeat_interval}s), or live peers get evicted"
             )
-
-
-class _BadRequest(Exception):
-    pass
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -123,6 +136,7 @@ class Coordinator:
         if config.restore_from is not None:
             self.membership.set_restore_point(config.restore_from, 0.0)
         self.run_id = secrets.token_hex(4)
+        self.gate = Gate(self, config.limits, tuple(config.revoked))
         self._lock = threading.Lock()
         self._changed: asyncio.Event | None = None
         self._sockets: dict[int, web.WebSocketResponse] = {}
@@ -198,15 +212,19 @@ class Coordinator:
         self._changed = asyncio.Event()
         self._stop_event = asyncio.Event()
         cfg = self.config
-        self._store = dist.TCPStore(
-            cfg.host if cfg.host not in ("0.0.0.0", "::") else "0.0.0.0",
-            cfg.store_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=60),
+        if cfg.rendezvous == "tcpstore":
+            self._store = dist.TCPStore(
+                cfg.host if cfg.host not in ("0.0.0.0", "::") else "0.0.0.0",
+                cfg.store_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=60),
+            )
+            self.store_port = self._store.port
+        ssl_ctx = server_context(cfg.tls) if cfg.tls is not None else None
+        app = web.Application(
+            middlewares=[self.gate.middleware], client_max_size=cfg.limits.max_body_bytes
         )
-        self.store_port = self._store.port
-        app = web.Application(middlewares=[self._auth_middleware], client_max_size=64 * 1024 * 1024)
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -220,6 +238,7 @@ class Coordinator:
             ]
         )
         self.web.install(app)
+        self.gate.install(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -231,11 +250,15 @@ class Coordinator:
             await self._runner.cleanup()
             raise OSError(f"coordinator cannot listen on {cfg.host}:{cfg.port}: {e}") from e
         self.port = sock.getsockname()[1]
-        site = web.SockSite(self._runner, sock)
+        site = web.SockSite(self._runner, sock, ssl_context=ssl_ctx)
         await site.start()
         ticker = asyncio.ensure_future(self._ticker())
         log.info(
-            "coordinator listening on %s:%d (store port %d)", cfg.host, self.port, self.store_port
+            "coordinator listening on %s://%s:%d (rendezvous: %s)",
+            "https" if ssl_ctx else "http",
+            cfg.host,
+            self.port,
+            cfg.rendezvous,
         )
         self._ready.set()
         try:
@@ -295,32 +318,7 @@ class Coordinator:
             if before != after or self.membership.notices:
                 self._mutated()
 
-    @web.middleware
-    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path == "/healthz" or self.web.handles(request.path):
-            return await handler(request)  # the dashboard's routes check access themselves
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header.startswith("Bearer ") else ""
-        if not token:
-            return web.json_response(
-                {"error": "missing token: send 'Authorization: Bearer <token>'"}, status=401
-            )
-        if not hmac.compare_digest(token.encode(), self.config.token.encode()):
-            return web.json_response({"error": "invalid token for this run"}, status=401)
-        try:
-            return await handler(request)
-        except _BadRequest as e:
-            return web.json_response({"error": f"bad request to {request.path}: {e}"}, status=400)
-
-    @staticmethod
-    async def _json(request: web.Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _BadRequest(f"body is not valid JSON ({e})") from e
-        if not isinstance(body, dict):
-            raise _BadRequest("body must be a JSON object")
-        return body
+    _json = staticmethod(Gate.json)
 
     async def _hold(self, poll: Any) -> Decision:
         """Re-evaluate ``poll()`` after every change until it is not ``wait`` or poll_s passes."""
@@ -360,6 +358,7 @@ class Coordinator:
         with self._lock:
             pid = self.membership.register(name, self._now(), info)
             restore = self.membership.restore_wanted()
+        self.gate.bind(request, pid)
         self._mutated()
         m = self.config.membership
         return web.json_response(
@@ -368,6 +367,7 @@ class Coordinator:
                 "peer_id": pid,
                 "run_id": self.run_id,
                 "store_port": self.store_port,
+                "rendezvous": self.config.rendezvous,
                 "heartbeat_interval": self.config.heartbeat_interval,
                 "heartbeat_timeout": m.heartbeat_timeout,
                 "parity_every": m.parity_every,
@@ -380,7 +380,10 @@ class Coordinator:
             pid = int(request.query.get("peer", ""))
         except ValueError:
             raise _BadRequest("query parameter 'peer' must be the peer id") from None
-        ws = web.WebSocketResponse(heartbeat=None)
+        ws = web.WebSocketResponse(
+            heartbeat=None, max_msg_size=self.config.limits.max_ws_message_bytes
+        )
+        bucket = self.gate.ws_bucket()
         await ws.prepare(request)
         stale = self._stale_run(request.query.get("run"))
         if stale is not None:
@@ -399,8 +402,8 @@ class Coordinator:
             await old.close()
         try:
             async for msg in ws:
-                if msg.type != WSMsgType.TEXT:
-                    break
+                if msg.type != WSMsgType.TEXT or not bucket.take(time.monotonic()):
+                    break  # not a heartbeat, or a flood of them: the peer is dropped
                 try:
                     data = json.loads(msg.data)
                 except json.JSONDecodeError:

@@ -93,7 +93,7 @@ class Dashboard:
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.check = TokenCheck(coordinator.config.token)
+        self.check = TokenCheck(coordinator.gate.identities)
         self.view = RunView()
         self.metrics = RunMetrics(lambda: coordinator.status(events=0), self.view, self.now)
         self.metrics_port: int | None = None
@@ -297,7 +297,7 @@ class Dashboard:
             await asyncio.sleep(0.3)  # slows guessing without holding anyone else up
             return web.json_response({"error": "invalid token for this run"}, status=401)
         resp = web.json_response({"ok": True, "run_id": self.coordinator.run_id})
-        self.check.set_cookie(resp, self.coordinator.port)
+        self.check.set_cookie(resp, self.coordinator.port, token.strip())
         return resp
 
     async def _logout(self, request: web.Request) -> web.Response:
