@@ -1,4 +1,5 @@
-"""The ``isthmus`` command line: coordinator, run, demo, lab (run, compare, sim, cleanup), bench.
+"""The ``isthmus`` command line: coordinator, run, demo, lab (run, compare, sim, cleanup), bench,
+token.
 
 Run settings' flags are generated from :class:`isthmus.run.config.RunConfig`
 (:mod:`isthmus.run.flags`); each subcommand lives in a module of this package.
@@ -10,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from isthmus.cli import lab, runs, tools
+from isthmus.cli import lab, runs, security, tools
 
 __all__ = ["build_parser", "main"]
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_parsers(sub)
     lab.add_parsers(sub)
     tools.add_parsers(sub)
+    security.add_parsers(sub)
     return p
 
 

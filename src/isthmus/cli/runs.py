@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from isthmus.cli import security
 from isthmus.cli.common import print_summary, read_token, strategy_names
 from isthmus.run.flags import add_config_flags
 
@@ -64,14 +65,20 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             begin_timeout=args.begin_timeout,
             commit_timeout=args.commit_timeout,
         ),
+        **security.coordinator_options(args),
     )
     coord = Coordinator(cfg)
+    scheme = "https" if cfg.tls else "http"
     print(
-        f"isthmus coordinator on {args.host}:{args.port} (Ctrl-C to stop); "
-        f"status: curl -H 'Authorization: Bearer <token>' http://{coord.address}/v1/status",
+        f"isthmus coordinator on {args.host}:{args.port} (Ctrl-C to stop); status: curl "
+        f"{'-k ' if cfg.tls else ''}-H 'Authorization: Bearer <token>' "
+        f"{scheme}://{coord.address}/v1/status",
         file=sys.stderr,
     )
-    print(f"dashboard: http://{coord.address}/ (log in with the token)", file=sys.stderr)
+    if cfg.tls is not None:
+        print(f"TLS certificate {cfg.tls.cert}, SHA-256 fingerprint:", file=sys.stderr)
+        print(cfg.tls.fingerprint, flush=True)  # on stdout alone: scripts read it from there
+    print(f"dashboard: {scheme}://{coord.address}/ (log in with a token)", file=sys.stderr)
     if args.metrics_port is not None:
         where = f"{args.metrics_host or args.host}:{args.metrics_port}"
         print(f"metrics: http://{where}/metrics (no token)", file=sys.stderr)
@@ -205,6 +212,7 @@ def add_parsers(sub: Any) -> None:
         help="continue the run from the latest complete checkpoint in DIR (a path or fsspec URL "
         "every peer can read): peers that start without one of their own load it",
     )
+    security.add_coordinator_flags(c)
     c.set_defaults(func=_cmd_coordinator)
 
     d = sub.add_parser(
