@@ -73,6 +73,8 @@ class PeerSpec:
     coordinator: str
     """The coordinator's ``host:port``."""
     token: str
+    coordinator_fingerprint: str | None = None
+    """Pin the coordinator's TLS certificate (see :class:`SessionConfig`)."""
     out_dir: str
     """The run directory."""
     faults: list[str] = field(default_factory=list)
@@ -173,6 +175,7 @@ def run_job(job: PeerJob) -> PeerResult:
         SessionConfig(
             coordinator=me.coordinator,
             token=me.token,
+            coordinator_fingerprint=me.coordinator_fingerprint,
             name=me.name,
             interface=me.interface,
             hostname=me.hostname,
