@@ -1,0 +1,195 @@
+"""DeMo: decoupled momentum; every step, each peer sends the top DCT components of its momentum.
+
+Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", arXiv:2411.19870 (2024);
+reference optimizer bloc97/DeMo (Nous Research; the optimizer of the Psyche network's runs).
+
+Every step is one round. Each peer, per parameter, with its local momentum ``m`` (fp32):
+
+1. ``theta <- theta * (1 - lr * weight_decay)`` (decoupled; applied with the update, step 5);
+2. ``m <- decay * m + lr * g`` (g: this step's gradient);
+3. compresses ``m`` (:class:`~isthmus.reduce.demo_math.DCTCodec`): a 2-D orthonormal DCT over
+   tiles of at most ``chunk`` x ``chunk``, the ``top_k`` largest coefficients per tile;
+4. keeps the residual: ``m <- m - q`` (``q``: the inverse DCT of what it sends);
+5. all-gathers the messages, sums the present ones' coefficients in rank order, inverts the DCT
+   and applies ``theta <- theta - lr * sign(sum)`` (``sign=False``: ``lr * sum / R`` over the
+   ``R`` peers present).
+
+The reference's defaults are this config's: ``decay`` 0.999, ``chunk`` 64, ``top_k`` 32, sign
+on. The reference averages each coefficient over the peers that sent it; with the sign that is
+the same update as the sum. Like the reference (a subclass of SGD), DeMo replaces the user's
+optimizer's update: isthmus reads each parameter's ``lr`` and ``weight_decay`` from the
+optimizer's param group at every step (so a learning-rate scheduler works), and never calls
+``optimizer.step()``; the optimizer's own state is not used.
+
+Bytes per step per peer: :attr:`DeMo.payload_bytes` (6 bytes per kept coefficient plus the
+header), ``(world - 1)`` times that over a ring all-gather.
+
+Shared state: the model's parameters (``model/<name>``), the floating buffers' copy
+(``global/<name>``, averaged over the peers present each step, as DDP does) and the step
+counter. Local: the momenta ``m`` (in checkpoints).
+
+Faults, joins and the momentum: a step's message is built once and ``m`` changes only after the
+round commits, so an aborted attempt (a peer died) is retried by the survivors with the same
+message and counted once. A **dead peer's residual** (its ``m``, never sent) is lost with it. A
+**joiner** starts with ``m = 0``; in its first round it is resynced (receives theta) and sends an
+absent message, and that step's gradient is dropped. A resynced peer likewise sends nothing and
+keeps its ``m``; a peer whose momentum or buffers are not finite sends nothing (logged).
+
+Bit parity: every peer applies the same bytes in the same order with the same operations (see
+:mod:`isthmus.reduce.demo_math` on CPU kinds). Refuses ``compression=`` and ``aggregator=``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.demo_math import DCTCodec
+from isthmus.strategies.base import Strategy
+from isthmus.strategies.model_state import SharedBuffers, load_tensors
+from isthmus.strategies.sparseloco import gather_messages
+
+__all__ = ["DeMo", "DeMoConfig"]
+
+log = logging.getLogger("isthmus.demo")
+
+
+@dataclass(kw_only=True)
+class DeMoConfig:
+    """Options of :class:`DeMo`; the defaults are the reference optimizer's."""
+
+    decay: float = 0.999
+    """Momentum decay (the reference's ``compression_decay``)."""
+    chunk: int = 64
+    """Largest tile side of the DCT (the reference's ``compression_chunk``), at most 181."""
+    top_k: int = 32
+    """Coefficients kept per tile (the reference's ``compression_topk``)."""
+    sign: bool = True
+    """Step along the sign of the summed components (the reference); False: their mean."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.decay <= 1:
+            raise ValueError(f"decay must be in [0, 1], got {self.decay}")
+        DCTCodec([], self.chunk, self.top_k)  # names a bad chunk or top_k
+
+
+class DeMo(Strategy):
+    """DeMo: call :meth:`step` after every backward (instead of ``optimizer.step()``)."""
+
+    name = "demo"
+    Config = DeMoConfig
+    config: DeMoConfig
+    first_round_uses_work = True  # the first step trains on its batch, as DDP's
+
+    def setup(self) -> None:
+        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
+            raise ValueError(
+                "demo compresses its own momenta (top_k, chunk options) and sums them exactly: "
+                "drop compression= and aggregator="
+            )
+        groups: dict[int, dict[str, Any]] = {}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                groups[id(p)] = g
+        missing = [n for n, p in zip(self.names, self.params, strict=True) if id(p) not in groups]
+        if missing:
+            raise ValueError(
+                f"demo reads each parameter's lr from the optimizer, which does not hold "
+                f"{missing[:3]}: pass an optimizer over all trainable parameters"
+            )
+        self.groups = [groups[id(p)] for p in self.params]
+        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self.momentum = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
+        self.codec = DCTCodec(
+            [p.shape for p in self.params],
+            self.config.chunk,
+            self.config.top_k,
+            exact=self.buffers.numel,
+        )
+        self.absent = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8)
+        self.absent_rounds = 0
+        self.share_model([p.data for p in self.params], "model", self.buffers)
+        self._register_counter()
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of this peer's message in every step."""
+        return self.codec.payload_bytes
+
+    def _hyper(self, i: int) -> tuple[float, float]:
+        g = self.groups[i]
+        lr = g["lr"]
+        return float(lr), float(g.get("weight_decay", 0.0))
+
+    def _step(self) -> None:
+        self.check_faults("step")
+        cfg, codec = self.config, self.codec
+        snap = self.buffers.snapshot()
+        accumulated = []
+        for i, (m, p) in enumerate(zip(self.momentum, self.params, strict=True)):
+            lr, _ = self._hyper(i)
+            a = m.mul(cfg.decay)
+            if p.grad is not None:
+                a.add_(p.grad.detach().reshape(-1).to(torch.float32), alpha=lr)
+            accumulated.append(a)
+        message: torch.Tensor | None = None
+        finite = all(map(all_finite, accumulated))
+        if not finite:
+            self.reducer.nonfinite_skips += 1
+            log.warning("non-finite values in this peer's momentum: sending nothing")
+        if finite and self.buffers.finite(snap):
+            message = codec.encode(accumulated, self.buffers.flat(snap) if self.buffers else None)
+        messages, present = gather_messages(
+            self.session, message, self.absent, lambda: self.step_count
+        )
+        if present:
+            assert message is not None
+            sent = codec.coefficients(codec.decode(message))
+            for i, (m, a, q) in enumerate(zip(self.momentum, accumulated, sent, strict=True)):
+                m.copy_(a.sub_(codec.inverse(q, i)))
+        else:
+            self.absent_rounds += 1
+        sums, exact, n = codec.sum(messages)
+        if n:
+            self._apply(sums, n)
+            if self.buffers:
+                self.buffers.land(exact.div_(n))
+        self.buffers.restart()
+        self.global_step += 1
+        self.local_steps += 1
+
+    def _apply(self, sums: list[torch.Tensor], n: int) -> None:
+        """theta <- theta (1 - lr wd) - lr sign(idct(sum)) (or the mean), on every peer alike."""
+        with torch.no_grad():
+            for i, (p, s) in enumerate(zip(self.params, sums, strict=True)):
+                lr, wd = self._hyper(i)
+                update = self.codec.inverse(s, i)
+                update = update.sign_() if self.config.sign else update.div_(n)
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(update.view(p.shape).to(p.dtype), alpha=-lr)
+
+    # -- local state (checkpoints) ----------------------------------------------------------------
+    def _local_tensors(self) -> dict[str, Any]:
+        return {"momentum": dict(zip(self.names, self.momentum, strict=True))}
+
+    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
+        if "momentum" not in state:
+            raise ValueError("local state has no 'momentum' (DeMo's residual momenta)")
+        load_tensors(
+            "momentum", dict(zip(self.names, self.momentum, strict=True)), state["momentum"]
+        )
+        self.buffers.restart()
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            **super().metrics(),
+            "payload_bytes": self.payload_bytes,
+            "density": round(self.codec.density, 6),
+            "absent_rounds": self.absent_rounds,
+        }

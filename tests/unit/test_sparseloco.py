@@ -1,0 +1,199 @@
+"""SparseLoCo's math and one-peer strategy, without a network: the codec's bytes, quantizer and
+packing, the rank-order sum, and one peer against a hand-written SparseLoCo round."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from isthmus.data import Corpus
+from isthmus.models import GPT, GPTConfig
+from isthmus.reduce.sparseloco_math import (
+    SparseCodec,
+    pack_codes,
+    quantize,
+    sum_messages,
+    unpack_codes,
+)
+from isthmus.strategies import SparseLoCo, SparseLoCoConfig, make_strategy
+
+TINY = GPTConfig.tiny()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_codes_pack_into_the_documented_bytes_and_back(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (37,), generator=g, dtype=torch.int64).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.numel() == math.ceil(bits * 37 / 8)
+    assert torch.equal(unpack_codes(packed, bits, 37), codes)
+    if bits == 2:  # little-endian within a byte: code j at bits 2j..2j+1
+        assert int(pack_codes(torch.tensor([1, 2, 3, 0], dtype=torch.uint8), 2)[0]) == (
+            1 | 2 << 2 | 3 << 4
+        )
+
+
+def test_quantizer_by_hand():
+    v = torch.tensor([4.0, -4.0, 3.0, -2.0, 0.5])
+    codes, table = quantize(v, 2)
+    shift = v.mean()
+    c = v - shift
+    scale = 6.0 * float(c.norm() / 2.0) / 4  # std with n - 1 = 4
+    want = [min(3, max(0, round(float(x) / scale + 2))) for x in c]
+    assert codes.tolist() == want
+    assert table[0] == shift
+    for level in range(4):
+        members = [float(x) for x, k in zip(c, want, strict=True) if k == level]
+        expect = sum(members) / len(members) if members else 0.0
+        assert table[1 + level].item() == pytest.approx(expect, rel=1e-6)
+    # a constant vector: std 0, scale 1, everything at the middle level, decoded exactly
+    codes, table = quantize(torch.full((3,), 2.5), 2)
+    assert codes.tolist() == [2, 2, 2] and table[0] == 2.5 and table[3] == 0.0
+
+
+def _expected_bytes(shapes, chunk, k, bits, exact):
+    total = 4 * (1 + exact)
+    for s in shapes:
+        n = math.prod(s)
+        kept = (n // chunk) * min(k, chunk) + min(k, n % chunk)
+        if bits == 32:
+            total += 6 * kept
+        else:
+            total += 2 * kept + math.ceil(bits * kept / 8) + 4 * (2**bits + 1)
+    return total
+
+
+@pytest.mark.parametrize("bits", [2, 32])
+def test_message_is_exactly_the_documented_bytes(bits):
+    model = GPT(TINY, seed=3)
+    opt = torch.optim.AdamW(model.parameters())
+    st = SparseLoCo(None, model, opt, SparseLoCoConfig(bits=bits))
+    shapes = [p.shape for p in st.params]
+    want = _expected_bytes(shapes, 4096, 64, bits, exact=1)  # the step count, no buffers
+    assert st.payload_bytes == want
+    msg = st.codec.encode([torch.randn(p.numel()) for p in st.params], torch.tensor([5.0]))
+    assert msg.dtype == torch.uint8 and msg.numel() == want
+    # the tiny GPT in figures: 34,688 parameters, 2 bits -> 3,736 bytes a round
+    if bits == 2:
+        assert sum(p.numel() for p in st.params) == 34_688 and want == 3_736
+
+
+def test_messages_sum_in_rank_order_and_skip_absent_ones():
+    codec = SparseCodec([torch.Size([10]), torch.Size([3, 3])], chunk=4, k=2, bits=32, exact=1)
+    g = torch.Generator().manual_seed(0)
+    tensors = [[torch.randn(10, generator=g), torch.randn(9, generator=g)] for _ in range(3)]
+    msgs = [codec.encode(t, torch.tensor([float(r + 1)])) for r, t in enumerate(tensors)]
+    absent = torch.zeros(codec.payload_bytes, dtype=torch.uint8)
+    sums, exact, n = sum_messages(codec, [msgs[0], absent, msgs[1], msgs[2]])
+    assert n == 3 and exact.tolist() == [6.0]
+    dense = [codec.dense(codec.decode(m)) for m in msgs]
+    for i in range(2):
+        want = torch.zeros_like(dense[0][i])
+        for d in dense:  # rank order
+            want = want + d[i]
+        assert torch.equal(sums[i], want)
+    # chunk-wise top-2 of the first tensor of rank 0: chunks [0:4], [4:8], [8:10]
+    t = tensors[0][0]
+    keep = set()
+    for lo, hi in ((0, 4), (4, 8), (8, 10)):
+        keep |= set(sorted(range(lo, hi), key=lambda j: -abs(float(t[j])))[:2])
+    d0 = dense[0][0]
+    assert {j for j in range(10) if d0[j] != 0} == keep
+    assert all(d0[j] == t[j] for j in keep)  # 32 bits: the values themselves
+
+
+def _hand_round(acc: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """What one accumulator sends at 2 bits, written out chunk by chunk."""
+    positions = []
+    for lo in range(0, acc.numel(), chunk):
+        hi = min(lo + chunk, acc.numel())
+        order = sorted(range(lo, hi), key=lambda j: -abs(float(acc[j])))
+        positions += sorted(order[: min(k, hi - lo)])
+    vals = acc[positions]
+    shift = vals.mean()
+    c = vals - shift
+    n = c.numel()
+    std = float(c.norm()) / math.sqrt(n - 1) if n > 1 else 0.0
+    scale = 6.0 * std / 4 if std > 0 else 1.0
+    codes = torch.clamp(torch.round(c / scale + 2), 0, 3).long()
+    means = torch.zeros(4)
+    for level in range(4):
+        s, cnt = torch.zeros(()), 0
+        for x, q in zip(c, codes, strict=True):  # in order, in fp32, as index_add_ sums
+            if int(q) == level:
+                s, cnt = s + x, cnt + 1
+        means[level] = s / cnt if cnt else 0.0
+    sent = torch.zeros_like(acc)
+    sent[positions] = means[codes] + shift
+    return sent
+
+
+def test_one_peer_equals_a_hand_written_sparseloco():
+    corpus = Corpus.from_stdlib(max_bytes=50_000)
+    torch.set_num_threads(1)
+    h, rounds, chunk, k, beta, alpha = 3, 3, 64, 4, 0.9, 0.8
+    model = GPT(TINY, seed=5)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    cfg = SparseLoCoConfig(sync_every=h, chunk=chunk, top_k=k, outer_lr=alpha, error_decay=beta)
+    st = SparseLoCo(None, model, opt, cfg)
+    theta = [p.detach().clone() for p in ref.parameters()]
+    error = [torch.zeros(t.numel()) for t in theta]
+    for step in range(h * rounds):
+        x, y = corpus.batch(step=step, rank=0, world=1, batch_size=2, block_size=TINY.block_size)
+        model(x, y)[1].backward()
+        st.step()
+        opt.zero_grad()
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if (step + 1) % h == 0:  # the hand-written round
+            with torch.no_grad():
+                for i, p in enumerate(ref.parameters()):
+                    acc = error[i] * beta + (theta[i] - p).reshape(-1)
+                    sent = _hand_round(acc, chunk, k)
+                    error[i] = acc - sent
+                    # theta - alpha * sent as one fused operation (torch's add with alpha), as
+                    # any implementation that scales and adds in one pass rounds it
+                    theta[i] = torch.add(theta[i], sent.view(theta[i].shape), alpha=-alpha)
+                    p.copy_(theta[i])
+    assert st.step_count == h * rounds and st.outer_rounds == rounds
+    for i, (g, t) in enumerate(zip(st.global_params, theta, strict=True)):
+        assert torch.equal(g, t), f"theta {st.names[i]} differs"
+        assert torch.equal(st.error[i], error[i]), f"accumulator {st.names[i]} differs"
+    for p, t in zip(model.parameters(), theta, strict=True):
+        assert torch.equal(p, t)
+
+
+def test_options_and_refusals():
+    model = GPT(TINY, seed=1)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="bits"):
+        SparseLoCoConfig(bits=3)
+    with pytest.raises(ValueError, match="top_k"):
+        SparseLoCoConfig(top_k=5000)
+    with pytest.raises(ValueError, match="chunk"):
+        SparseLoCoConfig(chunk=40000, top_k=10)
+    with pytest.raises(ValueError, match="compression"):
+        make_strategy("sparseloco", None, model, opt, compression="int8")
+    st = make_strategy("sparseloco", None, model, opt, top_k="32", bits="4")
+    assert isinstance(st, SparseLoCo) and st.codec.bits == 4
+
+
+def test_a_nonfinite_accumulator_sends_nothing_and_keeps_the_residual():
+    model = GPT(TINY, seed=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = SparseLoCo(None, model, opt, SparseLoCoConfig(sync_every=1))
+    st.error[0].fill_(1.0)
+    before = [g.clone() for g in st.global_params]
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    st.sync()
+    assert st.reducer.nonfinite_skips == 1 and st.absent_rounds == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, st.global_params, strict=True))
+    assert torch.equal(st.error[0], torch.ones_like(st.error[0]))
+    assert all(torch.equal(p, g) for p, g in zip(st.params, st.global_params, strict=True))
