@@ -39,6 +39,8 @@ def test_names_are_written_once() -> None:
         "co2",
         "gossip",
         "zo",
+        "sparseloco",
+        "demo",
     ]
     assert tuple(STRATEGIES.names()) == SCENARIO_STRATEGIES
     for name in STRATEGIES.names():

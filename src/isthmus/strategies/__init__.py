@@ -19,9 +19,10 @@ one boundary later; where forward passes ran while a round was in flight, the mo
 they gathered on top of the mean. **gossip**: floating buffers are mixed like parameters, and
 the final merge averages them exactly. **zo**: buffers are not trained; every step puts them back
 (floating ones from their shared copy ``global/<name>``), since its forward passes only evaluate
-perturbed points. In mixed precision the DiLoCo family keeps fp32 global state (theta, the outer
-optimizer, the buffers' copy) for bf16/fp16 tensors and casts it into the model; fp32 models are
-unchanged bit for bit. A catch-up round (the first step of the DiLoCo
+perturbed points. **sparseloco** follows the DiLoCo family (the buffers ride in its message's
+exact values); **demo** follows ddp (averaged every step over the peers present). In mixed
+precision the DiLoCo family keeps fp32 global state (theta, the outer optimizer, the buffers'
+copy) for bf16/fp16 tensors and casts it into the model; fp32 models are unchanged bit for bit. A catch-up round (the first step of the DiLoCo
 family and gossip with a session) drops its forward pass's statistics with its gradient, so
 with one peer every strategy equals its run without a session bit for bit, buffers included.
 
@@ -44,10 +45,12 @@ from isthmus.spec import Registry
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.co2 import CO2, CO2Config
 from isthmus.strategies.ddp import DDP, DDPConfig
+from isthmus.strategies.demo import DeMo, DeMoConfig
 from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
 from isthmus.strategies.eager import EagerConfig, EagerDiLoCo
 from isthmus.strategies.gossip import Gossip, GossipConfig
 from isthmus.strategies.localsgd import LocalSGD, LocalSGDConfig
+from isthmus.strategies.sparseloco import SparseLoCo, SparseLoCoConfig
 from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
 from isthmus.strategies.zo import ZO, ZOConfig
 
@@ -58,6 +61,8 @@ __all__ = [
     "ZO",
     "CO2Config",
     "DDPConfig",
+    "DeMo",
+    "DeMoConfig",
     "DiLoCo",
     "DiLoCoConfig",
     "EagerConfig",
@@ -67,6 +72,8 @@ __all__ = [
     "LocalSGD",
     "LocalSGDConfig",
     "Reducer",
+    "SparseLoCo",
+    "SparseLoCoConfig",
     "Strategy",
     "StreamingConfig",
     "StreamingDiLoCo",
@@ -92,7 +99,18 @@ STRATEGIES: Registry[Strategy] = Registry("strategy")
 ``STRATEGIES.lookup(name).config(options)`` validates a strategy's options without building a
 model; ``build(config, session=, model=, optimizer=, reducer=...)`` makes the strategy."""
 
-for _cls in (DDP, DiLoCo, LocalSGD, StreamingDiLoCo, EagerDiLoCo, CO2, Gossip, ZO):
+for _cls in (
+    DDP,
+    DiLoCo,
+    LocalSGD,
+    StreamingDiLoCo,
+    EagerDiLoCo,
+    CO2,
+    Gossip,
+    ZO,
+    SparseLoCo,
+    DeMo,
+):
     STRATEGIES.add(
         _cls.name,
         config=_cls.Config,
