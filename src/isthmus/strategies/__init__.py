@@ -22,9 +22,9 @@ the final merge averages them exactly. **zo**: buffers are not trained; every st
 perturbed points. **sparseloco** follows the DiLoCo family (the buffers ride in its message's
 exact values); **demo** follows ddp (averaged every step over the peers present). In mixed
 precision the DiLoCo family keeps fp32 global state (theta, the outer optimizer, the buffers'
-copy) for bf16/fp16 tensors and casts it into the model; fp32 models are unchanged bit for bit. A catch-up round (the first step of the DiLoCo
-family and gossip with a session) drops its forward pass's statistics with its gradient, so
-with one peer every strategy equals its run without a session bit for bit, buffers included.
+copy) for bf16/fp16 tensors and casts it into the model; fp32 models are unchanged bit for bit.
+A catch-up round (the first step of the DiLoCo family and gossip with a session) drops its
+forward pass's statistics with its gradient, so with one peer every strategy equals its run without a session bit for bit, buffers included.
 
 To add a strategy: subclass :class:`Strategy`, declare its ``name`` and ``Config`` (its options
 dataclass, validated in ``__post_init__``), create its state in ``setup`` (registering the model
