@@ -414,6 +414,12 @@ class Corpus:
         )
         return self._windows(self.train_data, starts, block_size)
 
+    def windows(self, starts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-byte targets of the training windows starting at ``starts`` (int64
+        offsets into the training split, each at most ``len(train_data) - block_size - 1``).
+        Raises IndexError for a window that does not fit."""
+        return self._windows(self.train_data, starts, block_size)
+
     @staticmethod
     def _windows(
         data: torch.Tensor, starts: torch.Tensor, block_size: int

@@ -22,7 +22,15 @@ Three modes behind one interface, :meth:`Reducer.start` (and its blocking form :
   usable vectors for ``byzantine_f``), every peer alike applies nothing that round (logged).
 
 ``exact`` values (e.g. a step count) are always summed without compression or robust rules and
-averaged over the contributors. In every mode the result has identical bits on every peer. A
+averaged over the contributors.
+
+**Weights.** ``start(..., weight=w)`` makes a peer count ``w`` times (``w >= 0``; default 1): its
+tensors and exact values are multiplied by ``w`` before the sum and the count element carries
+``w``, so the result is ``sum_i w_i x_i / sum_i w_i``. With ``x_i`` the mean gradient over a
+peer's ``w_i`` samples this is the gradient of all the samples whatever the split (DDP's fixed
+global batch); with ``w_i`` the tokens of a phase it is DiLoCo's token-weighted outer gradient.
+A weight of exactly 1 leaves the bits as they were. Robust rules take one vote per peer and
+refuse weights other than 1. In every mode the result has identical bits on every peer. A
 non-finite update is never sent: this peer contributes nothing that round (logged) and the
 others' result is applied.
 """
@@ -59,6 +67,7 @@ class Reduced:
     tensors: list[torch.Tensor]
     exact: torch.Tensor | None
     contributors: int
+    """The summed count: the number of contributing peers, or their summed weights."""
 
 
 class PendingMean:
@@ -184,16 +193,31 @@ class Reducer:
 
     # -- the reduction ----------------------------------------------------------------------------
     def start(
-        self, rnd: Round, items: Items, *, contribute: bool, exact: torch.Tensor | None = None
+        self,
+        rnd: Round,
+        items: Items,
+        *,
+        contribute: bool,
+        exact: torch.Tensor | None = None,
+        weight: float = 1.0,
     ) -> PendingMean:
         """Start reducing ``items`` (and ``exact``) across ``rnd``'s group; return at once.
+        ``weight`` is how much this peer counts (see the module docstring). Raises ValueError
+        for a negative or non-finite weight, or a weight other than 1 with a robust aggregator.
 
         Every peer of the round must call this with the same names, shapes and ``exact`` length,
         in the same order. The plain mode issues async all-reduces from this thread and leaves
         waiting for them and finishing the result to one worker thread; the other modes run
         entirely on that worker so that their several collectives stay in order.
         """
-        contribute = self._check(rnd, items, contribute)
+        if not (weight >= 0 and weight < float("inf")):
+            raise ValueError(f"a peer's weight must be a finite number >= 0, got {weight}")
+        if weight != 1.0 and self.aggregator is not None:
+            raise ValueError("robust aggregators take one vote per peer: weights do not apply")
+        contribute = self._check(rnd, items, contribute) and weight > 0
+        if weight != 1.0 and contribute:
+            items = [(n, t * weight) for n, t in items]
+            exact = exact * weight if exact is not None else None
         self._staged = None
         if self.attack is not None and contribute:
             # A byzantine peer skips the honest checks: its forged vector goes out as it is.
@@ -201,9 +225,11 @@ class Reducer:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-reduce")
         if self.mode == "plain":
-            return self._plain(rnd, items, contribute, exact)
+            return self._plain(rnd, items, contribute, exact, weight)
         fn = self._compressed if self.compressor is not None else self._robust
-        return PendingMean(self._worker.submit(fn, rnd, items, contribute, exact), self.timing)
+        return PendingMean(
+            self._worker.submit(fn, rnd, items, contribute, exact, weight), self.timing
+        )
 
     def _attacked(self, rnd: Round, items: Items) -> Items:
         assert self.attack is not None
@@ -213,10 +239,16 @@ class Reducer:
         return [(n, t) for (n, _), t in zip(items, _split(bad, tensors), strict=True)]
 
     def mean(
-        self, rnd: Round, items: Items, *, contribute: bool, exact: torch.Tensor | None = None
+        self,
+        rnd: Round,
+        items: Items,
+        *,
+        contribute: bool,
+        exact: torch.Tensor | None = None,
+        weight: float = 1.0,
     ) -> Reduced | None:
         """Blocking form of :meth:`start`."""
-        return self.start(rnd, items, contribute=contribute, exact=exact).wait()
+        return self.start(rnd, items, contribute=contribute, exact=exact, weight=weight).wait()
 
     def _check(self, rnd: Round, items: Items, contribute: bool) -> bool:
         # Compressed mode checks what the compressor will see (fp32): a finite fp64 value beyond
@@ -236,7 +268,12 @@ class Reducer:
         return contribute
 
     def _plain(
-        self, rnd: Round, items: Items, contribute: bool, exact: torch.Tensor | None
+        self,
+        rnd: Round,
+        items: Items,
+        contribute: bool,
+        exact: torch.Tensor | None,
+        weight: float = 1.0,
     ) -> PendingMean:
         buckets: list[list[torch.Tensor]] = [[]]
         size = 0
@@ -248,7 +285,10 @@ class Reducer:
             size += t.numel()
         if exact is not None:
             buckets[-1].append(exact)
-        handles = [rnd.group.all_reduce(_flat(b, contribute), async_op=True) for b in buckets]
+        handles = [
+            rnd.group.all_reduce(_flat(b, contribute, weight=weight), async_op=True)
+            for b in buckets
+        ]
 
         def finish(bufs: list[torch.Tensor]) -> Reduced | None:
             n = float(bufs[0][-1])
@@ -278,11 +318,16 @@ class Reducer:
         )
 
     def _exact(
-        self, rnd: Round, contribute: bool, exact: torch.Tensor | None, device: torch.device
+        self,
+        rnd: Round,
+        contribute: bool,
+        exact: torch.Tensor | None,
+        device: torch.device,
+        weight: float = 1.0,
     ) -> Handle:
         extra = [] if exact is None else [exact]
         # on the items' device: NCCL groups refuse CPU tensors
-        return rnd.group.all_reduce(_flat(extra, contribute, device), async_op=True)
+        return rnd.group.all_reduce(_flat(extra, contribute, device, weight=weight), async_op=True)
 
     def _finish_exact(
         self, buf: torch.Tensor, exact: torch.Tensor | None
@@ -292,13 +337,18 @@ class Reducer:
         return n, ex
 
     def _compressed(
-        self, rnd: Round, items: Items, contribute: bool, exact: torch.Tensor | None
+        self,
+        rnd: Round,
+        items: Items,
+        contribute: bool,
+        exact: torch.Tensor | None,
+        weight: float = 1.0,
     ) -> Reduced | None:
         self._prepare_compressor(rnd)
         # The exact all-reduce is issued before the compressor's collectives and all of them
         # from this one worker thread, so every peer issues the same sequence (Gloo matches
         # concurrent collectives by issue order; NCCL runs them in stream order).
-        h = self._exact(rnd, contribute, exact, _device_of(items))
+        h = self._exact(rnd, contribute, exact, _device_of(items), weight)
         try:
             sums = self.compressor.reduce_sum_many(rnd.group, items, contribute=contribute)
         except NonFiniteError as e:
@@ -335,7 +385,12 @@ class Reducer:
             self.compressor.reset_shared()
 
     def _robust(
-        self, rnd: Round, items: Items, contribute: bool, exact: torch.Tensor | None
+        self,
+        rnd: Round,
+        items: Items,
+        contribute: bool,
+        exact: torch.Tensor | None,
+        weight: float = 1.0,  # always 1: start() refuses other weights for robust rules
     ) -> Reduced | None:
         h = self._exact(rnd, contribute, exact, _device_of(items))
         tensors = [t for _, t in items]
@@ -382,11 +437,16 @@ def _device_of(items: Items) -> torch.device:
 
 
 def _flat(
-    tensors: list[torch.Tensor], contribute: bool, device: torch.device | str = "cpu"
+    tensors: list[torch.Tensor],
+    contribute: bool,
+    device: torch.device | str = "cpu",
+    *,
+    weight: float = 1.0,
 ) -> torch.Tensor:
-    """A fresh fp32 buffer: the tensors back to back plus the count element (all zeros when not
-    contributing), on the tensors' device (``device`` when there are none). Fresh on purpose: an
-    abandoned collective may still write into its buffer."""
+    """A fresh fp32 buffer: the tensors back to back plus the count element (``weight``; all
+    zeros when not contributing), on the tensors' device (``device`` when there are none). The
+    tensors come already multiplied by the weight. Fresh on purpose: an abandoned collective may
+    still write into its buffer."""
     n = sum(t.numel() for t in tensors)
     out = torch.zeros(n + 1, dtype=torch.float32, device=tensors[0].device if tensors else device)
     if contribute:
@@ -394,7 +454,7 @@ def _flat(
         for t in tensors:
             out[off : off + t.numel()].copy_(t.reshape(-1))
             off += t.numel()
-        out[-1] = 1.0
+        out[-1] = weight
     return out
 
 

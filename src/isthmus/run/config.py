@@ -117,9 +117,13 @@ class DataConfig:
     peer a different part of the corpus: non-IID)."""
     seed: int = field(default=0, metadata={"flat": "data_seed"})
     """Seed of the data order."""
+    global_batch: int = 0
+    """DDP only: every committed step consumes exactly this many samples, split among the
+    current peers (``batch_size`` is then the micro-batch); 0: ``batch_size`` per peer."""
 
     def __post_init__(self) -> None:
         _at_least("data", 1, batch_size=self.batch_size)
+        _at_least("data", 0, global_batch=self.global_batch)
         _at_least("data", 10_000, corpus_bytes=self.corpus_bytes)
 
 
@@ -318,6 +322,11 @@ class RunConfig:
             raise SpecError(f"must be >= 0 seconds, got {self.step_delay!r}", key="step_delay")
         if not self.name:
             self.name = self.strategy.name
+        if self.data.global_batch and self.strategy.name != "ddp":
+            raise SpecError(
+                f"a fixed global batch is DDP's; strategy {self.strategy.name!r} cannot take it",
+                key="data.global_batch",
+            )
         self._check_components()
         self._check_peers()
 

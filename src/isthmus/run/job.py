@@ -37,6 +37,7 @@ from isthmus.comm.session import RoundTimeout, RunFinished, Session, SessionConf
 from isthmus.comm.state import tensor_bytes
 from isthmus.coordinator.client import AuthError, CoordinatorUnreachable
 from isthmus.data import Corpus, evaluate
+from isthmus.data.global_batch import GlobalOrder
 from isthmus.models import GPT, GPTConfig
 from isthmus.run.config import RunConfig, from_dict, from_flat, strategy_options
 from isthmus.run.record import PeerResult, RunDir
@@ -158,6 +159,25 @@ def install_attack(spec: str, strategy: Strategy, from_step: int = 0) -> Any:
     return None
 
 
+def global_batch_loss(
+    model: GPT, corpus: Corpus, order: GlobalOrder, block_size: int, flip: Any = None
+) -> Any:
+    """The loss function of a fixed-global-batch step: positions -> the mean loss of their
+    training windows (sample ``i`` is the window starting at byte ``i`` of the training split;
+    the tiny GPT draws nothing at random, so no per-sample seed is needed)."""
+
+    def loss_fn(positions: list[int]) -> torch.Tensor:
+        starts = torch.from_numpy(order(positions))
+        x, y = corpus.windows(starts, block_size)
+        if flip is not None:
+            y = flip(y)
+        _, loss = model(x, y)
+        assert loss is not None
+        return loss
+
+    return loss_fn
+
+
 def run_job(job: PeerJob) -> PeerResult:
     """Train as one peer until the run reaches ``job.run.steps``. Returns the final record."""
     run, me = job.run, job.peer
@@ -192,6 +212,10 @@ def run_job(job: PeerJob) -> PeerResult:
     )
     session.report(corpus=corpus.fingerprint, pid=os.getpid())
     s = run.strategy
+    options = strategy_options(s.name, s.options, run.steps)
+    if run.data.global_batch:
+        options.setdefault("global_batch", run.data.global_batch)
+        options.setdefault("micro_batch", run.data.batch_size)
     strategy = make_strategy(
         s.name,
         session,
@@ -200,9 +224,11 @@ def run_job(job: PeerJob) -> PeerResult:
         compression=s.compression,
         aggregator=s.aggregator,
         byzantine_f=s.byzantine_f,
-        **strategy_options(s.name, s.options, run.steps),
+        **options,
     )
     flip = install_attack(me.attack, strategy, me.attack_from_step) if me.attack else None
+    # with a fixed global batch: global-stream position -> training window start
+    order = GlobalOrder(len(corpus.train_data) - block_size, seed=run.data.seed)
     checkpointer = strategy.checkpointer
     metrics = out.records_path(me.name).open("w", buffering=1)
     t0 = time.monotonic()
@@ -221,7 +247,15 @@ def run_job(job: PeerJob) -> PeerResult:
             )
             if flip is not None and step >= me.attack_from_step:
                 y = flip(y)
-            if getattr(strategy, "takes_loss_fn", False):
+            extra: dict[str, Any] = {}
+            if getattr(strategy, "takes_batch_fn", False):
+                # fixed global batch (DDP): the strategy picks the samples inside the round
+                strategy.step(global_batch_loss(model, corpus, order, block_size, flip))
+                loss_value = float(strategy.last_loss)  # type: ignore[attr-defined]
+                share = strategy.last_share  # type: ignore[attr-defined]
+                extra["samples"] = [int(i) for i in order(share)]
+                step = strategy.step_count - 1  # the committed step (a joiner's was stale)
+            elif getattr(strategy, "takes_loss_fn", False):
                 # zeroth order (zo): forward passes at perturbed points inside the step, no
                 # backward; its loss is the mean of those passes
                 strategy.step(lambda x=x, y=y: model(x, y)[1])
@@ -247,6 +281,7 @@ def run_job(job: PeerJob) -> PeerResult:
                 "world": session.world,
                 "revision": session.revision,
                 "bytes_sent": session.stats.bytes_sent,
+                **extra,
             }
             if ev.eval_every and strategy.step_count % ev.eval_every == 0:
                 record["eval_loss"] = evaluate(

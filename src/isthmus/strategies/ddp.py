@@ -21,28 +21,86 @@ contributes nothing that round. Integer buffers (``num_batches_tracked``) advanc
 peer (one forward pass per step) and are kept equal by the parity check; a joiner receives them.
 The user's optimizer state is shared, so a peer keeps no local state but the RNG and error
 feedback (:meth:`~isthmus.strategies.base.Strategy.local_state`).
+
+**Fixed global batch** (``DDPConfig(global_batch=B)``, after ElasWave, in ../shared/seeds): the
+optimization no longer depends on who is in the run. ``step(loss_fn)`` takes a function from a
+list of global-stream positions to the mean loss over their samples, and each committed step
+consumes exactly the positions ``[t B, (t + 1) B)`` (:mod:`isthmus.data.global_batch`): inside
+the round, once its membership is known, every member computes the mean gradient of its
+contiguous share (accumulating micro-batches of at most ``micro_batch``), and the reducer
+weights it by the share's size, so the averaged gradient is the gradient of the ``B`` samples
+whatever the split. The work happens after the round formed, so a peer repaired at its start (a
+joiner) contributes too, and an aborted attempt is recomputed by the survivors on their new
+shares: kills, joins and aborts change the summation order, never the samples nor the scale.
+The step's mean loss over the ``B`` samples rides in the exact values (:attr:`DDP.last_loss`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from isthmus.comm.session import Round
+from isthmus.data.global_batch import micro_batches, share_positions, step_positions
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers
 
-__all__ = ["DDP", "DDPConfig"]
+__all__ = ["DDP", "DDPConfig", "LossFn", "accumulate_share"]
+
+log = logging.getLogger("isthmus.ddp")
+
+LossFn = Callable[[Sequence[int]], torch.Tensor]
+"""Global-stream positions -> the mean loss over their samples (a scalar with a graph)."""
 
 
 @dataclass(kw_only=True)
 class DDPConfig:
-    """DDP has no options of its own: how gradients are reduced is the reducer's business
-    (``compression``, ``aggregator``, ``byzantine_f``)."""
+    """How gradients are reduced is the reducer's business (``compression``, ``aggregator``,
+    ``byzantine_f``); these options choose what each step computes."""
+
+    global_batch: int = 0
+    """B > 0: every committed step consumes exactly B samples, split among the round's members,
+    and ``step(loss_fn)`` computes the gradients inside the round (see the module docstring).
+    0: each peer trains on the batch it passed to ``backward()`` before ``step()``."""
+    micro_batch: int = 0
+    """With ``global_batch``: the most samples one forward pass takes; a larger share is
+    accumulated over several (0: the whole share at once)."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.micro_batch and not self.global_batch:
+            raise ValueError("micro_batch only applies with global_batch; set global_batch too")
+
+
+def accumulate_share(
+    params: Sequence[torch.Tensor], loss_fn: LossFn, positions: range, micro_batch: int
+) -> torch.Tensor:
+    """Set ``params``' gradients to the mean gradient of the loss over ``positions``
+    (micro-batches of at most ``micro_batch``, each weighted by its size) and return the mean
+    loss (a detached fp32 scalar; NaN for no positions, and the gradients are then zero).
+    Raises what ``loss_fn`` raises."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+    n = len(positions)
+    total = torch.zeros((), dtype=torch.float32)
+    for piece in micro_batches(positions, micro_batch):
+        loss = loss_fn(list(piece))
+        (loss * (len(piece) / n)).backward()
+        total += loss.detach().float() * len(piece)
+    return total / n if n else torch.tensor(math.nan)
 
 
 class DDP(Strategy):
@@ -59,16 +117,32 @@ class DDP(Strategy):
     config: DDPConfig
     first_round_uses_work = True  # the first step trains on the batch drawn before the round
 
+    @property
+    def takes_batch_fn(self) -> bool:
+        """True with ``global_batch``: :meth:`step` takes the loss function (no backward before)."""
+        return bool(self.config.global_batch)
+
     def setup(self) -> None:
+        self.last_loss = math.nan
+        """With ``global_batch``: the mean loss over the last step's B samples (every peer)."""
+        self.last_share: range = range(0)
+        """With ``global_batch``: the positions this peer computed in the last committed step."""
         self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.share_model([p.data for p in self.params], "model", self.buffers)
         if self.session is not None:
             register_optimizer(self.session, "opt", self.optimizer)
             self._register_counter()
 
-    def _step(self) -> None:
+    def _step(self, loss_fn: LossFn | None = None) -> None:
         self.check_faults("step")
-        if self.session is None:
+        if self.config.global_batch:
+            if loss_fn is None:
+                raise TypeError(
+                    "DDP with global_batch computes the gradients itself: call step(loss_fn) "
+                    "with a function from positions to their mean loss, without backward()"
+                )
+            self._global_batch_step(loss_fn)
+        elif self.session is None:
             self.optimizer.step()
         else:
             for p in self.params:
@@ -99,6 +173,58 @@ class DDP(Strategy):
             buffers.restart()
         self.global_step += 1
         self.local_steps += 1
+
+    def _global_batch_step(self, loss_fn: LossFn) -> None:
+        big, micro = self.config.global_batch, self.config.micro_batch
+        buffers = self.buffers
+        if self.session is None:
+            self.last_share = step_positions(self.step_count, big)
+            self.last_loss = float(accumulate_share(self.params, loss_fn, self.last_share, micro))
+            self.optimizer.step()
+            return
+        session, reducer = self.session, self.reducer
+        shares: list[range] = []
+
+        def reduce(rnd: Round) -> Reduced | None:
+            # The step is read here, after the round formed: a repaired peer has the run's.
+            step = self.step_count
+            share = share_positions(step, big, rnd.rank, rnd.world)
+            shares.append(share)
+            buffers.restart()  # an aborted attempt's forward passes leave no trace
+            t0 = time.monotonic()
+            loss = accumulate_share(self.params, loss_fn, share, micro)
+            session.faults.pace(step, time.monotonic() - t0)
+            snap = buffers.snapshot()
+            ok = len(share) > 0 and bool(torch.isfinite(loss)) and buffers.finite(snap)
+            exact = loss.reshape(1) if ok else torch.zeros(1)
+            if buffers:
+                exact = torch.cat([exact, buffers.flat(snap)])
+            # Copies outside the plain mode: its worker may still read an abandoned attempt's
+            # tensors when the next attempt zeroes the gradients.
+            keep = reducer.mode == "plain"
+            items = [
+                (n, p.grad if keep else p.grad.clone())  # type: ignore[union-attr]
+                for n, p in zip(self.names, self.params, strict=True)
+            ]
+            pending = reducer.start(rnd, items, contribute=ok, exact=exact, weight=len(share))
+            rnd.check_faults("collective", step=step)
+            return pending.wait()
+
+        result = session.run_round(reduce)
+        reducer.commit()
+        self.last_share = shares[-1]
+        self.last_loss = math.nan
+        if result is not None:
+            for p, g in zip(self.params, result.tensors, strict=True):
+                p.grad.copy_(g)  # type: ignore[union-attr]
+            self.optimizer.step()
+            assert result.exact is not None
+            self.last_loss = float(result.exact[0])
+            if buffers:
+                buffers.land(result.exact[1:])
+        else:
+            log.warning("step %d: no peer contributed a finite gradient; skipped", self.step_count)
+        buffers.restart()
 
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
         # Nothing of the model is local, but its floating buffers are read from the global copy

@@ -1,0 +1,156 @@
+"""A fixed global batch (isthmus.data.global_batch, DDP's global_batch): which positions a step
+uses, how they are split, and that the weighted reduction of uneven shares is the gradient of
+the whole batch."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from isthmus.data.global_batch import (
+    GlobalOrder,
+    micro_batches,
+    sample_seed,
+    share_positions,
+    step_positions,
+)
+from isthmus.reduce.reducer import Reducer
+from isthmus.strategies.ddp import DDP, DDPConfig, accumulate_share
+from isthmus.testing import local_groups, run_parallel
+
+
+@dataclass
+class FakeRound:
+    """What the reducer reads from a round."""
+
+    group: Any
+    epoch: int = 1
+    number: int = 1
+    resynced: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+
+def test_a_step_uses_the_same_positions_whatever_the_split() -> None:
+    for world in (1, 2, 3, 4, 7):
+        shares = [share_positions(5, 10, r, world) for r in range(world)]
+        assert [p for s in shares for p in s] == list(step_positions(5, 10)) == list(range(50, 60))
+        sizes = [len(s) for s in shares]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert [len(s) for s in (share_positions(0, 2, r, 3) for r in range(3))] == [1, 1, 0]
+    assert micro_batches(range(3, 10), 3) == [range(3, 6), range(6, 9), range(9, 10)]
+    assert micro_batches(range(3, 10), 0) == [range(3, 10)]
+    with pytest.raises(ValueError, match="rank must be in"):
+        share_positions(0, 10, 3, 3)
+    with pytest.raises(ValueError, match="global_batch must be an int >= 1"):
+        step_positions(0, 0)
+
+
+def test_the_order_is_a_fresh_permutation_per_pass() -> None:
+    order = GlobalOrder(7, seed=3)
+    first, second = order(range(7)), order(range(7, 14))
+    assert sorted(first) == sorted(second) == list(range(7))
+    assert list(first) != list(second)
+    assert list(order([9, 2, 9])) == [second[2], first[2], second[2]]
+    assert list(GlobalOrder(7, seed=3)(range(14))) == [*first, *second]
+    assert sample_seed(0, 5) == sample_seed(0, 5) != sample_seed(0, 6)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+_X = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+_Y = torch.randn(64, 2, generator=torch.Generator().manual_seed(2))
+
+
+def _loss_fn(model: torch.nn.Module) -> Any:
+    def loss_fn(positions: list[int]) -> torch.Tensor:
+        idx = torch.tensor(positions) % len(_X)
+        return torch.nn.functional.mse_loss(model(_X[idx]), _Y[idx])
+
+    return loss_fn
+
+
+def test_uneven_shares_weighted_equal_the_one_process_gradient() -> None:
+    """A global batch of 10 on 3 peers (shares 4, 3, 3; micro-batches of 2): the reduced,
+    sample-weighted gradient equals the gradient of the mean loss over the 10 samples."""
+    ref = _model()
+    fresh = copy.deepcopy(ref)
+    _loss_fn(ref)(list(step_positions(2, 10))).backward()
+    expected = [p.grad.clone() for p in ref.parameters()]
+    groups = local_groups(3)
+
+    models = [copy.deepcopy(fresh) for _ in groups]  # not in the threads: the global RNG is shared
+
+    def peer(g: Any) -> tuple[list[torch.Tensor], float, int]:
+        model = models[g.rank]
+        params = list(model.parameters())
+        share = share_positions(2, 10, g.rank, g.world)
+        loss = accumulate_share(params, _loss_fn(model), share, micro_batch=2)
+        items = [(str(i), p.grad) for i, p in enumerate(params)]
+        out = Reducer().mean(
+            FakeRound(g), items, contribute=True, exact=loss.reshape(1), weight=len(share)
+        )
+        assert out is not None and out.exact is not None
+        return out.tensors, float(out.exact[0]), out.contributors
+
+    results = run_parallel(groups, peer)
+    with torch.no_grad():
+        whole = float(_loss_fn(ref)(list(step_positions(2, 10))))
+    for tensors, loss, count in results:
+        assert count == 10
+        assert loss == pytest.approx(whole, rel=1e-6)
+        for got, want in zip(tensors, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # every peer holds the same bits
+    for tensors, _, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(tensors, results[0][0], strict=True))
+
+
+def test_weight_one_keeps_the_bits_and_robust_rules_refuse_weights() -> None:
+    (g,) = local_groups(1)
+    t = torch.tensor([0.1, 0.7, 1.3])
+    plain = Reducer().mean(FakeRound(g), [("t", t)], contribute=True)
+    weighted = Reducer().mean(FakeRound(g), [("t", t)], contribute=True, weight=3)
+    assert plain is not None and weighted is not None
+    assert torch.equal(plain.tensors[0], t) and weighted.contributors == 3
+    torch.testing.assert_close(weighted.tensors[0], t)
+    nothing = Reducer().mean(FakeRound(g), [("t", t)], contribute=True, weight=0)
+    assert nothing is None  # a peer with no samples contributes nothing
+    with pytest.raises(ValueError, match="one vote per peer"):
+        Reducer(aggregator="krum").mean(FakeRound(g), [("t", t)], contribute=True, weight=2)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        Reducer().mean(FakeRound(g), [("t", t)], contribute=True, weight=-1)
+
+
+def test_ddp_global_batch_alone_is_plain_training_on_the_batch() -> None:
+    model, ref = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ddp = DDP(None, model, opt, DDPConfig(global_batch=6, micro_batch=4))
+    for step in range(3):
+        ddp.step(_loss_fn(model))
+        ref_opt.zero_grad()
+        _loss_fn(ref)(list(range(6 * step, 6 * step + 6))).backward()
+        ref_opt.step()
+        assert ddp.last_share == range(6 * step, 6 * step + 6)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="step\\(loss_fn\\)"):
+        ddp.step()
+    with pytest.raises(ValueError, match="only applies with global_batch"):
+        DDPConfig(micro_batch=4)
+    assert np.array_equal(GlobalOrder(5)(range(0)), np.array([], dtype=np.int64))
