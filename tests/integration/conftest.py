@@ -23,6 +23,8 @@ from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.protocol import RestorePoint
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.lab.netns import cleanup_stale, list_namespaces, unavailable_reason
+from isthmus.run import forkserver
+from isthmus.run.forkserver import PeerProcess
 from isthmus.run.job import PeerJob
 
 TOKEN = "integration-test-token"
@@ -43,9 +45,9 @@ class Cluster:
                 restore_from=restore_from,
             )
         ).start()
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, PeerProcess] = {}
 
-    def spawn(self, name: str, **job: Any) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, **job: Any) -> PeerProcess:
         job.setdefault("model", "tiny")
         job.setdefault("corpus_bytes", 200_000)
         job.setdefault("steps", 30)
@@ -61,14 +63,14 @@ class Cluster:
         )
         path = self.dir / f"{name}.job.json"
         path.write_text(j.to_json())
-        log = (self.dir / f"{name}.log").open("wb")
-        p = subprocess.Popen(
+        log = self.dir / f"{name}.log"
+        log.write_bytes(b"")
+        # started like the launcher starts peers: forked from the warm server
+        p = forkserver.popen(
             [sys.executable, "-m", "isthmus.run.job", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            log_path=log,
         )
-        log.close()
         self.procs[name] = p
         return p
 

@@ -8,8 +8,8 @@ process (so a kill is a real SIGKILL); one-peer runs use a real session in this 
 
 from __future__ import annotations
 
+import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +22,8 @@ from conftest import TOKEN, Cluster, assert_bitwise_equal
 from isthmus import Session, SessionConfig
 from isthmus.checkpoint import CheckpointStore
 from isthmus.comm.state import tensor_bytes
+from isthmus.run import forkserver
+from isthmus.run.forkserver import PeerProcess
 from isthmus.strategies import Strategy, make_strategy
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -39,9 +41,10 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def spawn(c: Cluster, name: str, *args: str) -> subprocess.Popen[bytes]:
-    log = (c.dir / f"{name}.log").open("wb")
-    p = subprocess.Popen(
+def spawn(c: Cluster, name: str, *args: str) -> PeerProcess:
+    log = c.dir / f"{name}.log"
+    log.write_bytes(b"")
+    p = forkserver.popen(
         [
             sys.executable,
             str(SCRIPTS / "model_peer.py"),
@@ -51,10 +54,9 @@ def spawn(c: Cluster, name: str, *args: str) -> subprocess.Popen[bytes]:
             f"--out={c.dir}",
             *args,
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+        log_path=log,
     )
-    log.close()
     c.procs[name] = p
     return p
 

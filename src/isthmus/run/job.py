@@ -129,7 +129,18 @@ def build_corpus(run: RunConfig) -> Corpus:
 
 
 def build_model(run: RunConfig) -> GPT:
-    return GPT(model_config(run.model.preset), seed=run.model.seed)
+    """The run's model, with ``model.init_from``'s state_dict loaded when given. Raises
+    ValueError naming ``model.init_from`` for a file that cannot be read or does not fit."""
+    model = GPT(model_config(run.model.preset), seed=run.model.seed)
+    if run.model.init_from:
+        try:
+            model.load_state_dict(torch.load(run.model.init_from, weights_only=True))
+        except (OSError, RuntimeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"model.init_from: cannot load {run.model.init_from!r} into the "
+                f"{run.model.preset} model: {e}"
+            ) from e
+    return model
 
 
 def model_digest(model: torch.nn.Module) -> str:

@@ -40,7 +40,9 @@ from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.lab.churn import SlotState
+from isthmus.run import forkserver
 from isthmus.run.config import RunConfig, TimeoutConfig
+from isthmus.run.forkserver import PeerProcess
 from isthmus.run.job import PeerJob, PeerSpec
 from isthmus.run.record import RunDir
 
@@ -170,19 +172,13 @@ class Spawner:
         """The address Gloo should bind in slot ``slot`` (None: resolve the hostname)."""
         return None
 
-    def popen(
-        self, slot: int, argv: list[str], env: dict[str, str], log: Any
-    ) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the peers itself
-        )
+    def popen(self, slot: int, argv: list[str], env: dict[str, str], log: Any) -> PeerProcess:
+        # forked from a warm server (torch imported once, not once per peer) in a session of its
+        # own: Ctrl-C reaches the launcher only, and it stops the peers itself
+        return forkserver.popen(argv, env={**os.environ, **env}, log_path=log.name)
 
 
-def signal_group(proc: subprocess.Popen[bytes], sig: int) -> bool:
+def signal_group(proc: PeerProcess, sig: int) -> bool:
     """Send ``sig`` to the process group of ``proc``; False if it is gone."""
     try:
         os.killpg(proc.pid, sig)
@@ -207,7 +203,7 @@ class Incarnation:
 
     slot: int
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: PeerProcess
     started: float
     killed: bool = False
     """SIGKILLed by the launcher (planned churn)."""
