@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 
+from conftest import assert_bitwise_equal
 from isthmus.data.global_batch import GlobalOrder, step_positions
 from isthmus.run.config import from_flat
 from isthmus.run.job import build_corpus, build_model, global_batch_loss
@@ -75,3 +76,25 @@ def test_kill_and_join_do_not_change_the_steps_of_a_fixed_global_batch(cluster) 
     assert worlds == {2, 3}  # the kill and the join both happened inside the 60 steps
     fa = c.final("a")
     assert fa["digest"] == c.final("c")["digest"] == c.final("j")["digest"]
+
+
+def test_a_time_budget_lets_a_slow_peer_do_fewer_inner_steps(cluster) -> None:
+    """DiLoCo with inner_budget=time, one of 3 peers 3x slower: after the first phase (H steps
+    for everyone: no rate is known yet) the fast peers run about 3x the slow one's inner steps
+    per phase, and all end bit-identical."""
+    c = cluster(start_peers=3)
+    opts = {"sync_every": 8, "inner_budget": "time"}
+    job = {"steps": 64, "step_delay": 0.03, "strategy": "diloco", "strategy_options": opts}
+    for name in "ab":
+        c.spawn(name, **job)
+    c.spawn("s", faults=["slow:3"], **job)
+    assert c.wait(timeout=180) == {"a": 0, "b": 0, "s": 0}, c.log("s")
+    phases = {n: c.final(n)["strategy"]["phase_steps"] for n in "abs"}
+    assert all(p[0] == 8 for p in phases.values()), phases
+    fast = sorted(phases["a"][1:-1] + phases["b"][1:-1])
+    slow = sorted(phases["s"][1:-1])
+    assert len(slow) >= 3, phases
+    ratio = fast[len(fast) // 2] / max(1, slow[len(slow) // 2])
+    assert 2.0 <= ratio <= 4.5, phases
+    assert c.final("a")["digest"] == c.final("b")["digest"] == c.final("s")["digest"]
+    assert_bitwise_equal(c.state("a"), c.state("s"))

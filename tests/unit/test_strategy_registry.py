@@ -62,10 +62,13 @@ def test_options_are_validated_without_a_model() -> None:
         STRATEGIES.lookup("eager").config({"start": "papr"})
     # LocalSGD is DiLoCo with the outer step fixed to plain averaging: those are not options
     with pytest.raises(
-        ValueError, match=r"unknown option 'outer_lr' for localsgd; valid: sync_every$"
+        ValueError,
+        match=r"unknown option 'outer_lr' for localsgd; valid: sync_every, inner_budget, phase_seconds$",
     ):
         STRATEGIES.lookup("localsgd").config({"outer_lr": 0.5})
-    with pytest.raises(ValueError, match="unknown option 'x' for ddp; valid: none"):
+    with pytest.raises(
+        ValueError, match="unknown option 'x' for ddp; valid: global_batch, micro_batch"
+    ):
         STRATEGIES.lookup("ddp").config({"x": 1})
 
 

@@ -23,14 +23,29 @@ starts from it instead of training from its own initialization. At the start of 
 round carries zero outer gradients and doubles as the parity check of the initial states. The
 step counter advances by the mean of the contributors' inner-step counts, which rides in the
 same all-reduce, so every peer agrees on it.
+
+**Heterogeneous peers** (issue 17). Outer gradients are weighted by the tokens each peer
+processed in the phase (``step(tokens=n)``; by default one per inner step, so inner steps count
+when batches are equal): the reducer's ``weight`` is tokens per inner step with a step budget
+(every contributor ran the same steps; exactly 1 by default, so a run of equal peers keeps its
+bits) and ``tokens / H`` with a time budget. With ``inner_budget="time"`` a
+phase ends at a deadline instead of after H steps: ``phase_seconds`` after the phase began when
+that is set, otherwise when the fastest peer of the last round would have done H steps (each
+round all-gathers every member's inner-step rate and count; a peer also stops at H). A peer half
+as fast does half the steps instead of making everyone wait; its outer gradient counts for half.
+The step counter then advances by the largest count of the round, so that every peer agrees
+when the run is over. Each peer's inner steps per phase are in :meth:`metrics`
+(``phase_steps``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -55,10 +70,27 @@ class DiLoCoConfig:
     """Outer momentum (paper: 0.9)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD (paper: yes)."""
+    inner_budget: Literal["steps", "time"] = "steps"
+    """What ends an inner phase: H steps (``steps``), or a deadline shared by the peers
+    (``time``: see the module docstring), so that slow peers do fewer steps."""
+    phase_seconds: float = 0.0
+    """With ``inner_budget="time"``: the phase's length in seconds (0: as long as the fastest
+    peer of the last round takes for H steps)."""
+    time_budget: ClassVar[bool] = True
+    """Whether the strategy implements ``inner_budget="time"`` (a subclass that does not sets
+    False, so that the option is refused rather than ignored)."""
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
+        if self.inner_budget not in ("steps", "time"):
+            raise ValueError(f"inner_budget must be 'steps' or 'time', got {self.inner_budget!r}")
+        if self.inner_budget == "time" and not self.time_budget:
+            raise ValueError(
+                f"{type(self).__name__} has no time budget yet: use inner_budget='steps'"
+            )
+        if not (math.isfinite(self.phase_seconds) and self.phase_seconds >= 0):
+            raise ValueError(f"phase_seconds must be >= 0, got {self.phase_seconds}")
         if self.outer_lr <= 0:
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -80,6 +112,11 @@ class DiLoCo(Strategy):
         self.since_sync = 0
         self.outer_rounds = 0
         self.joined = self.session is None
+        self.phase_tokens = 0.0
+        self.phase_steps: list[int] = []
+        """This peer's inner steps in each phase it synced (the last 1,000)."""
+        self._phase_start = time.monotonic()
+        self._fastest = 0.0  # the fastest member's inner steps per second in the last round
         self._materialize_inner()  # a fixed local-state structure from the start (checkpoints)
         self.share_model(self.global_params, "global", self.buffers)
         if self.session is not None:
@@ -90,18 +127,37 @@ class DiLoCo(Strategy):
     def step_count(self) -> int:
         return int(self.global_step) + self.since_sync
 
-    def _step(self) -> None:
+    def _step(self, tokens: float = 1.0) -> None:
+        """One inner step that processed ``tokens`` (the outer gradient's weight; by default
+        one per step). Raises ValueError for a negative or non-finite count."""
+        if not (math.isfinite(tokens) and tokens >= 0):
+            raise ValueError(f"tokens must be a finite number >= 0, got {tokens}")
         self.check_faults("step")
         if not self.joined:
             self.joined = True
             self.drop_catch_up_forward()
             self.sync(catch_up=True)  # catch up with the run; this gradient is dropped
+            self._phase_start = time.monotonic()
             return
         self.optimizer.step()
         self.local_steps += 1
         self.since_sync += 1
-        if self.since_sync >= self.config.sync_every:
+        self.phase_tokens += tokens
+        if self.since_sync >= self.config.sync_every or self._past_deadline():
             self.sync()
+            self._phase_start = time.monotonic()
+
+    def _past_deadline(self) -> bool:
+        cfg = self.config
+        if cfg.inner_budget != "time":
+            return False
+        if cfg.phase_seconds > 0:
+            length = cfg.phase_seconds
+        elif self._fastest > 0:
+            length = cfg.sync_every / self._fastest
+        else:
+            return False  # no rate measured yet (the first phase): H steps
+        return time.monotonic() - self._phase_start >= length
 
     def outer_gradient(self) -> list[torch.Tensor]:
         """delta = theta_global - theta_local, per parameter (fresh tensors, in theta's dtype;
@@ -121,6 +177,17 @@ class DiLoCo(Strategy):
         steps = torch.tensor([float(self.since_sync)])
         if self.buffers:
             steps = torch.cat([steps, self.buffers.flat(snap)])
+        if not catch_up:
+            self.phase_steps = [*self.phase_steps[-999:], self.since_sync]
+            log.debug("phase of %d inner steps (%g tokens)", self.since_sync, self.phase_tokens)
+        # The outer gradient's weight. With a step budget every contributor ran the same number
+        # of steps, so tokens per step carry the weighting (exactly 1 with unit steps: a run of
+        # equal peers keeps its bits); with a time budget, tokens over H.
+        timed = self.config.inner_budget == "time"
+        weight = self.phase_tokens / (self.config.sync_every if timed else max(1, self.since_sync))
+        elapsed = time.monotonic() - self._phase_start
+        rate = self.since_sync / elapsed if elapsed > 0 and not catch_up else 0.0
+        gathered: list[torch.Tensor] = []
         if self.session is None:
             delta = self.outer_gradient()
             result: Reduced | None = Reduced(delta, steps, 1)
@@ -136,12 +203,25 @@ class DiLoCo(Strategy):
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
                 ok = not catch_up and not rnd.resynced and buffers.finite(snap)
-                pending = reducer.start(rnd, items, contribute=ok, exact=steps)
+                if timed:
+                    # before the reducer's collectives, from this thread: the same order on
+                    # every member
+                    mine = torch.tensor([rate, float(self.since_sync)] if ok else [0.0, 0.0])
+                    device = self.params[0].device if self.params else torch.device("cpu")
+                    gathered[:] = [rnd.group.all_gather_flat(mine.to(device)).cpu()]
+                pending = reducer.start(rnd, items, contribute=ok, exact=steps, weight=weight)
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
             result = self.session.run_round(reduce)
             reducer.commit()
+            if gathered:
+                table = gathered[0].view(-1, 2)
+                self._fastest = float(table[:, 0].max())
+                if result is not None and result.exact is not None:
+                    # every peer ends the run together: the counter takes the largest count
+                    result.exact[0] = table[:, 1].max()
+        self.phase_tokens = 0.0
         self.apply_outer(result)
 
     def apply_outer(self, result: Reduced | None) -> None:
@@ -162,6 +242,13 @@ class DiLoCo(Strategy):
         self.buffers.restart()
         self.since_sync = 0
         self.outer_rounds += 1
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            **super().metrics(),
+            "inner_budget": self.config.inner_budget,
+            "phase_steps": list(self.phase_steps),
+        }
 
     def _finish(self) -> None:
         """Sync the inner steps done since the last outer round, so the run ends on theta."""

@@ -72,7 +72,7 @@ restarts from the prediction without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
 
@@ -98,6 +98,8 @@ class EagerConfig(DiLoCoConfig):
     """DiLoCo's outer settings, and where each phase starts and its outer gradient is measured
     from. DiLoCo's outer momentum overshoots with ``start="paper"``: use 0 there (see the
     module's notes)."""
+
+    time_budget: ClassVar[bool] = False  # inner_budget="time" is DiLoCo's and local SGD's
 
     sync_every: int = 50
     """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase."""

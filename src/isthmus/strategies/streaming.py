@@ -69,7 +69,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
@@ -189,6 +189,8 @@ def sync_schedule(
 @dataclass(kw_only=True)
 class StreamingConfig(DiLoCoConfig):
     """DiLoCo's outer settings, and how the model is cut into fragments synced in turn."""
+
+    time_budget: ClassVar[bool] = False  # inner_budget="time" is DiLoCo's and local SGD's
 
     sync_every: int = 50
     """H: each fragment is synced once every H inner steps."""
