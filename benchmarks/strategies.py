@@ -2,7 +2,8 @@
 
 The tiny (or default) GPT trained by ``--peers`` local peer processes (``isthmus demo`` without
 faults) once per strategy, every strategy with the same token budget (the same number of steps,
-peers and batch size): DDP, local SGD, DiLoCo, Streaming DiLoCo, eager DiLoCo and CO2. For each
+peers and batch size): DDP, local SGD, DiLoCo, Streaming DiLoCo, eager DiLoCo, CO2 (and its
+ablation rows), SparseLoCo and DeMo. For each
 run the table gives the final eval loss (and its gap to DDP), the bytes all peers sent (and how
 many times fewer than DDP), the peak bytes one peer sent in one round (and its share of DiLoCo's),
 and for the overlapped strategies the measured ``overlap_fraction`` (over every reduction, and in
@@ -93,7 +94,23 @@ def configs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
             },
         ),
         ("co2", "co2", {"sync_every": h}),
+        # CO2's ablation (issue 22): clipping off, a gap penalty of 2, and no staleness (CO2's
+        # outer step, heavy-ball beta 0.2 and lr 1.0, applied at once: DiLoCo with that optimizer)
+        ("co2-noclip", "co2", {"sync_every": h, "clip": None}),
+        ("co2-penalty2", "co2", {"sync_every": h, "gap_penalty": 2.0}),
+        (
+            "co2-nostale",
+            "diloco",
+            {"sync_every": h, "outer_lr": 1.0, "outer_momentum": 0.2, "nesterov": False},
+        ),
+        ("sparseloco", "sparseloco", {"sync_every": h}),
+        ("demo", "demo", {}),
     ]
+
+
+SELF_COMPRESSED = ("ddp", "sparseloco", "demo")
+"""Strategies that take no ``--compression``: DDP's baseline is plain, and SparseLoCo and DeMo
+compress their own messages."""
 
 
 def parse_sets(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 "strategy": strategy,
                 "steps": args.steps,
                 "option": dict(options),
-                "compression": None if strategy == "ddp" else args.compression,
+                "compression": None if strategy in SELF_COMPRESSED else args.compression,
                 "model": args.model,
                 "batch_size": args.batch_size,
                 "lr": args.lr,
