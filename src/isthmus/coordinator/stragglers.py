@@ -1,0 +1,241 @@
+"""Stragglers and slow links found from the peers' own timings (after C4, in ../shared/seeds).
+
+C4 observes that the collectives of a data-parallel job are periodic and homogeneous: every
+member does the same work between two rounds, so a member whose timings stand out is the one
+holding the run back. Here each peer reports, with its heartbeats, the timing of its latest step
+(``timing = {"step": s, "work_s": w, "sync_s": c, "links": {peer: seconds}}``: seconds of its
+own computation, seconds in the round's synchronization, and optionally the seconds of
+transfers with named peers). The coordinator feeds every new step's timing to a
+:class:`StragglerDetector`, which is pure (values in, events out; no clock, no network) so that
+its rules are tested without processes.
+
+**Rules** (defaults in :class:`StragglerConfig`):
+
+* A peer's *current* time is the median of its last three ``work_s`` reports (one hiccup does
+  not count). Its *reference* is the median of the other reporting peers' current times (the
+  others only: with two peers, the other one). An observation is *slow* when the current time
+  exceeds ``factor`` (k) times the reference.
+* After ``rounds`` (m) slow observations in a row the peer is flagged (event ``straggler``);
+  after ``rounds`` normal ones in a row it is cleared (event ``straggler_cleared``). Each peer
+  also keeps a robust baseline per round type (``work`` and ``sync``): the median of its last
+  ``window`` observations taken while it was not flagged, reported in :meth:`status`.
+* **Links.** When every reporting peer's ``sync_s`` stays beyond k times its own baseline for m
+  observations while no peer is flagged, the synchronization itself slowed down: event
+  ``link_anomaly`` (an all-reduce's timings cannot say which link; ``pair`` is null). When peers
+  report per-peer transfer times (``links``), a pair whose time stays beyond k times the median
+  of all pairs for m observations is named: ``link_anomaly`` with ``pair = [a, b]``.
+
+What the coordinator does with a flag is the run's ``straggler_policy``: ``warn`` (the event,
+the ``/v1/status`` field and the summary's count), ``evict`` (the peer is also removed; it
+registers again at once, joins as any joiner, and is removed again while it stays slow) or
+``reweight`` (as ``warn``: with DiLoCo's time budget a slow peer already does fewer inner steps
+and its outer gradient counts for less).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["POLICIES", "StragglerConfig", "StragglerDetector"]
+
+POLICIES = ("warn", "evict", "reweight")
+Event = tuple[str, dict[str, Any]]
+"""(kind, fields) of an event for the coordinator's log."""
+
+
+@dataclass(kw_only=True)
+class StragglerConfig:
+    """When a peer counts as a straggler, and what happens then. Raises ValueError naming a
+    bad value."""
+
+    factor: float = 2.0
+    """k: a time beyond k times the reference is slow (C4's anomalies are several-fold)."""
+    rounds: int = 3
+    """m: this many slow (or normal) observations in a row flag (or clear) a peer."""
+    window: int = 32
+    """Observations a per-peer baseline is the median of."""
+    policy: Literal["warn", "evict", "reweight"] = "warn"
+    """What a flag does (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):
+            raise ValueError(f"stragglers.factor must be a number > 1, got {self.factor!r}")
+        if self.factor <= 1:
+            raise ValueError(f"stragglers.factor must be a number > 1, got {self.factor!r}")
+        for name, low in (("rounds", 1), ("window", 3)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"stragglers.{name} must be an integer >= {low}, got {v!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"stragglers.policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclass
+class _Peer:
+    name: str
+    window: int
+    step: int = -1
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=3))
+    work: deque[float] = field(default_factory=deque)
+    sync: deque[float] = field(default_factory=deque)
+    sync_recent: deque[float] = field(default_factory=lambda: deque(maxlen=3))
+    slow_run: int = 0
+    fine_run: int = 0
+    flagged_at: int | None = None  # the step at which it was flagged
+
+    def __post_init__(self) -> None:
+        self.work = deque(maxlen=self.window)
+        self.sync = deque(maxlen=self.window)
+
+    @property
+    def current(self) -> float:
+        return statistics.median(self.recent)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+class StragglerDetector:
+    """Flags stragglers and slow links from reported timings (see the module docstring)."""
+
+    def __init__(self, config: StragglerConfig | None = None) -> None:
+        self.config = config or StragglerConfig()
+        self.peers: dict[int, _Peer] = {}
+        self.flags = 0
+        """Peers flagged so far (a peer flagged twice counts twice)."""
+        self.link_anomalies = 0
+        self._sync_run = 0
+        self._link_runs: dict[tuple[str, str], int] = {}
+        self._links_flagged: set[tuple[str, str]] = set()
+        self._pair_times: dict[tuple[str, str], float] = {}
+
+    def forget(self, peer: int) -> None:
+        """The peer left or was removed: its timings no longer count."""
+        self.peers.pop(peer, None)
+
+    def observe(self, peer: int, name: str, timing: Mapping[str, Any]) -> list[Event]:
+        """One heartbeat's ``timing`` of ``peer``; returns the events it causes. A report of a
+        step already seen, or without a usable ``work_s``, is ignored (malformed values are
+        a peer's bug, not the coordinator's: nothing raises)."""
+        step = timing.get("step")
+        work = _number(timing.get("work_s"))
+        if isinstance(step, bool) or not isinstance(step, int) or work is None:
+            return []
+        p = self.peers.get(peer)
+        if p is None:
+            p = self.peers[peer] = _Peer(name, self.config.window)
+        if step <= p.step:
+            return []
+        p.step = step
+        p.recent.append(work)
+        sync = _number(timing.get("sync_s"))
+        if sync is not None:
+            p.sync_recent.append(sync)
+        events = self._judge(peer, p)
+        if p.flagged_at is None:
+            p.work.append(work)
+            if sync is not None:
+                p.sync.append(sync)
+        events += self._judge_sync()
+        links = timing.get("links")
+        if isinstance(links, Mapping):
+            events += self._judge_links(name, links)
+        return events
+
+    def _judge(self, pid: int, p: _Peer) -> list[Event]:
+        others = [q.current for i, q in self.peers.items() if i != pid and q.recent]
+        if not others:
+            return []
+        reference = statistics.median(others)
+        k, m = self.config.factor, self.config.rounds
+        slow = reference > 0 and p.current > k * reference
+        p.slow_run, p.fine_run = (p.slow_run + 1, 0) if slow else (0, p.fine_run + 1)
+        detail = {
+            "peer": pid,
+            "name": p.name,
+            "step": p.step,
+            "work_s": round(p.current, 6),
+            "reference_s": round(reference, 6),
+            "ratio": round(p.current / reference, 3) if reference > 0 else None,
+        }
+        if p.flagged_at is None and p.slow_run >= m:
+            p.flagged_at = p.step
+            self.flags += 1
+            return [("straggler", {**detail, "policy": self.config.policy})]
+        if p.flagged_at is not None and p.fine_run >= m:
+            p.flagged_at = None
+            return [("straggler_cleared", detail)]
+        return []
+
+    def _judge_sync(self) -> list[Event]:
+        """Every reporting peer's synchronization beyond k times its own baseline, nobody
+        flagged: the network (or the coordinator) slowed down, not a peer."""
+        k, m = self.config.factor, self.config.rounds
+        reporting = [p for p in self.peers.values() if p.sync_recent]
+        if len(reporting) < 2 or any(p.flagged_at is not None for p in self.peers.values()):
+            self._sync_run = 0
+            return []
+        slow = all(
+            len(p.sync) >= m and statistics.median(p.sync_recent) > k * statistics.median(p.sync)
+            for p in reporting
+        )
+        self._sync_run = self._sync_run + 1 if slow else 0
+        if self._sync_run == m:
+            self.link_anomalies += 1
+            return [("link_anomaly", {"pair": None, "peers": sorted(p.name for p in reporting)})]
+        return []
+
+    def _judge_links(self, name: str, links: Mapping[str, Any]) -> list[Event]:
+        for other, seconds in links.items():
+            v = _number(seconds)
+            if v is not None and isinstance(other, str):
+                a, b = sorted((name, other))
+                self._pair_times[(a, b)] = v
+        if len(self._pair_times) < 3:
+            return []  # a median of fewer pairs says nothing
+        reference = statistics.median(self._pair_times.values())
+        k, m = self.config.factor, self.config.rounds
+        events: list[Event] = []
+        for pair, t in self._pair_times.items():
+            if name not in pair:
+                continue  # judged when one of its ends reports
+            slow = reference > 0 and t > k * reference
+            run = self._link_runs.get(pair, 0) + 1 if slow else 0
+            self._link_runs[pair] = run
+            if run >= m and pair not in self._links_flagged:
+                self._links_flagged.add(pair)
+                self.link_anomalies += 1
+                events.append(
+                    ("link_anomaly", {"pair": list(pair), "seconds": t, "reference_s": reference})
+                )
+            elif run == 0:
+                self._links_flagged.discard(pair)
+        return events
+
+    def status(self) -> dict[str, Any]:
+        """For ``/v1/status``: the flagged peers, the counts, each peer's baselines and the
+        rules in force."""
+        c = self.config
+        return {
+            "flagged": sorted(p.name for p in self.peers.values() if p.flagged_at is not None),
+            "flags": self.flags,
+            "link_anomalies": self.link_anomalies,
+            "slow_links": sorted(list(pair) for pair in self._links_flagged),
+            "baselines": {
+                p.name: {
+                    "work_s": round(statistics.median(p.work), 6) if p.work else None,
+                    "sync_s": round(statistics.median(p.sync), 6) if p.sync else None,
+                }
+                for p in self.peers.values()
+            },
+            "rules": {"factor": c.factor, "rounds": c.rounds, "policy": c.policy},
+        }
