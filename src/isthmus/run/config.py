@@ -102,6 +102,10 @@ class ModelConfig:
     """``default`` (about 1.3M parameters) or ``tiny`` (tens of thousands, for tests)."""
     seed: int = 0
     """Seed of the model's initialization (every peer builds the same initial model)."""
+    init_from: str | None = None
+    """A file holding the model's ``state_dict`` (``torch.save(model.state_dict(), FILE)``) that
+    every peer loads over its initialization: a pre-trained starting point for fine-tuning. The
+    demo of ``zo`` makes one when none is given (see :mod:`isthmus.run.pretrain`)."""
 
 
 @dataclass(kw_only=True)
