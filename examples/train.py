@@ -1,12 +1,15 @@
 """A peer's training script: your own model and loop, made fault-tolerant and low-communication.
 
-Run the coordinator once (anywhere the peers can reach):
+Run the coordinator once (anywhere the peers can reach), with TLS; it prints its certificate's
+fingerprint:
 
-    isthmus coordinator --host 0.0.0.0 --port 29400 --token-file token.txt
+    isthmus coordinator --host 0.0.0.0 --port 29400 --token-file admin.txt --tls self-signed
 
-then this script on every peer machine:
+give each peer machine a join token of its own (``isthmus token new --name NAME
+--token-file admin.txt > token.txt``), then run this script there:
 
-    python examples/train.py --coordinator coord.example.org:29400 --token-file token.txt
+    python examples/train.py --coordinator coord.example.org:29400 --token-file token.txt \
+        --coordinator-fingerprint AB:CD:...
 
 Peers may start late, die, or be restarted at any time; the run goes on with whoever is there.
 """
@@ -27,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--coordinator", required=True, help="host:port of the coordinator")
     ap.add_argument("--token-file", required=True)
+    ap.add_argument("--coordinator-fingerprint", help="pin the coordinator's TLS certificate")
     ap.add_argument("--interface", default=None, help="network interface for Gloo, e.g. eth0")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--model", choices=["default", "tiny"], default="default")
@@ -42,6 +46,7 @@ def main() -> None:
         isthmus.SessionConfig(
             coordinator=args.coordinator,
             token=Path(args.token_file).read_text().strip(),
+            coordinator_fingerprint=args.coordinator_fingerprint,
             interface=args.interface,
         )
     )

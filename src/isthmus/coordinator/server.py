@@ -527,7 +527,11 @@ class Coordinator:
         return web.json_response(answer)
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status(events=int(request.query.get("events", "50"))))
+        try:
+            n = int(request.query.get("events", "50"))
+        except ValueError:
+            raise _BadRequest("query parameter 'events' must be an integer") from None
+        return web.json_response(self.status(events=n))
 
     def status(self, events: int = 50) -> dict[str, Any]:
         """Members, epoch, revision, heartbeats, counters and the last ``events`` events.
