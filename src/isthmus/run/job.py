@@ -259,9 +259,13 @@ def run_job(job: PeerJob) -> PeerResult:
             if flip is not None and step >= me.attack_from_step:
                 y = flip(y)
             extra: dict[str, Any] = {}
+            revision, began = session.revision, time.monotonic()
+            timing: dict[str, Any] = {}  # this step's work and sync seconds (stragglers)
             if getattr(strategy, "takes_batch_fn", False):
                 # fixed global batch (DDP): the strategy picks the samples inside the round
                 strategy.step(global_batch_loss(model, corpus, order, block_size, flip))
+                work_s = strategy.work_s + run.step_delay  # type: ignore[attr-defined]
+                timing = {"work_s": work_s, "sync_s": time.monotonic() - began - work_s}
                 loss_value = float(strategy.last_loss)  # type: ignore[attr-defined]
                 share = strategy.last_share  # type: ignore[attr-defined]
                 extra["samples"] = [int(i) for i in order(share)]
@@ -269,7 +273,20 @@ def run_job(job: PeerJob) -> PeerResult:
             elif getattr(strategy, "takes_loss_fn", False):
                 # zeroth order (zo): forward passes at perturbed points inside the step, no
                 # backward; its loss is the mean of those passes
-                strategy.step(lambda x=x, y=y: model(x, y)[1])
+                def zo_loss(shard: int | None = None, shards: int = 1, x=x, y=y, step=step) -> Any:
+                    if shard is not None:  # zo's pairs: both members of a pair on its shard
+                        x, y = corpus.batch(
+                            step=step,
+                            rank=shard,
+                            world=shards,
+                            batch_size=run.data.batch_size,
+                            block_size=block_size,
+                            seed=run.data.seed,
+                            shard=run.data.shard,
+                        )
+                    return model(x, y)[1]
+
+                strategy.step(zo_loss)
                 loss_value = float(strategy.last_loss)  # type: ignore[attr-defined]
                 if not math.isfinite(loss_value):  # it sent no estimate (resynced): measure
                     with torch.no_grad():
@@ -281,7 +298,12 @@ def run_job(job: PeerJob) -> PeerResult:
                 loss.backward()
                 # a slow fault stretches this step's work (and its emulated compute time)
                 session.faults.pace(step, time.monotonic() - work + run.step_delay)
+                synced = time.monotonic()
                 strategy.step()
+                timing = {
+                    "work_s": synced - work + run.step_delay,
+                    "sync_s": time.monotonic() - synced,
+                }
                 optimizer.zero_grad(set_to_none=False)
                 loss_value = loss.item()
             record: dict[str, Any] = {
@@ -299,7 +321,12 @@ def run_job(job: PeerJob) -> PeerResult:
                     model, corpus, batch_size=run.data.batch_size, n_batches=ev.eval_batches
                 )
             metrics.write(json.dumps(record) + "\n")
-            session.report(step=strategy.step_count, loss=record["loss"])
+            if timing and session.revision == revision:
+                del timing["sync_s"]  # no round in this step: nothing synchronized
+            if timing:  # the coordinator's straggler detection reads it with the heartbeats
+                timing = {k: round(v, 6) for k, v in timing.items()}
+                timing["step"] = strategy.step_count
+            session.report(step=strategy.step_count, loss=record["loss"], timing=timing or None)
             scalars = {"loss": record["loss"], "lr": optimizer.param_groups[0]["lr"]}
             if "eval_loss" in record:
                 scalars["eval_loss"] = record["eval_loss"]

@@ -107,6 +107,8 @@ from isthmus.strategies.model_state import SharedBuffers
 
 __all__ = ["ZO", "ZOConfig"]
 
+_PAIR_TAG = 7000  # the point-to-point message of a pair (apart from catch-up transfers' tags)
+
 log = logging.getLogger("isthmus.zo")
 
 LossFn = Callable[[], torch.Tensor | float]
@@ -146,6 +148,16 @@ class ZOConfig:
     link_mbps: float = 100.0
     """Link rate (Mbit/s) the ``auto`` choice assumes between two peers: a transfer takes the
     state's bytes over it, a replay the log's bytes plus regenerating every ``z`` of the log."""
+    pairing: str = "none"
+    """``none``: every member runs both passes of its own perturbations on its own batch.
+    ``perturbation`` (DistZO2's perturbation parallelism, combined with data parallelism over
+    the pairs): ranks ``2p`` and ``2p + 1`` form pair ``p``; for each perturbation (seeded by the
+    rank ``2p``) the even member runs the ``+eps`` pass and the odd one the ``-eps`` pass, on
+    the pair's data shard ``p`` of ``ceil(world / 2)``; the odd member sends its float32 losses
+    to the even one (4 bytes per perturbation, point to point), which encodes the pair's
+    estimates while the odd member sends absent codes. With an odd world the last member runs
+    both passes alone. ``loss_fn`` is then called as ``loss_fn(shard, shards)`` and must
+    return the loss on that data shard's batch. A pair member lost in the round aborts it."""
     log_rounds: int = 100_000
     """Committed rounds each peer keeps for replays (``12 + world * bits * perturbations / 8``
     bytes each: about 1.6 MB for 100,000 rounds of 4 peers at one byte)."""
@@ -167,6 +179,8 @@ class ZOConfig:
             raise ValueError(
                 f"catch_up must be 'auto', 'replay' or 'transfer', got {self.catch_up!r}"
             )
+        if self.pairing not in ("none", "perturbation"):
+            raise ValueError(f"pairing must be 'none' or 'perturbation', got {self.pairing!r}")
         if not (self.link_mbps > 0 and math.isfinite(self.link_mbps)):
             raise ValueError(f"link_mbps must be positive and finite, got {self.link_mbps}")
         if self.log_rounds < 0:
@@ -269,7 +283,9 @@ class ZO(Strategy):
                 codec = self.codec
 
                 def exchange(rnd: Round) -> LoggedRound:
-                    if rnd.resynced:
+                    if self.config.pairing == "perturbation" and rnd.world > 1:
+                        codes = self._paired_codes(loss_fn, rnd)
+                    elif rnd.resynced:
                         codes = [codec.absent] * per
                         self.last_loss = math.nan
                     else:
@@ -285,6 +301,61 @@ class ZO(Strategy):
         self._cache = None
         self.global_step += 1
         self.local_steps += 1
+
+    def _paired_codes(self, loss_fn: LossFn, rnd: Round) -> list[int]:
+        """Perturbation parallelism (DistZO2): this member's half of its pair's estimates, the
+        pair's codes from the lead (the even rank), absent codes from its partner. A partner
+        lost mid-exchange raises CollectiveError: the round aborts and is retried."""
+        cfg, codec, per = self.config, self.codec, self.config.perturbations
+        rank, world = rnd.rank, rnd.world
+        shards, shard, partner = (world + 1) // 2, rank // 2, rank ^ 1
+        plan = rnd.plan
+        resynced = {r for r, pid in enumerate(plan.members) if pid in plan.resynced}
+        if partner >= world:  # the odd one out runs both passes alone
+            if rank in resynced:
+                self.last_loss = math.nan
+                return [codec.absent] * per
+            return self._codes(lambda: loss_fn(shard, shards), rnd.number, rank)  # type: ignore[call-arg]
+        self.last_loss = math.nan
+        if rank in resynced or partner in resynced:
+            return [codec.absent] * per  # both members know: neither runs a pass
+        lead = rank - rank % 2
+        sign = 1.0 if rank == lead else -1.0
+        mine = torch.tensor(
+            self._half(loss_fn, rnd.number, lead, sign, shard, shards), dtype=torch.float32
+        )
+        self.last_loss = float(mine.mean())
+        if rank != lead:
+            rnd.group.send(mine, lead, _PAIR_TAG)
+            return [codec.absent] * per
+        theirs = torch.empty_like(mine)
+        rnd.group.recv(theirs, partner, _PAIR_TAG)
+        self.last_loss = float((mine.mean() + theirs.mean()) / 2)
+        return [
+            codec.encode(projected_gradient(float(a), float(b), cfg.eps))
+            for a, b in zip(mine, theirs, strict=True)
+        ]
+
+    def _half(
+        self, loss_fn: LossFn, number: int, lead: int, sign: float, shard: int, shards: int
+    ) -> list[float]:
+        """The losses at ``theta + sign * eps * z_k`` for the pair's perturbations (seeded by
+        the lead's rank) on the pair's data shard; parameters and buffers restored after."""
+        cfg, params, keep = self.config, self.params, self.keep
+        backup = [params[i].detach().clone() for i in keep]
+        others = [b.detach().clone() for _, b in self.model_state.other_buffers]
+        out: list[float] = []
+        try:
+            for k in range(cfg.perturbations):
+                perturb_(params, keep, perturbation_seed(cfg.seed, number, lead, k), sign * cfg.eps)
+                out.append(float(loss_fn(shard, shards)))  # type: ignore[call-arg]
+                self._restore(backup)
+        finally:
+            self._restore(backup)
+            self.buffers.restart()
+            for (_, b), saved in zip(self.model_state.other_buffers, others, strict=True):
+                b.copy_(saved)
+        return out
 
     def _codes(self, loss_fn: LossFn, number: int, rank: int) -> list[int]:
         """This member's codes for round ``number`` at ``rank`` (computed once per pair)."""
