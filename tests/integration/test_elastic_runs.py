@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import assert_bitwise_equal
+from isthmus.coordinator.stragglers import StragglerConfig, StragglerDetector
 from isthmus.data.global_batch import GlobalOrder, step_positions
 from isthmus.run.config import from_flat
 from isthmus.run.job import build_corpus, build_model, global_batch_loss
@@ -76,6 +77,7 @@ def test_kill_and_join_do_not_change_the_steps_of_a_fixed_global_batch(cluster) 
     assert worlds == {2, 3}  # the kill and the join both happened inside the 60 steps
     fa = c.final("a")
     assert fa["digest"] == c.final("c")["digest"] == c.final("j")["digest"]
+    assert c.coord.status()["stragglers"]["flags"] == 0  # a steady run flags nobody
 
 
 def test_a_time_budget_lets_a_slow_peer_do_fewer_inner_steps(cluster) -> None:
@@ -98,3 +100,27 @@ def test_a_time_budget_lets_a_slow_peer_do_fewer_inner_steps(cluster) -> None:
     assert 2.0 <= ratio <= 4.5, phases
     assert c.final("a")["digest"] == c.final("b")["digest"] == c.final("s")["digest"]
     assert_bitwise_equal(c.state("a"), c.state("s"))
+
+
+def test_a_slow_bout_is_flagged_during_it_and_evicted_then_rejoins(cluster) -> None:
+    """3 DDP peers; peer s's steps 15 to 34 take 4x as long. With straggler_policy=evict the
+    coordinator flags s during the bout (only s, only then), removes it, s registers again and
+    is resynced, and the run ends with all three bit-identical. (The steady case, nobody
+    flagged, is checked in the kill-and-join run above.)"""
+    c = cluster(start_peers=3)
+    c.coord.stragglers = StragglerDetector(StragglerConfig(policy="evict"))
+    job = {"steps": 60, "step_delay": 0.04}
+    for name in "ab":
+        c.spawn(name, **job)
+    c.spawn("s", faults=["slow:4@15-35"], **job)
+    assert c.wait(timeout=180) == {"a": 0, "b": 0, "s": 0}, c.log("s")
+    events = c.coord.events()
+    flags = [e for e in events if e["kind"] == "straggler"]
+    assert flags and {e["name"] for e in flags} == {"s"}, flags
+    assert all(15 <= e["step"] <= 41 for e in flags), flags  # during the bout (+ detection lag)
+    removed = [e for e in events if e["kind"] == "dead" and "straggler" in e.get("reason", "")]
+    assert removed and {e["name"] for e in removed} == {"s"}
+    assert c.final("s")["evictions"] >= 1
+    assert sum(e["kind"] == "register" and e["name"] == "s" for e in events) >= 2
+    assert c.final("a")["digest"] == c.final("b")["digest"] == c.final("s")["digest"]
+    assert c.coord.status()["stragglers"]["flagged"] == []

@@ -45,8 +45,9 @@ from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 from isthmus.coordinator.gate import BadRequest as _BadRequest
 from isthmus.coordinator.gate import Gate
 from isthmus.coordinator.limits import Limits
-from isthmus.coordinator.membership import Membership, MembershipConfig
+from isthmus.coordinator.membership import Membership, MembershipConfig, PeerState
 from isthmus.coordinator.protocol import Decision, RestorePoint, TensorSpec
+from isthmus.coordinator.stragglers import StragglerConfig, StragglerDetector
 from isthmus.coordinator.tls import TLSFiles, server_context
 from isthmus.coordinator.web import Dashboard
 
@@ -68,6 +69,8 @@ class CoordinatorConfig:
     """Where process groups meet: ``coordinator`` (the authenticated store of this API) or
     ``tcpstore`` (torch's TCPStore on ``store_port``: no authentication; for comparison)."""
     limits: Limits = field(default_factory=Limits)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    """When a peer's reported timings make it a straggler, and the policy then."""
     revoked: tuple[str, ...] = ()
     """Join token names refused from the start (revocations survive a restart this way)."""
     host: str = "127.0.0.1"
@@ -153,6 +156,7 @@ class Coordinator:
         self.t0 = time.monotonic()
         self.started_at = time.time()  # wall clock of t0: events' "t" + started_at = Unix time
         self.web = Dashboard(self)
+        self.stragglers = StragglerDetector(config.stragglers)
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
@@ -413,6 +417,9 @@ class Coordinator:
                     alive = self.membership.heartbeat(
                         pid, self._now(), info if isinstance(info, dict) else None
                     )
+                    evicted = alive and isinstance(info, dict) and self._watch_timing(pid, info)
+                if evicted:
+                    self._mutated()
                 if not alive:
                     await ws.send_json({"type": "evicted", "reason": "removed by the coordinator"})
                     break
@@ -526,6 +533,25 @@ class Coordinator:
             answer = self.checkpoints.part(report, self._now())
         return web.json_response(answer)
 
+    def _watch_timing(self, pid: int, info: dict[str, Any]) -> bool:
+        """Feed a heartbeat's ``timing`` to the straggler detector (under the lock); record its
+        events and, with the ``evict`` policy, remove a flagged peer. True if one was removed."""
+        timing = info.get("timing")
+        if not isinstance(timing, dict):
+            return False
+        m, now = self.membership, self._now()
+        active = {i for i, p in m.peers.items() if p.state is PeerState.ACTIVE}
+        for gone in [q for q in self.stragglers.peers if q not in active]:
+            self.stragglers.forget(gone)  # departed peers are nobody's reference
+        removed = False
+        for kind, detail in self.stragglers.observe(pid, m.peers[pid].name, timing):
+            m.note(now, kind, **detail)
+            if kind == "straggler" and self.stragglers.config.policy == "evict":
+                m.remove(pid, now, f"straggler: {detail['ratio']}x the others' work time")
+                self.stragglers.forget(pid)
+                removed = True
+        return removed
+
     async def _status(self, request: web.Request) -> web.Response:
         try:
             n = int(request.query.get("events", "50"))
@@ -539,6 +565,7 @@ class Coordinator:
         with self._lock:
             s = self.membership.status(self._now())
             s["events"] = self.membership.events[-events:] if events > 0 else []
+            s["stragglers"] = self.stragglers.status()
         with self._lock:
             s["checkpoint"] = self.checkpoints.status()
         s["run_id"] = self.run_id

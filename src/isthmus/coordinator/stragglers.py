@@ -50,17 +50,21 @@ Event = tuple[str, dict[str, Any]]
 
 @dataclass(kw_only=True)
 class StragglerConfig:
-    """When a peer counts as a straggler, and what happens then. Raises ValueError naming a
-    bad value."""
+    """``[stragglers]``: when a peer counts as a straggler, and what happens then. Raises
+    ValueError naming a bad value."""
 
-    factor: float = 2.0
+    factor: float = field(default=2.0, metadata={"flat": "straggler_factor"})
     """k: a time beyond k times the reference is slow (C4's anomalies are several-fold)."""
-    rounds: int = 3
+    rounds: int = field(default=3, metadata={"flat": "straggler_rounds"})
     """m: this many slow (or normal) observations in a row flag (or clear) a peer."""
-    window: int = 32
+    window: int = field(default=32, metadata={"flat": "straggler_window"})
     """Observations a per-peer baseline is the median of."""
-    policy: Literal["warn", "evict", "reweight"] = "warn"
-    """What a flag does (see the module docstring)."""
+    policy: Literal["warn", "evict", "reweight"] = field(
+        default="warn", metadata={"flat": "straggler_policy"}
+    )
+    """What a flag does: ``warn`` (an event, a ``/v1/status`` field, the summary's count),
+    ``evict`` (the peer is removed; it may rejoin) or ``reweight`` (as warn; for DiLoCo's time
+    budget, which already gives a slow peer fewer steps and less weight)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):

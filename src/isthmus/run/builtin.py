@@ -137,6 +137,7 @@ def run_builtin(
         label=run.name,
         progress=run.output.progress,
         checkpoint_dir=run.checkpoint.checkpoint_dir,
+        stragglers=run.stragglers,
     )
     outcome = launcher.run()
     initial_loss, n_params = initial_eval(run)

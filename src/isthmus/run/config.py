@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from isthmus.coordinator.stragglers import StragglerConfig
 from isthmus.spec import SpecError, coerce, option_names, parse_assignment, suggest
 
 __all__ = [
@@ -319,6 +320,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
 
     def __post_init__(self) -> None:
         _at_least("run", 1, peers=self.peers, steps=self.steps, threads=self.threads)

@@ -39,6 +39,7 @@ from typing import Any
 from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
+from isthmus.coordinator.stragglers import StragglerConfig
 from isthmus.lab.churn import SlotState
 from isthmus.run import forkserver
 from isthmus.run.config import RunConfig, TimeoutConfig
@@ -309,6 +310,7 @@ class Launcher:
         label: str = "",
         progress: bool = True,
         checkpoint_dir: str | None = None,
+        stragglers: StragglerConfig | None = None,
     ) -> None:
         if coordinator is not None and not token:
             raise ValueError("joining a remote coordinator needs its token")
@@ -328,7 +330,10 @@ class Launcher:
         self.label = label or program.label
         self.show_progress = progress
         self.checkpoint_dir = checkpoint_dir
+        self.stragglers = stragglers or StragglerConfig()
         self.coordinator: Coordinator | None = None
+        self.fingerprint: str | None = None
+        """The embedded coordinator's TLS fingerprint (None: plain HTTP, one shared token)."""
         self.client: CoordinatorClient | None = None
         self.run_step = 0
         """The most advanced active peer's step (what step-clock churn waits for)."""
@@ -430,6 +435,7 @@ class Launcher:
                     ),
                     heartbeat_interval=min(0.5, t.heartbeat_timeout / 3),
                     checkpoint_dir=self.checkpoint_dir,
+                    stragglers=self.stragglers,
                 )
             ).start()
 

@@ -142,6 +142,10 @@ class Summary:
     """Time the peers' training threads spent blocked by saving, summed over peers."""
     resumed_from_round: int | None = None
     """The round the run resumed at (the checkpoint's revision); None when not resumed."""
+    stragglers: int = 0
+    """Times a peer was flagged as a straggler (``straggler`` events)."""
+    link_anomalies: int = 0
+    """Slow synchronizations or named slow links (``link_anomaly`` events)."""
     lab: LabSummary | None = None
 
     @property

@@ -120,6 +120,8 @@ def summarize(
         parity_checks=int(counters.get("parity_checks", 0)),
         parity_failures=int(counters.get("parity_failures", 0)) + (len(digests) - len(in_parity)),
         resyncs=int(counters.get("resyncs", 0)),
+        stragglers=sum(e["kind"] == "straggler" for e in outcome.events),
+        link_anomalies=sum(e["kind"] == "link_anomaly" for e in outcome.events),
         peers_final=len(in_parity),
         peers_started=len(incs),
         kills=len(killed),

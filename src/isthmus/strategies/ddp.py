@@ -127,6 +127,9 @@ class DDP(Strategy):
         """With ``global_batch``: the mean loss over the last step's B samples (every peer)."""
         self.last_share: range = range(0)
         """With ``global_batch``: the positions this peer computed in the last committed step."""
+        self.work_s = 0.0
+        """With ``global_batch``: seconds of computation (forward and backward passes) in the
+        last step's committed attempt."""
         self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.share_model([p.data for p in self.params], "model", self.buffers)
         if self.session is not None:
@@ -194,6 +197,7 @@ class DDP(Strategy):
             t0 = time.monotonic()
             loss = accumulate_share(self.params, loss_fn, share, micro)
             session.faults.pace(step, time.monotonic() - t0)
+            self.work_s = time.monotonic() - t0
             snap = buffers.snapshot()
             ok = len(share) > 0 and bool(torch.isfinite(loss)) and buffers.finite(snap)
             exact = loss.reshape(1) if ok else torch.zeros(1)
