@@ -86,6 +86,8 @@ def test_run_on_shaped_namespaces_with_churn_and_byte_accounting(
         overrides={"run_dir": str(tmp_path), "step_delay": 0.05, **FAST},
     )
     assert not _ours(prefix), "the network must be gone when run_lab returns"
+    # peers in namespaces stand for other machines: TLS (pinned) and a join token per slot
+    assert (tmp_path / "tls" / "coordinator.crt").is_file()
     lab = s.lab
     assert lab is not None
     assert lab.network["mode"] == "netns" and lab.network["rates_mbit"] == [20, 20, 10]

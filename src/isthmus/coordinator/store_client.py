@@ -88,14 +88,17 @@ class CoordinatorStore(dist.Store):
         finally:
             self._inflight.discard(fut)
 
-    def _waiting(self, body: dict[str, Any], what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + self._timeout_s
+    def _waiting(
+        self, body: dict[str, Any], what: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        bound = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
         while True:
             reply = self._call(body, deadline)
             if not reply.get("missing"):
                 return reply
             if time.monotonic() >= deadline:
-                raise _StoreError(f"rendezvous store: {what} not set within {self._timeout_s:.0f}s")
+                raise _StoreError(f"rendezvous store: {what} not set within {bound:.0f}s")
 
     # -- torch.distributed.Store ------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
@@ -118,7 +121,8 @@ class CoordinatorStore(dist.Store):
         return base64.b64decode(reply["value"])
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._waiting({"op": "wait", "keys": list(keys)}, f"keys {list(keys)!r}")
+        bound = timeout.total_seconds() if timeout is not None else None
+        self._waiting({"op": "wait", "keys": list(keys)}, f"keys {list(keys)!r}", bound)
 
     def check(self, keys: list[str]) -> bool:
         reply = self._call({"op": "check", "keys": list(keys)}, time.monotonic())

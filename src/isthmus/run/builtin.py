@@ -37,10 +37,11 @@ DEMO_SYNC_EVERY = 20
 """H of the demo's (and the lab's) short runs, for strategies that have a ``sync_every``."""
 
 
-def dashboard_url(address: str, token: str) -> str:
+def dashboard_url(address: str, token: str, tls: bool = False) -> str:
     """The coordinator's dashboard with the token in the URL's fragment: browsers never send a
     fragment to the server, and the page removes it from the address bar once it logged in."""
-    return f"http://{address}/#token={urllib.parse.quote(token, safe='')}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{address}/#token={urllib.parse.quote(token, safe='')}"
 
 
 class DashboardLink(Hook):
@@ -51,7 +52,7 @@ class DashboardLink(Hook):
         self.url: str | None = None
 
     def start(self, launcher: Launcher) -> None:
-        self.url = dashboard_url(launcher.address, launcher.token)
+        self.url = dashboard_url(launcher.address, launcher.token, launcher.fingerprint is not None)
         print(f"dashboard: {self.url}", file=self.stream or sys.stderr, flush=True)
 
 

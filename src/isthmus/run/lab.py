@@ -156,6 +156,8 @@ class NamespaceSpawner(Spawner):
     """Starts slot ``i``'s processes inside its namespace of ``net`` with Gloo bound to its
     address, and the embedded coordinator inside the coordinator's namespace."""
 
+    separate_hosts = True  # TLS, join tokens: as across real machines
+
     def __init__(self, net: WanNetwork) -> None:
         self.net = net
         self.coordinator_host = net.coordinator.ip

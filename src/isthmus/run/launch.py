@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isthmus.coordinator.auth import join_token
 from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.stragglers import StragglerConfig
+from isthmus.coordinator.tls import self_signed
 from isthmus.lab.churn import SlotState
 from isthmus.run import forkserver
 from isthmus.run.config import RunConfig, TimeoutConfig
@@ -80,6 +82,8 @@ class PeerLaunch:
     faults: tuple[str, ...]
     hostname: str | None
     run_dir: RunDir
+    coordinator_fingerprint: str | None = None
+    """The coordinator's TLS certificate to pin (None: plain HTTP)."""
 
 
 class Program(ABC):
@@ -113,6 +117,7 @@ class BuiltinJob(Program):
                 name=peer.name,
                 coordinator=peer.coordinator,
                 token=peer.token,
+                coordinator_fingerprint=peer.coordinator_fingerprint,
                 out_dir=str(peer.run_dir),
                 faults=list(peer.faults),
                 attack=attack.attack if attack else None,
@@ -153,6 +158,8 @@ class Script(Program):
         }
         if peer.hostname:
             env["ISTHMUS_HOSTNAME"] = peer.hostname
+        if peer.coordinator_fingerprint:
+            env["ISTHMUS_COORDINATOR_FINGERPRINT"] = peer.coordinator_fingerprint
         return env
 
 
@@ -163,6 +170,10 @@ class Spawner:
     """Starts peer processes on this machine. The lab's spawner starts each in its namespace."""
 
     coordinator_host = "127.0.0.1"
+    separate_hosts = False
+    """True when the peers stand for other machines (the lab's namespaces): the embedded
+    coordinator then serves TLS (a self-signed certificate the peers pin) and every slot joins
+    with a join token of its own, as on real machines (docs/SECURITY.md)."""
 
     def coordinator_context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around starting the embedded coordinator (the lab enters the coordinator's
@@ -364,10 +375,12 @@ class Launcher:
             slot=slot,
             name=name,
             coordinator=self.address,
-            token=self.token,
+            # a slot's incarnations share its identity: revoking it refuses the slot's restarts
+            token=join_token(self.token, f"peer{slot}") if self.fingerprint else self.token,
             faults=tuple(faults),
             hostname=self.spawner.hostname(slot),
             run_dir=self.run_dir,
+            coordinator_fingerprint=self.fingerprint,
         )
         argv = self.program.command(launch)
         with self.run_dir.log(name).open("wb") as logf:
@@ -421,10 +434,16 @@ class Launcher:
             )
             return
         t = self.timeouts
+        tls = None
+        if self.spawner.separate_hosts:
+            host = self.spawner.coordinator_host
+            tls = self_signed(str(self.run_dir.path / "tls"), hosts=[host, "127.0.0.1"])
+            self.fingerprint = tls.fingerprint
         with self.spawner.coordinator_context():
             self.coordinator = Coordinator(
                 CoordinatorConfig(
                     token=self.token,
+                    tls=tls,
                     host=self.spawner.coordinator_host,
                     port=0,
                     membership=MembershipConfig(
