@@ -54,6 +54,7 @@ def print_summary(s: Summary, title: str = "isthmus demo") -> None:
         rows += [
             ("bytes sent (all peers)", f"{s.bytes_sent_total:,}"),
             ("bytes DDP would have sent", f"{s.bytes_sent_ddp_equivalent:,}"),
+            ("bytes per step per peer (median)", f"{s.bytes_per_step_per_peer:,}"),
             ("recovery after kill (s)", ", ".join(str(x) for x in s.recovery_s) or "-"),
         ]
     rows += [("wall time (s)", str(s.wall_s)), ("run directory", s.run_dir)]

@@ -62,6 +62,10 @@ def demo_config(overrides: dict[str, Any] | None = None) -> RunConfig:
     have it unless the options name it."""
     overrides = dict(overrides or {})
     cfg = apply_overrides(RunConfig(), overrides)
+    if cfg.strategy.name == "zo":
+        from isthmus.run.pretrain import zo_demo
+
+        cfg = zo_demo(cfg)  # fine-tuning from a pre-trained model (made once, cached)
     changes: dict[str, Any] = {}
     if "steps" not in overrides:
         changes["steps"] = 150 if cfg.strategy.name == "ddp" else 200

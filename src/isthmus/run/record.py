@@ -121,6 +121,9 @@ class Summary:
     """Crashed peer processes the launcher started again (``--max-restarts``)."""
     bytes_sent_total: int = 0
     bytes_sent_ddp_equivalent: int = 0
+    bytes_per_step_per_peer: int = 0
+    """Median, over the finished peers' committed rounds, of the bytes one peer sent in one
+    round (a resync's transfer in a round is rare and leaves the median alone)."""
     recovery_s: list[float] = field(default_factory=list)
     peak_bytes_per_round: int = 0
     bytes_by_op: dict[str, int] = field(default_factory=dict)

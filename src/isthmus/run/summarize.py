@@ -40,6 +40,13 @@ def _recovery_times(events: list[dict[str, Any]], killed: list[Incarnation]) -> 
     return out
 
 
+def _median_round_bytes(fs: Sequence[PeerResult]) -> int:
+    per = sorted(
+        int(r.get("bytes", 0)) for f in fs for r in f.rounds if r["outcome"] == "committed"
+    )
+    return per[len(per) // 2] if per else 0
+
+
 def _left_digests(events: list[dict[str, Any]]) -> dict[str, tuple[str, str | None]]:
     """Digests reported by peers that left the run cleanly (user scripts' sessions)."""
     out = {}
@@ -129,6 +136,7 @@ def summarize(
         restarts=restarts,
         bytes_sent_total=sent,
         bytes_sent_ddp_equivalent=ddp_equiv,
+        bytes_per_step_per_peer=_median_round_bytes(fs),
         recovery_s=_recovery_times(outcome.events, killed),
         peak_bytes_per_round=max((int(r.get("bytes", 0)) for f in fs for r in f.rounds), default=0),
         bytes_by_op=_sum_dicts([f.bytes_by_op for f in fs]),
