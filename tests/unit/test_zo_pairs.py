@@ -165,3 +165,35 @@ def test_a_partner_lost_in_the_round_leaves_nothing_applied(corpus):
     with pytest.raises((RuntimeError, CollectiveError)):
         run_parallel(groups, peer)
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("pairing", ["none", "perturbation"])
+def test_memory_stays_at_inference_level_no_graph_no_grads_no_optimizer_state(corpus, pairing):
+    # what keeps zo at inference memory: every forward pass runs without autograd (so no
+    # activation is kept for a backward), no gradient is ever allocated, and the optimizer
+    # passed in never builds state (torch allocates AdamW's moments on its first step)
+    cfg = ZOConfig(lr=1e-3, pairing=pairing)
+    groups = local_groups(2)
+    models = [GPT(TINY, seed=1) for _ in range(2)]
+    seen: list[tuple[bool, bool]] = []
+
+    def peer(g: Group) -> torch.optim.Optimizer:
+        model = models[g.rank]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        st = ZO(FakeSession(g), model, opt, cfg)  # type: ignore[arg-type]
+        for step in range(2):
+            inner = _loss(model, corpus, step)
+
+            def loss(shard: int = g.rank, shards: int = 2, inner=inner) -> torch.Tensor:
+                out = inner(shard, shards)
+                seen.append((torch.is_grad_enabled(), out.grad_fn is not None))
+                return out
+
+            st.step(loss)
+        return opt
+
+    opts = run_parallel(groups, peer)
+    assert seen and all(s == (False, False) for s in seen)
+    for model, opt in zip(models, opts, strict=True):
+        assert all(p.grad is None for p in model.parameters())
+        assert len(opt.state) == 0
