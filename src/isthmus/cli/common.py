@@ -49,6 +49,7 @@ def print_summary(s: Summary, title: str = "isthmus demo") -> None:
         ("resyncs", str(s.resyncs)),
         ("peers at the end (bit-identical)", f"{s.peers_final} of {s.peers_started} started"),
         ("kills / joins / restarts", f"{s.kills} / {s.joins} / {s.restarts}"),
+        ("stragglers flagged / link anomalies", f"{s.stragglers} / {s.link_anomalies}"),
     ]
     if s.strategy:
         rows += [
