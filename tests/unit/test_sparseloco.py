@@ -178,6 +178,10 @@ def test_options_and_refusals():
         SparseLoCoConfig(top_k=5000)
     with pytest.raises(ValueError, match="chunk"):
         SparseLoCoConfig(chunk=40000, top_k=10)
+    with pytest.raises(ValueError, match="no outer momentum"):
+        SparseLoCoConfig(outer_momentum=0.9)
+    with pytest.raises(ValueError, match="no time budget"):
+        SparseLoCoConfig(inner_budget="time")
     with pytest.raises(ValueError, match="compression"):
         make_strategy("sparseloco", None, model, opt, compression="int8")
     st = make_strategy("sparseloco", None, model, opt, top_k="32", bits="4")

@@ -46,7 +46,8 @@ Faults, joins and the accumulator:
 
 Refuses ``compression=`` and ``aggregator=`` (ValueError): the message is already compressed,
 and robust rules do not apply to sparse sums. Not yet composed with Streaming DiLoCo's
-fragments or with overlapped rounds.
+fragments, overlapped rounds, DiLoCo's time budget (``inner_budget="time"`` is refused) or its
+token weighting (``step(tokens=n)`` is accepted, every present message counts once).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -62,8 +63,8 @@ from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
 from isthmus.reduce.reducer import Reduced
 from isthmus.reduce.sparseloco_math import SparseCodec, sum_messages
-from isthmus.strategies.diloco import DiLoCo
-from isthmus.strategies.model_state import SharedBuffers, global_copy, load_tensors
+from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
+from isthmus.strategies.model_state import load_tensors
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig", "gather_messages"]
 
@@ -71,13 +72,18 @@ log = logging.getLogger("isthmus.sparseloco")
 
 
 @dataclass(kw_only=True)
-class SparseLoCoConfig:
-    """Options of :class:`SparseLoCo` (see the module docstring for the defaults' sources)."""
+class SparseLoCoConfig(DiLoCoConfig):
+    """Options of :class:`SparseLoCo` (see the module docstring for the defaults' sources). It
+    extends DiLoCo's; ``outer_momentum`` must stay 0 (the accumulator replaces it) and the time
+    budget is not implemented (``inner_budget="steps"`` only)."""
 
     sync_every: int = 50
     """H: inner steps between rounds (as DiLoCo's default for tiny runs)."""
     outer_lr: float = 1.0
     """alpha: theta <- theta - alpha * mean of the sent accumulators."""
+    outer_momentum: float = 0.0
+    """Must be 0: SparseLoCo has no outer momentum."""
+    nesterov: bool = False
     error_decay: float = 0.95
     """beta: e <- beta * e + delta before each compression."""
     chunk: int = 4096
@@ -86,12 +92,15 @@ class SparseLoCoConfig:
     """Entries kept per chunk (64 of 4096: 1.56%)."""
     bits: int = 2
     """Bits per kept value: 1, 2, 4, 8, or 32 (float32, unquantized)."""
+    time_budget: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
+        super().__post_init__()
+        if self.outer_momentum != 0:
+            raise ValueError(
+                f"sparseloco has no outer momentum (its error feedback replaces it): "
+                f"outer_momentum must be 0, got {self.outer_momentum}"
+            )
         if not 0 <= self.error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
         if not 1 <= self.top_k <= self.chunk:
@@ -132,8 +141,8 @@ class SparseLoCo(DiLoCo):
     :meth:`finish` once at the end (it syncs the last partial phase)."""
 
     name = "sparseloco"
-    Config = SparseLoCoConfig  # type: ignore[assignment]
-    config: SparseLoCoConfig  # type: ignore[assignment]
+    Config = SparseLoCoConfig
+    config: SparseLoCoConfig
 
     def setup(self) -> None:
         if self.reducer.compressor is not None or self.reducer.aggregator is not None:
@@ -141,9 +150,10 @@ class SparseLoCo(DiLoCo):
                 "sparseloco compresses its own outer gradients (top_k, chunk, bits options) and "
                 "sums them exactly: drop compression= and aggregator="
             )
+        # DiLoCo's state (theta, buffers, counters; its outer SGD has no momentum and no state,
+        # and is not used: apply_outer is this class's)
+        super().setup()
         cfg = self.config
-        self.global_params = [global_copy(p) for p in self.params]
-        self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.error = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
         self.codec = SparseCodec(
             [p.shape for p in self.params],
@@ -154,12 +164,6 @@ class SparseLoCo(DiLoCo):
         )
         self.absent = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8)
         self.absent_rounds = 0  # rounds this peer took part in without a message
-        self.since_sync = 0
-        self.outer_rounds = 0
-        self.joined = self.session is None
-        self._materialize_inner()
-        self.share_model(self.global_params, "global", self.buffers)
-        self._register_counter()
 
     @property
     def payload_bytes(self) -> int:
@@ -169,6 +173,9 @@ class SparseLoCo(DiLoCo):
     def sync(self, *, catch_up: bool = False) -> None:
         """One round (see the module docstring). A ``catch_up`` round sends nothing present."""
         cfg = self.config
+        if not catch_up:
+            self.phase_steps = [*self.phase_steps[-999:], self.since_sync]
+        self.phase_tokens = 0.0  # not weighted: every present message counts once
         snap = self.buffers.snapshot()
         exact = torch.cat([torch.tensor([float(self.since_sync)]), self.buffers.flat(snap)])
         accumulated = [
