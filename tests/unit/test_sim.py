@@ -234,3 +234,13 @@ def test_inputs_are_checked() -> None:
         StrategyProfile(name="x", bytes_per_round=1.0, overlap=1.5)
     with pytest.raises(ValueError, match="at least 0"):
         FailureModel(recovery_s=-1.0)
+
+
+def test_zo_sends_its_bytes_whatever_the_model_and_pays_the_latency() -> None:
+    network = net(latency_s=0.01)
+    zo = strategy_profile("zo", model_bytes=MB100, zo_bytes=2)
+    assert zo.bytes_per_round == 2 and zo.steps_per_round == 1.0
+    r = Simulator(compute_s_per_step=0.5, strategy=zo, network=network).predict(4)
+    # 2(n - 1) hops of 10 ms, and 2 bytes at the link's rate: nothing else
+    assert r.step_s == pytest.approx(0.5 + 6 * 0.01, rel=1e-6)
+    assert r.bytes_per_peer_per_step == pytest.approx(2 * 2 * 3 / 4)

@@ -109,6 +109,7 @@ def strategy_profile(
     overlap_steps: float = 0.0,
     compression_ratio: float = 1.0,
     ddp_overlap: float = 0.0,
+    zo_bytes: float = 1.0,
 ) -> StrategyProfile:
     """The communication profile of a known strategy.
 
@@ -123,6 +124,9 @@ def strategy_profile(
       ``NetworkModel(algorithm="gossip")``).
     * ``streaming``: one of P fragments every H/P steps, ``B/P`` bytes, overlap ``tau/(H/P)``.
     * ``eager``, ``co2``: every H steps, the all-reduce overlaps the next H steps entirely.
+    * ``zo``: every step, ``zo_bytes`` per peer whatever the model (its quantized projected
+      gradients: 1 byte by default); the round is modelled as an all-reduce of them, so its
+      latency term (``2 (n - 1)`` hops) is an upper bound for zo's ring all-gather (``n - 1``).
 
     Raises ``ValueError`` for an unknown name or out-of-range numbers (e.g. ``tau >= H/P``).
     """
@@ -147,6 +151,9 @@ def strategy_profile(
         return StrategyProfile(
             name=name, bytes_per_round=payload, steps_per_round=float(sync_every)
         )
+    if name == "zo":
+        _finite(zo_bytes, "zo_bytes")
+        return StrategyProfile(name=name, bytes_per_round=zo_bytes, steps_per_round=1.0)
     if name in ("eager", "co2"):
         return StrategyProfile(
             name=name, bytes_per_round=payload, steps_per_round=float(sync_every), overlap=1.0
@@ -169,7 +176,8 @@ def strategy_profile(
             overlap=overlap_steps / between,
         )
     raise ValueError(
-        f"unknown strategy {name!r}; known: ddp, diloco, localsgd, gossip, eager, co2, streaming"
+        f"unknown strategy {name!r}; known: ddp, diloco, localsgd, gossip, eager, co2, "
+        f"streaming, zo"
     )
 
 
