@@ -43,8 +43,24 @@ all-gather (:func:`isthmus.comm.accounting.wire_bytes`): 3 bytes per step per pe
 
 MeZO's defaults (OPT fine-tuning): eps 1e-3, lr 1e-6 to 1e-7, one perturbation per step, batch
 16, weight decay 0, and many more steps than backpropagation needs (tens of thousands). They are
-this config's defaults; training a model from scratch needs a much larger ``lr`` (``lr=3e-4``
-for the demo's GPT: ``isthmus demo --strategy zo --option lr=3e-4``).
+this config's defaults, and they are for models of billions of parameters: the demo's small GPT
+needs a much larger ``lr``. ``isthmus demo --strategy zo`` fine-tunes a pre-trained model
+(:mod:`isthmus.run.pretrain`) with ``lr=1e-3`` and two perturbations per peer.
+
+Joining by replay: every peer keeps the last ``log_rounds`` committed rounds (number, world and
+codes: ``12 + world * payload`` bytes each). A stale peer (a joiner holding the run's initial
+model, a peer back from an eviction, one resumed from a checkpoint) is caught up from one
+source either by the state's tensors or by the log of the rounds since its own revision,
+replayed on copies of its parameters; ``catch_up`` chooses (``auto``: whichever costs less time
+at ``link_mbps``, counting the regeneration of every ``z`` at the source's measured seconds per
+estimate). Either way every tensor is verified against the run's hashes, and a replay that
+does not reproduce them is followed by the tensors (:mod:`isthmus.comm.transfer`).
+
+Perturbation parallelism (DistZO2, "High-Throughput and Memory-Efficient Zeroth-Order
+Fine-tuning LLMs with Distributed Parallel Computing"): with
+``pairing="perturbation"`` the two passes of a perturbation run on two peers (see
+:attr:`ZOConfig.pairing`): a step takes one forward pass per perturbation per peer instead of
+two, and the run makes ``ceil(world / 2)`` estimates per step instead of ``world``.
 
 Shared state: the model's trainable parameters (``model/<name>``), its frozen parameters and
 integer buffers (``model/<name>``), a copy of its floating buffers (``global/<name>``) and the
