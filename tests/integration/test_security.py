@@ -18,7 +18,6 @@ import os
 import random
 import resource
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,8 @@ from isthmus.coordinator.limits import Limits
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.tls import self_signed
+from isthmus.run import forkserver
+from isthmus.run.forkserver import PeerProcess
 from isthmus.run.job import PeerJob
 
 ADMIN = "security-test-admin-token"
@@ -83,7 +84,7 @@ class Run:
                 membership=MembershipConfig(start_peers=3, heartbeat_timeout=3.0),
             )
         ).start()
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, PeerProcess] = {}
 
     def spawn(self, name: str, **job: Any) -> None:
         j = PeerJob.from_flat(
@@ -103,13 +104,14 @@ class Run:
         )
         path = self.dir / f"{name}.job.json"
         path.write_text(j.to_json())
-        with (self.dir / f"{name}.log").open("wb") as log:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "isthmus.run.job", str(path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+        log = self.dir / f"{name}.log"
+        log.write_bytes(b"")
+        # forked from the warm server (torch imported once), as the launcher starts peers
+        self.procs[name] = forkserver.popen(
+            [sys.executable, "-m", "isthmus.run.job", str(path)],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            log_path=log,
+        )
 
     def log(self, name: str) -> str:
         return (self.dir / f"{name}.log").read_text(errors="replace")[-3000:]

@@ -119,6 +119,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             coordinator=args.coordinator,
             token=token,
+            coordinator_fingerprint=args.coordinator_fingerprint,
             timeouts=cfg.timeouts,
             run_dir=cfg.output.run_dir,
             steps=args.steps,
@@ -244,6 +245,10 @@ def add_parsers(sub: Any) -> None:
         help="join this coordinator (isthmus coordinator) instead of starting one here",
     )
     r.add_argument("--token", help="the run's token (with --coordinator)")
+    r.add_argument(
+        "--coordinator-fingerprint",
+        help="pin the remote coordinator's TLS certificate (the fingerprint it printed)",
+    )
     r.add_argument("--token-file", help="read the token from this file")
     r.add_argument("--steps", type=int, default=None, help="the run's length, for the progress bar")
     add_config_flags(r, include=RUN_FLAGS)

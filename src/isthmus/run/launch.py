@@ -41,13 +41,13 @@ from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.stragglers import StragglerConfig
-from isthmus.coordinator.tls import self_signed
 from isthmus.lab.churn import SlotState
 from isthmus.run import forkserver
 from isthmus.run.config import RunConfig, TimeoutConfig
 from isthmus.run.forkserver import PeerProcess
 from isthmus.run.job import PeerJob, PeerSpec
 from isthmus.run.record import RunDir
+from isthmus.run.secure import embedded_tls
 
 __all__ = [
     "BuiltinJob",
@@ -82,8 +82,7 @@ class PeerLaunch:
     faults: tuple[str, ...]
     hostname: str | None
     run_dir: RunDir
-    coordinator_fingerprint: str | None = None
-    """The coordinator's TLS certificate to pin (None: plain HTTP)."""
+    coordinator_fingerprint: str | None = None  # the TLS certificate to pin (None: plain HTTP)
 
 
 class Program(ABC):
@@ -170,10 +169,7 @@ class Spawner:
     """Starts peer processes on this machine. The lab's spawner starts each in its namespace."""
 
     coordinator_host = "127.0.0.1"
-    separate_hosts = False
-    """True when the peers stand for other machines (the lab's namespaces): the embedded
-    coordinator then serves TLS (a self-signed certificate the peers pin) and every slot joins
-    with a join token of its own, as on real machines (docs/SECURITY.md)."""
+    separate_hosts = False  # peers stand for other machines: TLS and join tokens (SECURITY.md)
 
     def coordinator_context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around starting the embedded coordinator (the lab enters the coordinator's
@@ -315,6 +311,7 @@ class Launcher:
         spawner: Spawner | None = None,
         coordinator: str | None = None,
         token: str | None = None,
+        coordinator_fingerprint: str | None = None,
         max_restarts: int = 0,
         hooks: list[Hook] | None = None,
         total_steps: int | None = None,
@@ -343,8 +340,8 @@ class Launcher:
         self.checkpoint_dir = checkpoint_dir
         self.stragglers = stragglers or StragglerConfig()
         self.coordinator: Coordinator | None = None
-        self.fingerprint: str | None = None
-        """The embedded coordinator's TLS fingerprint (None: plain HTTP, one shared token)."""
+        self.fingerprint = coordinator_fingerprint  # the coordinator's TLS certificate, if any
+        self.coordinator_tls: Any = None  # the embedded coordinator's certificate, if any
         self.client: CoordinatorClient | None = None
         self.run_step = 0
         """The most advanced active peer's step (what step-clock churn waits for)."""
@@ -376,7 +373,7 @@ class Launcher:
             name=name,
             coordinator=self.address,
             # a slot's incarnations share its identity: revoking it refuses the slot's restarts
-            token=join_token(self.token, f"peer{slot}") if self.fingerprint else self.token,
+            token=join_token(self.token, f"peer{slot}") if self.coordinator_tls else self.token,
             faults=tuple(faults),
             hostname=self.spawner.hostname(slot),
             run_dir=self.run_dir,
@@ -428,16 +425,13 @@ class Launcher:
         return Outcome(self.slots, events, status, time.monotonic() - started, self.t0, timed_out)
 
     def _start_coordinator(self) -> None:
-        if self.remote is not None:
-            self.client = CoordinatorClient(
-                self.remote, self.token, connect_timeout=self.timeouts.connect_timeout
-            )
-            return
         t = self.timeouts
-        tls = None
-        if self.spawner.separate_hosts:
-            host = self.spawner.coordinator_host
-            tls = self_signed(str(self.run_dir.path / "tls"), hosts=[host, "127.0.0.1"])
+        if self.remote is not None:
+            opts = {"connect_timeout": t.connect_timeout, "fingerprint": self.fingerprint}
+            self.client = CoordinatorClient(self.remote, self.token, **opts)  # type: ignore[arg-type]
+            return
+        self.coordinator_tls = tls = embedded_tls(self.spawner, self.run_dir.path)
+        if tls is not None:  # a join token per slot too
             self.fingerprint = tls.fingerprint
         with self.spawner.coordinator_context():
             self.coordinator = Coordinator(
