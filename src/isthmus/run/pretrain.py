@@ -110,13 +110,15 @@ def _key(run: RunConfig, corpus: Corpus, steps: int) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps(parts, sort_keys=True).encode())
 
 
-def pretrain(run: RunConfig, path: Path, *, steps: int = PRETRAIN_STEPS) -> dict[str, float]:
+def pretrain(
+    run: RunConfig, path: Path, *, steps: int = PRETRAIN_STEPS, max_bytes: int = PRETRAIN_BYTES
+) -> dict[str, float]:
     """Train the run's model on :func:`pretraining_corpus` for ``steps`` AdamW steps on this
     process and save its ``state_dict`` to ``path`` (atomically). Returns the eval losses on the
     run's own corpus before and after (``initial``, ``pretrained``)."""
     from isthmus.run.job import build_corpus, build_model
 
-    held_out = pretraining_corpus(run)
+    held_out = pretraining_corpus(run, max_bytes)
     model = build_model(
         dataclasses.replace(run, model=dataclasses.replace(run.model, init_from=None))
     )
