@@ -12,6 +12,8 @@ the collective of step ``--kill-step``. Figures:
   new epoch with new process groups (coordinator clock);
 * round latency: the median of the survivors' committed rounds (begin to commit, this peer's
   clock), the rounds that changed epoch left out;
+* group formation: 3 ranks (threads of this process, each with its own client) meet through
+  the rendezvous, connect a Gloo group and run one all-reduce; the median of 15 epochs;
 * store ops: the median of 200 set+get pairs on one client, in this process.
 
 Prints a markdown table and writes ``results.json``.
@@ -28,11 +30,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from isthmus.comm.connect import CoordinatorStores, StoreClients, connect_gloo
+from isthmus.comm.wires import Wires
 from isthmus.coordinator.auth import join_token
 from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.membership import MembershipConfig
@@ -145,6 +151,48 @@ def store_ops_ms(secure: bool, tls: TLSFiles, n: int = 200) -> float:
         c.stop()
 
 
+def formation_s(secure: bool, tls: TLSFiles, epochs: int = 15, world: int = 3) -> float:
+    """Median seconds for ``world`` ranks to form a Gloo group through the rendezvous (each
+    rank with a client of its own, as peers) and run one all-reduce."""
+    c = coordinator(secure, tls)
+    clients: list[CoordinatorClient] = []
+    rdv: list[Any] = []
+    for r in range(world):
+        cl = CoordinatorClient(
+            c.address, join_token(ADMIN, f"f{r}"), fingerprint=tls.fingerprint if secure else None
+        )
+        clients.append(cl)
+        if secure:
+            pid = int(cl.post("/v1/register", {"name": f"f{r}"})["peer_id"])
+            rdv.append(CoordinatorStores(cl, pid, c.run_id, timeout_s=60))
+        else:
+            rdv.append(StoreClients("127.0.0.1", c.store_port, timeout_s=60))
+    times = []
+    try:
+        with ThreadPoolExecutor(world) as pool:
+            for e in range(epochs):
+
+                def build(r: int, e: int = e) -> Any:
+                    w = Wires(f"rank {r}")
+                    store = dist.PrefixStore(
+                        f"isthmus/{c.run_id}/e{e}/", rdv[r].take(w, lambda: None)
+                    )
+                    pg = connect_gloo(store, r, world, timeout_s=60, wires=w, hostname="127.0.0.1")
+                    pg.allreduce([torch.ones(4)]).wait()
+                    return pg
+
+                t = time.perf_counter()
+                groups = list(pool.map(build, range(world)))
+                times.append(time.perf_counter() - t)
+                del groups
+                time.sleep(0.3)  # the next TCPStore clients connect ahead, as in a run
+    finally:
+        for cl in clients:
+            cl.close()
+        c.stop()
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -163,14 +211,17 @@ def main() -> None:
             print(label, i, r, flush=True)
             results[label].append(r)
     ops = {label: store_ops_ms(label == "secure", tls) for label in ("secure", "plain")}
+    form = {label: formation_s(label == "secure", tls) for label in ("secure", "plain")}
     digests = {r["digest"] for rs in results.values() for r in rs}
-    (out / "results.json").write_text(json.dumps({"runs": results, "store_ops_ms": ops}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps({"runs": results, "store_ops_ms": ops, "formation_s": form}, indent=1)
+    )
     print()
     print(
         "| setup | epoch change (s), median [min-max] | round latency (ms), median | "
-        "store set+get (ms) |"
+        "group formation (s) | store set+get (ms) |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|")
     names = {
         "secure": "TLS + join tokens + coordinator rendezvous",
         "plain": "HTTP + one token + TCPStore",
@@ -180,7 +231,7 @@ def main() -> None:
         rl = [r["round_latency_ms"] for r in rs]
         print(
             f"| {names[label]} | {statistics.median(ec):.3f} [{min(ec):.3f}-{max(ec):.3f}] | "
-            f"{statistics.median(rl):.1f} | {ops[label]:.2f} |"
+            f"{statistics.median(rl):.1f} | {form[label]:.3f} | {ops[label]:.2f} |"
         )
     print(f"\nfinal digests: {len(digests)} distinct over {sum(map(len, results.values()))} runs")
     print(f"results: {out / 'results.json'}")

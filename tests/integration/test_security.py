@@ -18,6 +18,7 @@ import os
 import random
 import resource
 import socket
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from conftest import assert_bitwise_equal
 from isthmus.comm.config import SessionConfig
 from isthmus.comm.session import Session
 from isthmus.coordinator.auth import join_token
-from isthmus.coordinator.client import TLSRefused
+from isthmus.coordinator.client import CoordinatorClient, CoordinatorError, TLSRefused
 from isthmus.coordinator.limits import Limits
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
@@ -62,6 +63,42 @@ def test_a_peer_pinned_to_another_fingerprint_refuses_naming_both(tmp_path: Path
         cfg.coordinator_fingerprint = real.fingerprint
         s = Session(cfg)
         s.close()
+
+
+def test_slow_and_flooding_clients_cost_only_themselves(tmp_path: Path) -> None:
+    """Clients holding half-sent requests and one identity flooding requests: another identity
+    is still answered at once, and only the flooder is told to slow down (429)."""
+    tls = self_signed(str(tmp_path / "tls"))
+    limits = Limits(requests_per_s=1.0, request_burst=10.0)
+    with Coordinator(CoordinatorConfig(token=ADMIN, port=0, tls=tls, limits=limits)) as c:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        slow = []
+        for i in range(20):  # headers or a body promised and never finished
+            raw = socket.create_connection(("127.0.0.1", c.port), timeout=10)
+            conn = ctx.wrap_socket(raw)
+            partial = b"POST /v1/store HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{"
+            conn.sendall(partial if i % 2 else b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")
+            slow.append(conn)
+        flood = CoordinatorClient(
+            c.address, join_token(ADMIN, "flood"), fingerprint=tls.fingerprint, connect_timeout=0.5
+        )
+        calm = CoordinatorClient(c.address, join_token(ADMIN, "calm"), fingerprint=tls.fingerprint)
+        try:
+            limited = 0
+            for _ in range(14):
+                try:
+                    flood.post("/v1/leave", {"peer": 12345})
+                except CoordinatorError as e:
+                    assert "429" in str(e) or "may not act" in str(e), e
+                    limited += "429" in str(e)
+            assert limited > 0, "the flooder was never told to slow down"
+            assert calm.get("/v1/status")["run_id"] == c.run_id
+        finally:
+            flood.close()
+            calm.close()
+            for conn in slow:
+                conn.close()
 
 
 # ------------------------------------------------------------------------------ the attacked run

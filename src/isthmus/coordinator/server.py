@@ -277,6 +277,12 @@ class Coordinator:
                     await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), 1.0)
             await self._runner.cleanup()
             self._store = None
+            # handlers of clients that never finished a request (slow or hostile): end them
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=1.0)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _now(self) -> float:
