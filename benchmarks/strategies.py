@@ -241,11 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print()
-    base = json.loads(Path(args.baseline).read_text()) if args.baseline else []
-    print(table(rows, base))
-    if args.json:
+    if args.json:  # first: the rows are the measurement, the table only presents them
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    base = json.loads(Path(args.baseline).read_text()) if args.baseline else []
+    print(table([r for r in rows if r["final_eval_loss"] is not None], base))
     return 0
 
 
