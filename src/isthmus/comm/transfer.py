@@ -123,8 +123,9 @@ def apply_transfers(group: Group, plan: RoundPlan, state: SharedState, peer_id: 
     return total
 
 
-def _ints(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _ints(*values: int, device: torch.device) -> torch.Tensor:
+    # on the state's device: NCCL moves only accelerator tensors
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _serve(
@@ -138,7 +139,7 @@ def _serve(
 ) -> None:
     """The source's side of one transfer with a catch-up handshake (see the module docstring)."""
     dst, tag = plan.rank_of(t.dst), 2000 + 8 * i
-    head = _ints(0, 0)
+    head = _ints(0, 0, device=device)
     group.recv(head, dst, tag)
     since, wish = int(head[0]), int(head[1])
     covered = [n for n in t.names if n in cu.covers()]
@@ -146,16 +147,16 @@ def _serve(
     history = cu.offer(since, plan.round, _nbytes(state, t.names), wish) if covered else None
     if history is None:
         payload = _pack(state, t.names, device)
-        group.send(_ints(0, payload.numel()), dst, tag + 1)
+        group.send(_ints(0, payload.numel(), device=device), dst, tag + 1)
         group.send(payload, dst, tag + 2)
         return
     raw = torch.tensor(list(history), dtype=torch.uint8, device=device)
     payload = torch.cat(
-        [_ints(len(history)).view(torch.uint8).to(device), raw, _pack(state, rest, device)]
+        [_ints(len(history), device=device).view(torch.uint8), raw, _pack(state, rest, device)]
     )
-    group.send(_ints(1, payload.numel()), dst, tag + 1)
+    group.send(_ints(1, payload.numel(), device=device), dst, tag + 1)
     group.send(payload, dst, tag + 2)
-    ok = _ints(0)
+    ok = _ints(0, device=device)
     group.recv(ok, dst, tag + 3)
     if not int(ok[0]):
         log.info("peer %d's replay did not match the run's state: sending the tensors", t.dst)
@@ -176,8 +177,8 @@ def _catch_up(
     match their hashes."""
     src, tag = plan.rank_of(t.src), 2000 + 8 * i
     since = cu.revision()
-    group.send(_ints(since, cu.wish()), src, tag)
-    head = _ints(0, 0)
+    group.send(_ints(since, cu.wish(), device=device), src, tag)
+    head = _ints(0, 0, device=device)
     group.recv(head, src, tag + 1)
     mode, nbytes = int(head[0]), int(head[1])
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -203,7 +204,7 @@ def _catch_up(
             e,
         )
         got = None
-    group.send(_ints(int(got is not None)), src, tag + 3)
+    group.send(_ints(int(got is not None), device=device), src, tag + 3)
     if got is not None:
         cu.adopt(history)
         log.info(

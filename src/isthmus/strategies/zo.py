@@ -250,6 +250,7 @@ class ZO(Strategy):
             )
         self.codec = self.config.codec()
         self.keep = distinct(self.params)
+        self._device = self.params[0].device if self.params else torch.device("cpu")
         self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.share_model([p.data for p in self.params], "model", self.buffers)
         self._register_counter()
@@ -307,7 +308,8 @@ class ZO(Strategy):
                     else:
                         codes = self._codes(loss_fn, rnd.number, rnd.rank)
                     rnd.check_faults("collective", step=self.step_count)
-                    flat = rnd.group.all_gather_flat(codec.pack(codes))
+                    # on the parameters' device: NCCL moves only accelerator tensors
+                    flat = rnd.group.all_gather_flat(codec.pack(codes).to(self._device))
                     raw = bytes(flat.to(device="cpu").reshape(-1).tolist())
                     return LoggedRound(rnd.number, rnd.world, raw)
 
@@ -338,7 +340,9 @@ class ZO(Strategy):
         lead = rank - rank % 2
         sign = 1.0 if rank == lead else -1.0
         mine = torch.tensor(
-            self._half(loss_fn, rnd.number, lead, sign, shard, shards), dtype=torch.float32
+            self._half(loss_fn, rnd.number, lead, sign, shard, shards),
+            dtype=torch.float32,
+            device=self._device,
         )
         self.last_loss = float(mine.mean())
         if rank != lead:
