@@ -218,6 +218,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                         commit_timeout=cfg.op_timeout_s() * 2,
                     ),
                     heartbeat_interval=1.0,
+                    # raw Gloo meets on the coordinator's plain TCPStore (and so does isthmus
+                    # here, as in the figures this benchmark is compared with)
+                    rendezvous="tcpstore",
                 )
             ).start()
         try:
