@@ -173,7 +173,9 @@ class ZOConfig:
     to the even one (4 bytes per perturbation, point to point), which encodes the pair's
     estimates while the odd member sends absent codes. With an odd world the last member runs
     both passes alone. ``loss_fn`` is then called as ``loss_fn(shard, shards)`` and must
-    return the loss on that data shard's batch. A pair member lost in the round aborts it."""
+    return the loss on that data shard's batch. A pair member lost in the round aborts it.
+    With dropout, a pair's two passes draw their masks from two peers' RNGs (one peer replays
+    the same RNG state for both passes)."""
     log_rounds: int = 100_000
     """Committed rounds each peer keeps for replays (``12 + world * bits * perturbations / 8``
     bytes each: about 1.6 MB for 100,000 rounds of 4 peers at one byte)."""
