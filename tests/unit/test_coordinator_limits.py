@@ -26,5 +26,5 @@ def test_buckets_are_per_key_and_bounded_in_number() -> None:
 
 
 def test_limits_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="limits.max_body_bytes"):
+    with pytest.raises(ValueError, match=r"limits\.max_body_bytes"):
         Limits(max_body_bytes=0)
