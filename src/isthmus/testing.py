@@ -17,31 +17,29 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from isthmus.comm.group import CommStats, Group, build_process_group
+from isthmus.comm.stripes import connect_stripes, reverse_sets
 
 T = TypeVar("T")
 
 __all__ = ["local_groups", "run_parallel"]
 
 
-def local_groups(world: int, *, timeout_s: float = 30.0) -> list[Group]:
+def local_groups(world: int, *, timeout_s: float = 30.0, connections: int = 1) -> list[Group]:
     """Build ``world`` connected :class:`Group` objects in this process (ranks 0..world-1).
 
     Each gets its own :class:`CommStats`, so byte accounting is per rank as in a real run.
+    ``connections`` > 1 builds that many process groups per rank, striped as a session's are
+    (:mod:`isthmus.comm.stripes`).
     """
     if world == 1:
         return [Group(None, 0, 1, timeout_s=timeout_s)]
     store = dist.PrefixStore(f"local/{uuid.uuid4().hex}/", dist.HashStore())
 
     def build(rank: int) -> Group:
-        pg = build_process_group(store, rank, world, timeout_s=timeout_s, hostname="127.0.0.1")
-        reverse = functools.partial(
-            build_process_group,
-            dist.PrefixStore("reverse/", store),
-            rank,
-            world,
-            timeout_s=timeout_s,
-            hostname="127.0.0.1",
+        connect = functools.partial(
+            build_process_group, rank=rank, world=world, timeout_s=timeout_s, hostname="127.0.0.1"
         )
+        pg, stripes = connect_stripes(connect, store, connections)
         return Group(
             pg,
             rank,
@@ -49,7 +47,8 @@ def local_groups(world: int, *, timeout_s: float = 30.0) -> list[Group]:
             timeout_s=timeout_s,
             stats=CommStats(),
             name=f"local{rank}",
-            connect_reverse=reverse,
+            connect_reverse=reverse_sets(connect, store, connections),
+            stripes=stripes,
         )
 
     with ThreadPoolExecutor(max_workers=world) as ex:

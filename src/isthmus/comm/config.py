@@ -52,6 +52,11 @@ class SessionConfig:
     """Address Gloo should bind and advertise (alternative to ``interface``)."""
     backend: str = "auto"
     """``gloo``, ``nccl``, or ``auto`` (NCCL when the shared state is on CUDA, else Gloo)."""
+    connections: int = 1
+    """TCP connections per peer pair (Gloo only): each epoch builds this many process groups and
+    all-reduce, all-gather and the exchange of the quantized all-reduce split their bytes over
+    them (:mod:`isthmus.comm.stripes`). More help over long fat links, where one connection is
+    held back by its window; 1 because on the lab's short links more only cost set-up time."""
     connect_timeout: float = 30.0
     """How long calls keep retrying while the coordinator cannot be reached."""
     collective_timeout: float = 60.0
@@ -85,6 +90,8 @@ class SessionConfig:
         for n in ("connect_timeout", "collective_timeout", "round_timeout"):
             if getattr(self, n) <= 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
+        if not isinstance(self.connections, int) or not 1 <= self.connections <= 64:
+            raise ValueError(f"connections must be an int from 1 to 64, got {self.connections!r}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from isthmus.comm import stripes as striping
 from isthmus.comm.accounting import CommStats, wire_bytes
 from isthmus.comm.wires import Wires
 
@@ -262,7 +263,10 @@ class Group:
     (collectively: every member calls it at the same point); :meth:`exchange` builds it on first
     use and sends on it what would otherwise share a connection with data going the other way.
     ``wires``, if given, holds the connections of both (see :func:`isthmus.comm.connect.
-    connect_gloo`); :meth:`abort` shuts them down.
+    connect_gloo`); :meth:`abort` shuts them down. ``stripes``: more process groups over the same
+    members (see :mod:`isthmus.comm.stripes`); all_reduce, all_gather_flat and exchange then
+    split their buffers over all of them, and ``connect_reverse`` must build one reverse group
+    per group (a list).
     """
 
     def __init__(
@@ -276,10 +280,12 @@ class Group:
         name: str = "",
         connect_reverse: Callable[[], Any] | None = None,
         wires: Wires | None = None,
+        stripes: Sequence[Any] = (),
     ) -> None:
         if world > 1 and pg is None:
             raise ValueError("a group of more than one peer needs a process group")
         self.pg = pg
+        self.pgs = [pg, *stripes]
         self.wires = wires
         self._connect_reverse = connect_reverse
         self._reverse: Any = None
@@ -363,7 +369,7 @@ class Group:
             return h if async_op else h.wait()
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]
-        work = self._issue("all_reduce", lambda: self.pg.allreduce([t], opts))
+        work = self._issue("all_reduce", lambda: striping.all_reduce(self.pgs, t, opts))
         self.stats.record("all_reduce", wire_bytes("all_reduce", _nbytes(t), self.world))
         h = Handle(self, work, t, "all_reduce", finish)
         return h if async_op else h.wait()
@@ -402,7 +408,9 @@ class Group:
             out.copy_(flat)
             h = Handle(self, None, out, "all_gather")
             return h if async_op else h.wait()
-        work = self._issue("all_gather", lambda: self.pg._allgather_base(out, flat))
+        work = self._issue(
+            "all_gather", lambda: striping.all_gather_flat(self.pgs, flat, out, self.world)
+        )
         self.stats.record("all_gather", wire_bytes("all_gather", _nbytes(flat), self.world))
         h = Handle(self, work, out, "all_gather")
         return h if async_op else h.wait()
@@ -472,8 +480,10 @@ class Group:
             return self.all_to_all(inp, async_op=async_op)
         if inp.numel() % n:
             raise ValueError(f"exchange needs a length divisible by {n}, got {inp.numel()}")
-        reverse = self._reverse_group()
+        rev = self._reverse_group()
+        reverse = rev if isinstance(rev, list) else [rev]
         rows = inp.view(n, -1)
+        cuts = striping.spans(rows.shape[1], inp.element_size(), len(self.pgs))
         out = torch.empty_like(inp)
         outs = out.view(n, -1)
         outs[r].copy_(rows[r])
@@ -485,12 +495,15 @@ class Group:
                 dst, src = (r + k) % n, (r - k) % n
                 if self.aborted:
                     raise CollectiveError(f"exchange abandoned: {self.abort_reason}")
-                to = self.pg if forward(r, dst, n) else reverse
-                frm = self.pg if forward(src, r, n) else reverse
-                sending = to.send([rows[dst]], dst, base + k)
-                receiving = frm.recv([outs[src]], src, base + k)
-                sending.wait()
-                receiving.wait()
+                works = []
+                # span i of each row on stripe i, all at once
+                for i, (lo, hi) in enumerate(cuts):
+                    to = self.pgs[i] if forward(r, dst, n) else reverse[i]
+                    frm = self.pgs[i] if forward(src, r, n) else reverse[i]
+                    works.append(to.send([rows[dst][lo:hi]], dst, base + k))
+                    works.append(frm.recv([outs[src][lo:hi]], src, base + k))
+                for w in works:
+                    w.wait()
 
         self._check("all_to_all")
         self.stats.record("all_to_all", wire_bytes("all_to_all", _nbytes(inp), n))

@@ -48,6 +48,7 @@ from isthmus.comm.connect import Connecting, Graveyard, Rendezvous, connect_gloo
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
 from isthmus.comm.state import SharedState
+from isthmus.comm.stripes import connect_stripes, reverse_sets
 from isthmus.comm.transfer import TransferError, apply_transfers
 from isthmus.comm.wires import Wires
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
@@ -312,8 +313,8 @@ class Session:
         )
 
         def build() -> Any:
-            if backend == "gloo":
-                return gloo(store)
+            if backend == "gloo":  # K groups, K connections per pair (comm/stripes.py)
+                return connect_stripes(gloo, store, cfg.connections)
             return build_process_group(
                 store,
                 rank,
@@ -322,18 +323,16 @@ class Session:
                 backend=backend,
                 interface=cfg.interface,
                 hostname=cfg.hostname,
-            )
+            ), []
 
         attempt = Connecting(build, wires, name=f"connect-{name}")
         try:
-            pg = attempt.wait(abandon)
+            pg, stripes = attempt.wait(abandon)
         except CollectiveError:
             self._graveyard.park(attempt)  # until its thread is out of torch
             raise
-        reverse = None
-        if backend == "gloo":
-            # a second connection set, built on first use by Group.exchange
-            reverse = functools.partial(gloo, dist.PrefixStore("reverse/", store))
+        # a second connection set (one per stripe), built on first use by Group.exchange
+        reverse = reverse_sets(gloo, store, cfg.connections) if backend == "gloo" else None
         g = Group(
             pg,
             rank,
@@ -343,6 +342,7 @@ class Session:
             name=name,
             connect_reverse=reverse,
             wires=wires,
+            stripes=stripes,
         )
         self._set_group(g)
         if plan.epoch in self._aborted_epochs:

@@ -165,9 +165,13 @@ class StrategyConfig:
     """Robust aggregator spec: median, trimmed_mean, krum, multi_krum, cc, gm, flag, nnm+krum, ..."""
     byzantine_f: int = 0
     """How many faulty peers the robust aggregator tolerates."""
+    connections: int = 1
+    """TCP connections per peer pair that each collective is striped over (every peer the same;
+    more help on long fat links, see docs/LAB.md)."""
 
     def __post_init__(self) -> None:
         _at_least("strategy", 0, byzantine_f=self.byzantine_f)
+        _at_least("strategy", 1, connections=self.connections)
         if self.compression in ("", "none"):
             self.compression = None
         if self.aggregator in ("", "mean"):

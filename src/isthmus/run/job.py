@@ -213,6 +213,7 @@ def run_job(job: PeerJob) -> PeerResult:
             collective_timeout=t.collective_timeout,
             connect_timeout=t.connect_timeout,
             round_timeout=t.round_timeout,
+            connections=run.strategy.connections,
             checkpoint_dir=run.checkpoint.checkpoint_dir,
             checkpoint_every=run.checkpoint.checkpoint_every,
             checkpoint_keep=run.checkpoint.checkpoint_keep,
