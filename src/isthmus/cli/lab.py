@@ -282,6 +282,7 @@ def _cmd_bench_allreduce(args: argparse.Namespace) -> int:
             network=args.network,
             collectives=args.collectives,
             congestion_control=args.congestion_control,
+            connections=args.connections,
             rtt_ms=args.rtt_ms,
             jitter_ms=args.jitter_ms,
             loss=args.loss,
@@ -496,6 +497,14 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="also time raw Gloo all_to_all and all_gather, and isthmus's exchange, each moving "
         "one int8 stage's bytes",
+    )
+    a.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        metavar="K",
+        help="TCP connections per peer pair that isthmus stripes each collective over (default 1; "
+        "raw Gloo always has one)",
     )
     a.add_argument(
         "--congestion-control",

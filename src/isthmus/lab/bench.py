@@ -93,6 +93,9 @@ class BenchConfig:
     congestion_control: str | None = None
     """TCP congestion control in the namespaces (e.g. ``reno``, ``bbr``); ``None``: the host's.
     Reported back as ``tcp_congestion_control`` (what the namespaces used)."""
+    connections: int = 1
+    """TCP connections per peer pair that the isthmus collectives are striped over
+    (``SessionConfig.connections``); the raw Gloo baseline has one."""
     rtt_ms: float = 0.0
     """Round trip between two peers (every peer link is a delay line); 0: none."""
     jitter_ms: float = 0.0
@@ -116,6 +119,10 @@ class BenchConfig:
         self.sizes_mb = tuple(float(s) for s in self.sizes_mb)
         if not self.sizes_mb or any(not (math.isfinite(s) and s > 0) for s in self.sizes_mb):
             raise ValueError(f"sizes must be positive numbers of MB, got {self.sizes_mb!r}")
+        if isinstance(self.connections, bool) or not (
+            isinstance(self.connections, int) and 1 <= self.connections <= 64
+        ):
+            raise ValueError(f"connections must be an int from 1 to 64, got {self.connections!r}")
         if self.reps < 1 or self.warmup < 0:
             raise ValueError(f"reps must be >= 1 and warmup >= 0, got {self.reps}, {self.warmup}")
         if self.compression in ("", "none"):
@@ -236,6 +243,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 "warmup": cfg.warmup,
                 "compression": cfg.compression,
                 "collectives": cfg.collectives,
+                "connections": cfg.connections,
                 "op_timeout_s": cfg.op_timeout_s(),
                 "out": tmp,
             }
@@ -339,6 +347,7 @@ def _combine(
         results.append(row)
     out: dict[str, Any] = {
         "peers": n,
+        "connections": cfg.connections,
         "link_mbit": link,
         "rtt_ms": cfg.rtt_ms if mode == "netns" else None,
         "jitter_ms": cfg.jitter_ms if mode == "netns" else None,
@@ -365,7 +374,12 @@ def format_bench(r: dict[str, Any]) -> str:
         link += f", loss {r['loss']:g}"
     cc = r.get("tcp_congestion_control")
     tcp = f", TCP {cc}" if cc else ""
-    lines = [f"all-reduce, {r['peers']} peers, {link} ({r['network']}{tcp}, median of {r['reps']})"]
+    k = r.get("connections", 1)
+    conns = f", isthmus on {k} connections per pair" if k != 1 else ""
+    lines = [
+        f"all-reduce, {r['peers']} peers, {link} ({r['network']}{tcp}{conns}, "
+        f"median of {r['reps']})"
+    ]
     if r["network_note"]:
         lines.append(f"NOTE: {r['network_note']}")
     for x in r["results"]:
@@ -432,6 +446,7 @@ def _worker(job_path: str, rank: int) -> None:
             hostname=host,
             collective_timeout=timeout,
             round_timeout=timeout * 2,
+            connections=int(job.get("connections", 1)),
         )
     )
     reducer = Reducer(compression=job["compression"]) if job["compression"] else None
