@@ -19,6 +19,7 @@ SCRIPT = """
 import atexit, os, sys
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "env", os.environ.get("PROBE"))
 print("session", os.getsid(0) == os.getpid())
+print("comm", open("/proc/self/comm").read().strip())
 print("to stderr", file=sys.stderr)
 atexit.register(lambda: print("atexit ran"))
 mode = sys.argv[1]
@@ -56,6 +57,7 @@ def test_a_forked_peer_gets_its_argv_env_directory_session_log_and_exit_code(
     text = log.read_text()
     assert f"argv ['exit', '5'] cwd {tmp_path} env yes" in text
     assert "session True" in text and "to stderr" in text
+    assert "comm isthmus:peer" in text  # what top shows for it
     assert "atexit ran" in text  # the interpreter's shutdown work is done, as with python
 
 

@@ -36,6 +36,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,11 @@ def _forkable(argv: list[str]) -> bool:
 def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
     """Runs in the forked peer: become what ``argv`` would have started, then exit."""
     os.setsid()  # its own process group: the launcher signals the group, Ctrl-C does not reach it
+    # every forked peer shows the server's command line in ps; top and ps -o comm show this name
+    what = argv[-1] if argv[1] == "-m" else argv[1]  # the job's file (peer0.job.json), a script
+    name = env.get("ISTHMUS_NAME") or Path(what).name.split(".")[0]
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(f"isthmus:{name}"[:15])
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

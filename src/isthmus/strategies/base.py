@@ -377,7 +377,7 @@ class Strategy(ABC):
         self._load_progress(dict(state["progress"]))
         torch.set_rng_state(state["rng"])
 
-    def _progress(self) -> dict[str, int]:
+    def _progress(self) -> dict[str, float]:
         return {"local_steps": self.local_steps}
 
     def _load_progress(self, progress: dict[str, Any]) -> None:

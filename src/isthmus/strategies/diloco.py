@@ -256,10 +256,13 @@ class DiLoCo(Strategy):
             self.sync()
 
     # -- local state (checkpoints) ----------------------------------------------------------------
-    def _progress(self) -> dict[str, int]:
+    def _progress(self) -> dict[str, float]:
         return {
             **super()._progress(),
             "since": self.since_sync,
+            # the outer gradient's weight is phase_tokens / since: without it a peer resumed in
+            # the middle of a phase would weigh its next outer gradient differently
+            "phase_tokens": self.phase_tokens,
             "joined": int(self.joined),
             "outer_rounds": self.outer_rounds,
         }
@@ -267,6 +270,8 @@ class DiLoCo(Strategy):
     def _load_progress(self, progress: dict[str, Any]) -> None:
         super()._load_progress(progress)
         self.since_sync = int(progress["since"])
+        # a checkpoint from before tokens were counted: one token per inner step, the default
+        self.phase_tokens = float(progress.get("phase_tokens", self.since_sync))
         # A peer with its local state is in step with the loaded shared state: no catch-up round
         # (it would apply the outer momentum to a zero outer gradient and change theta).
         self.joined = bool(progress["joined"])
