@@ -47,6 +47,7 @@ from isthmus.coordinator.protocol import (
     Transfer,
     schema_mismatch,
 )
+from isthmus.coordinator.ring import ring_members
 
 __all__ = ["Membership", "MembershipConfig", "PeerState"]  # config and states live in .peers
 
@@ -473,10 +474,9 @@ class Membership:
             self.peers[pid].in_sync = pid in voters and pid not in dsts
             if pid in dsts:
                 self.peers[pid].uncounted = True  # until this round commits
-        # ranks follow peer names (then ids): a peer that restarts under its name, or a run
-        # resumed from a checkpoint, gets the same rank, the same data shard and its own slot's
-        # local state back; ids alone follow registration order, which is a race
-        members = tuple(sorted(ready, key=lambda pid: (self.peers[pid].name, pid)))
+        # ranks follow names, then ids (registration order is a race): a restarted or resumed
+        # peer gets its rank, shard and slot back; ring order when peers report links (ring.py)
+        members = ring_members(ready, self.peers)
         new_epoch = self.force_new_epoch or members != self.members
         if new_epoch:
             self.epoch += 1

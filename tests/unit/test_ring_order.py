@@ -1,0 +1,112 @@
+"""Ordering the ring by bandwidth (coordinator/ring.py): pure, no network."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from isthmus.coordinator.ring import EXACT_MAX, crossings, order_ring, ring_key, ring_members
+
+
+def _regions(sizes: list[int], inside: float, between: float):
+    region, pid = {}, 0
+    for r, n in enumerate(sizes):
+        for _ in range(n):
+            region[pid] = r
+            pid += 1
+    bw = {
+        (a, b): inside if region[a] == region[b] else between
+        for a in region
+        for b in region
+        if a != b
+    }
+    return region, bw
+
+
+def test_two_regions_cross_exactly_twice():
+    # the scenario's shape: 2 + 2 peers, 1 Gbit/s inside, 50 Mbit/s between; ids interleaved so
+    # that name/id order would cross four times
+    region = {0: "eu", 1: "us", 2: "eu", 3: "us"}
+    bw = {(a, b): 1000.0 if region[a] == region[b] else 50.0 for a in region for b in region}
+    assert crossings([0, 1, 2, 3], region) == 4
+    order = order_ring([0, 1, 2, 3], bw)
+    assert sorted(order) == [0, 1, 2, 3]
+    assert crossings(order, region) == 2
+
+
+@pytest.mark.parametrize("sizes", [[3, 3], [4, 4], [2, 3, 3], [5, 6], [6, 6, 4]])
+def test_regions_are_contiguous_exact_and_heuristic(sizes):
+    region, bw = _regions(sizes, 1000.0, 50.0)
+    ids = list(region)
+    random.Random(1).shuffle(ids)
+    order = order_ring(ids, bw)
+    assert sorted(order) == sorted(ids)
+    assert crossings(order, region) == len(sizes)  # each region entered once
+
+
+def test_exact_search_matches_brute_force_on_random_graphs():
+    rng = random.Random(5)
+    for n in range(4, EXACT_MAX + 1):
+        ids = list(range(n))
+        bw = {}
+        for a, b in itertools.combinations(ids, 2):
+            bw[(a, b)] = float(rng.choice([10, 50, 100, 400, 1000]))
+        best = max(ring_key([0, *p], bw) for p in itertools.permutations(ids[1:]))
+        assert ring_key(order_ring(ids, bw), bw) == best
+
+
+def test_heuristic_finds_the_one_fast_ring_hidden_in_slow_links():
+    # 14 peers (beyond the exact search): a fast ring in a random order, every other link slow
+    rng = random.Random(3)
+    ids = list(range(14))
+    hidden = ids[:]
+    rng.shuffle(hidden)
+    bw = {(a, b): 10.0 for a in ids for b in ids if a != b}
+    for i in range(14):
+        a, b = hidden[i], hidden[(i + 1) % 14]
+        bw[(a, b)] = bw[(b, a)] = 1000.0
+    assert min(ring_key(order_ring(ids, bw), bw)) == 1000.0
+
+
+def test_asymmetric_links_count_their_slower_direction_and_missing_pairs_fail():
+    bw = {(a, b): 100.0 for a in range(4) for b in range(4) if a != b}
+    bw[(0, 1)] = 5.0
+    assert ring_key([0, 1, 2, 3], bw)[0] == 5.0
+    assert 1 not in (order_ring(range(4), bw)[1], order_ring(range(4), bw)[-1])
+    del bw[(2, 3)], bw[(3, 2)]
+    with pytest.raises(KeyError, match=r"between (2 and 3|3 and 2)"):
+        order_ring(range(4), bw)
+    with pytest.raises(ValueError, match="repeat"):
+        order_ring([1, 1, 2, 3], bw)
+
+
+def _peers(names: dict[int, str], links: dict[int, dict[str, float]] | None):
+    return {
+        p: SimpleNamespace(name=n, info={"links": links[p]} if links else {})
+        for p, n in names.items()
+    }
+
+
+def test_coordinator_hook_orders_by_reports_and_falls_back_to_names():
+    names = {10: "a-eu", 11: "b-us", 12: "c-eu", 13: "d-us"}
+    region = {p: n[2:] for p, n in names.items()}
+    links = {
+        p: {names[q]: (1000.0 if region[p] == region[q] else 50.0) for q in names if q != p}
+        for p in names
+    }
+    members = ring_members([13, 12, 11, 10], _peers(names, links))
+    assert members[0] == 10  # the first by name keeps rank 0
+    assert crossings(members, region) == 2
+    # a peer reports its own links and the others' reports name it: either end is enough
+    silent = {**links, 11: {}}
+    assert crossings(ring_members([13, 12, 11, 10], _peers(names, silent)), region) == 2
+    # a pair nobody reported (or a malformed report): name order, as before
+    unknown = {**silent, 13: {k: v for k, v in links[13].items() if k != "b-us"}}
+    assert ring_members([13, 12, 11, 10], _peers(names, unknown)) == (10, 11, 12, 13)
+    garbage = _peers(names, unknown)
+    garbage[11].info = {"links": "garbage"}
+    assert ring_members([13, 12, 11, 10], garbage) == (10, 11, 12, 13)
+    assert ring_members([12, 10, 11], _peers({10: "a", 11: "b", 12: "c"}, None)) == (10, 11, 12)
