@@ -228,6 +228,7 @@ async def attack(base: str, fp: bytes, run_id: str, c: Coordinator) -> dict[str,
             await ask(eve, "POST", "/v1/store", store_set),
             await ask(eve, "POST", "/v1/commit", {"peer": 0, "epoch": 1, "round": 0, "ok": False}),
             await ask(eve, "POST", "/v1/leave", {"peer": 0, "run": run_id}),
+            await ask(eve, "POST", "/v1/checkpoint", {"peer": 0, "revision": 1, "manifest": "x"}),
             await ask(eve, "POST", "/v1/admin/revoke", {"name": "peer0"}),
         ]
         out["eve_status"] = await ask(eve, "GET", "/v1/status")
@@ -382,7 +383,7 @@ def test_an_attacked_and_fuzzed_run_ends_in_parity_untouched(tmp_path: Path) -> 
         assert "revoked by the operator" in answers["revoked"][0][1]
         assert "invalid token" in answers["wrong"][0][1] and "missing" in answers["none"][0][1]
         assert answers["eve_registered"][0] == 200
-        assert [s for s, _ in answers["eve_for_peer0"]] == [403] * 4, answers["eve_for_peer0"]
+        assert [s for s, _ in answers["eve_for_peer0"]] == [403] * 5, answers["eve_for_peer0"]
         assert answers["eve_status"][0] == 200  # a join token reads the status
         assert [s for s, _ in answers["eve_more"]] == [200, 429], answers["eve_more"]
         status, reply = answers["revoke_eve"]

@@ -4,10 +4,11 @@ In order: ``/healthz`` and the dashboard's own routes pass (the dashboard checks
 the token is checked (:mod:`.auth`) - a refused one costs the caller's address a token of its
 failure bucket, and an empty bucket is answered 429; the identity's request bucket (:mod:`.limits`);
 admin routes (``/v1/admin/...``) need the admin token (403); requests in a peer's name
-(``begin``, ``commit``, ``leave``, ``store``, the websocket) must come from the identity that
-registered that peer (403); registrations are bounded per identity and in all (429). A handler's
-malformed-request error is answered 400 with its message; anything unexpected is logged with
-its traceback and answered 500 with a one-line JSON error (never the traceback).
+(``begin``, ``commit``, ``leave``, ``checkpoint``, ``store``, the websocket) must come from the
+identity that registered that peer (403); registrations are bounded per identity and in all
+(429). A handler's malformed-request error is answered 400 with its message; anything
+unexpected is logged with its traceback and answered 500 with a one-line JSON error (never the
+traceback).
 
 The gate also serves the admin API (``POST /v1/admin/revoke {"name"}``) and the rendezvous
 store (``POST /v1/store``, :mod:`.store_service`).
@@ -36,7 +37,9 @@ __all__ = ["BadRequest", "Gate"]
 
 log = logging.getLogger("isthmus.coordinator")
 
-_PEER_PATHS = frozenset({"/v1/begin", "/v1/commit", "/v1/leave", "/v1/store", "/v1/ws"})
+_PEER_PATHS = frozenset(
+    {"/v1/begin", "/v1/commit", "/v1/leave", "/v1/checkpoint", "/v1/store", "/v1/ws"}
+)
 
 
 class BadRequest(Exception):
