@@ -66,7 +66,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 for r in rows
                 if family(r["label"]) == fam and r["loss"] <= ddp["loss"] * (1 + tol)
             ]
-            best[tol] = f"{max(ok):,.0f}x" if ok else "none tried"
+            best[tol] = f"{max(ok):,.0f}x" if ok else "not reached"
         out.append(f"| {fam} | {best[0.01]} | {best[0.02]} |")
     return "\n".join(out)
 
