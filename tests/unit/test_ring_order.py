@@ -110,3 +110,39 @@ def test_coordinator_hook_orders_by_reports_and_falls_back_to_names():
     garbage[11].info = {"links": "garbage"}
     assert ring_members([13, 12, 11, 10], garbage) == (10, 11, 12, 13)
     assert ring_members([12, 10, 11], _peers({10: "a", 11: "b", 12: "c"}, None)) == (10, 11, 12)
+
+
+def test_the_two_region_scenarios_links_give_a_ring_crossing_twice_by_address():
+    # what the lab hands each peer (ISTHMUS_LINKS, by address) from scenarios/two_region.toml
+    from pathlib import Path
+
+    from isthmus.lab.netspec import path_rate_mbit
+    from isthmus.lab.scenario import load_scenario
+
+    net = load_scenario(Path(__file__).parents[2] / "scenarios" / "two_region.toml").network
+    assert net.sites is not None
+    rate = {
+        (a, b): path_rate_mbit([net.rates_bps[a], net.rates_bps[b]], net.sites, a, b)
+        for a in range(4)
+        for b in range(4)
+        if a != b
+    }
+    assert rate[(0, 1)] == 1000.0 and rate[(0, 2)] == 50.0 and rate[(3, 1)] == 50.0
+    region = {p: net.sites.site_of(p) for p in range(4)}
+    # names interleave the regions (eu, us, eu, us), so name order would cross four times
+    names = {10: "a", 11: "c", 12: "b", 13: "d"}
+    slot = {10: 0, 11: 1, 12: 2, 13: 3}
+    addr = {p: f"10.77.0.{slot[p] + 2}" for p in names}
+    peers = {
+        p: SimpleNamespace(
+            name=names[p],
+            info={
+                "addr": addr[p],
+                "links": {addr[q]: rate[(slot[p], slot[q])] for q in names if q != p},
+            },
+        )
+        for p in names
+    }
+    members = ring_members(list(names), peers)
+    assert crossings([slot[p] for p in members], region) == 2
+    assert crossings([slot[p] for p in (10, 12, 11, 13)], region) == 4  # name order

@@ -147,7 +147,9 @@ def ring_members(ready: Iterable[int], peers: Mapping[int, Any]) -> tuple[int, .
     ids = list(members)
     if len(ids) < 4:
         return tuple(ids)  # three or fewer: every order is the same ring
-    by_name = {names[p]: p for p in ids}
+    # a report names the others by peer name or by the address they report (``info["addr"]``:
+    # stable across a slot's restarts, where names are not)
+    by_name = {str(a): p for p in ids if (a := infos[p].get("addr"))} | {names[p]: p for p in ids}
     bandwidth: dict[tuple[int, int], float] = {}
     for p in ids:
         links = infos.get(p, {}).get("links")

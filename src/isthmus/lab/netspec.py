@@ -324,6 +324,20 @@ def path_rtt_ms(links: Sequence[Impairment | None], sites: Sites | None, a: int,
     return rtt
 
 
+def path_rate_mbit(
+    rates_bps: Sequence[float | None], sites: Sites | None, a: int, b: int
+) -> float | None:
+    """The rate between peers ``a`` and ``b`` whose own links are ``rates_bps`` (theirs, in
+    that order), in Mbit/s: the slowest of their links and the link between their sites, if
+    any; ``None`` when nothing on the path is shaped."""
+    rates = [r for r in rates_bps if r is not None]
+    if sites is not None:
+        sa, sb = sites.site_of(a), sites.site_of(b)
+        if sa != sb and sites.link(sa, sb).rate_bps is not None:
+            rates.append(float(sites.link(sa, sb).rate_bps))  # type: ignore[arg-type]
+    return min(rates) / 1e6 if rates else None
+
+
 # ---------------------------------------------------------------------------- parsing
 
 _NETWORK_KEYS = (

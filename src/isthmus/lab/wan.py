@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ipaddress
+import json
 import math
 import os
 import secrets
@@ -54,7 +55,14 @@ from isthmus.lab.netns import (
     run_cmd,
     unavailable_reason,
 )
-from isthmus.lab.netspec import CONGESTION_CONTROL_NAME, Impairment, NetworkSpec, Sites, path_rtt_ms
+from isthmus.lab.netspec import (
+    CONGESTION_CONTROL_NAME,
+    Impairment,
+    NetworkSpec,
+    Sites,
+    path_rate_mbit,
+    path_rtt_ms,
+)
 
 __all__ = ["WanNetwork"]
 
@@ -441,7 +449,20 @@ class WanNetwork:
         ``build_process_group``) must be given ``interface=`` (this variable's value) or
         ``hostname=`` (the node's ``ip``), or it binds 127.0.0.1 even with the variable set.
         """
-        return {"GLOO_SOCKET_IFNAME": self.node(which).ifname}
+        env = {"GLOO_SOCKET_IFNAME": self.node(which).ifname}
+        if which != "coordinator" and self.sites is not None:
+            # the scenario's bandwidth to every other peer, by address, for the coordinator's
+            # ring order (the built-in job reports it; see isthmus.coordinator.ring)
+            nodes = [self.node(b) for b in range(len(self.peers)) if b != which]
+            rates = {
+                n.ip: path_rate_mbit(
+                    [self.node(which).rate_bps, n.rate_bps], self.sites, which, n.index
+                )
+                for n in nodes
+            }
+            if all(r is not None for r in rates.values()):
+                env["ISTHMUS_LINKS"] = json.dumps(rates)
+        return env
 
     def command(self, which: int | Literal["coordinator"], argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run inside that node's namespace (``ip netns exec``)."""

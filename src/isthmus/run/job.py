@@ -124,6 +124,22 @@ def model_config(preset: str) -> GPTConfig:
     return GPTConfig.tiny() if preset == "tiny" else GPTConfig.default()
 
 
+def _report_links(session: Session, addr: str | None) -> None:
+    """Report the bandwidth to the other peers (``ISTHMUS_LINKS``: JSON, peer address -> Mbit/s,
+    which the lab sets from its scenario) and this peer's address, for the coordinator's ring
+    order (:mod:`isthmus.coordinator.ring`). A malformed value is logged and ignored: the ring
+    then stays in name order."""
+    raw = os.environ.get("ISTHMUS_LINKS")
+    if not raw or not addr:
+        return
+    try:
+        links = {str(k): float(v) for k, v in json.loads(raw).items()}
+    except (ValueError, AttributeError, TypeError) as e:
+        log.warning("ignoring ISTHMUS_LINKS (%s): %.100s", e, raw)
+        return
+    session.report(links=links, addr=addr)
+
+
 def build_corpus(run: RunConfig) -> Corpus:
     return Corpus.from_stdlib(max_bytes=run.data.corpus_bytes, seed=run.data.seed)
 
@@ -223,6 +239,7 @@ def run_job(job: PeerJob) -> PeerResult:
         faults=FaultInjector([Fault.parse(f) for f in me.faults]),
     )
     session.report(corpus=corpus.fingerprint, pid=os.getpid())
+    _report_links(session, me.hostname)
     s = run.strategy
     options = strategy_options(s.name, s.options, run.steps)
     if run.data.global_batch:
