@@ -31,7 +31,7 @@ def test_local_updating_and_one_round_staleness():
     # paper: tau local steps, then the all-reduce of round t runs during round t+1; its outer
     # update is applied at the next boundary. isthmus: at the first boundary nothing is applied
     # (the round is in flight); at the second, round 1's outer gradient (0.5) is.
-    st, w = _co2(CO2Config(sync_every=TAU, outer_momentum=0.0, clip=None))
+    st, w = _co2(CO2Config(sync_every=TAU, outer_momentum=0.0, gap_penalty=1.0, clip=None))
     _steps(st, w, TAU - 1)
     assert w.tolist() == [W0 - ETA] * 2  # local updating: the user's optimizer
     _steps(st, w, 1)
@@ -43,7 +43,7 @@ def test_local_updating_and_one_round_staleness():
 def test_restart_from_the_global_parameters_without_the_round_in_flight():
     # paper: x_{t+1,0} = x_{t+1}: each worker restarts from the global parameters, which do not
     # hold the round still being reduced. isthmus: after every boundary the model holds x_old.
-    st, w = _co2(CO2Config(sync_every=TAU, outer_momentum=0.0, clip=None))
+    st, w = _co2(CO2Config(sync_every=TAU, outer_momentum=0.0, gap_penalty=1.0, clip=None))
     _steps(st, w, TAU)
     assert w.tolist() == [W0] * 2  # not W0 - 0.5: round 1 is still in flight
     _steps(st, w, TAU)
@@ -65,7 +65,9 @@ def test_outer_momentum_with_the_gap_penalty_and_the_outer_step():
 
 
 def test_outer_lr_scales_the_step():
-    st, w = _co2(CO2Config(sync_every=TAU, outer_lr=0.5, outer_momentum=0.0, clip=None))
+    st, w = _co2(
+        CO2Config(sync_every=TAU, outer_lr=0.5, outer_momentum=0.0, gap_penalty=1.0, clip=None)
+    )
     _steps(st, w, 2 * TAU)
     assert st.global_params[0].tolist() == [W0 - 0.5 * 0.5] * 2
 
