@@ -201,3 +201,25 @@ def test_a_nonfinite_accumulator_sends_nothing_and_keeps_the_residual():
     assert all(torch.equal(a, b) for a, b in zip(before, st.global_params, strict=True))
     assert torch.equal(st.error[0], torch.ones_like(st.error[0]))
     assert all(torch.equal(p, g) for p, g in zip(st.params, st.global_params, strict=True))
+
+
+def test_the_accumulators_travel_in_the_local_state():
+    corpus = Corpus.from_stdlib(max_bytes=50_000)
+    model = GPT(TINY, seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    st = SparseLoCo(None, model, opt, SparseLoCoConfig(sync_every=2, top_k=4, chunk=64))
+    for step in range(5):
+        x, y = corpus.batch(step=step, rank=0, world=1, batch_size=2, block_size=TINY.block_size)
+        model(x, y)[1].backward()
+        st.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(st.local_state())
+    assert any(bool(e.abs().sum() > 0) for e in st.error)
+    fresh_model = GPT(TINY, seed=4)
+    fresh = SparseLoCo(None, fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=3e-3))
+    fresh.load_local_state(saved)
+    assert all(torch.equal(a, b) for a, b in zip(st.error, fresh.error, strict=True))
+    assert fresh.since_sync == st.since_sync == 1
+    bad = {k: v for k, v in saved.items() if k != "error"}
+    with pytest.raises(ValueError, match="error"):
+        fresh.load_local_state(bad)

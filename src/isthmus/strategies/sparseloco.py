@@ -231,10 +231,10 @@ class SparseLoCo(DiLoCo):
 
     # -- local state (checkpoints) ----------------------------------------------------------------
     def _local_tensors(self) -> dict[str, Any]:
-        return {**self._inner_local(), "error": dict(zip(self.names, self.error, strict=True))}
+        return {**super()._local_tensors(), "error": dict(zip(self.names, self.error, strict=True))}
 
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
-        self._load_inner_local(state)
+        super()._load_local_tensors(state)
         if "error" not in state:
             raise ValueError("local state has no 'error' (SparseLoCo's accumulators)")
         load_tensors("error", dict(zip(self.names, self.error, strict=True)), state["error"])
