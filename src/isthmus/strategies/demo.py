@@ -94,6 +94,12 @@ class DeMo(Strategy):
                 "demo compresses its own momenta (top_k, chunk options) and sums them exactly: "
                 "drop compression= and aggregator="
             )
+        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
+        if off_cpu:
+            raise ValueError(
+                f"demo keeps its momenta and messages on the CPU; a model on {off_cpu} is not "
+                f"supported yet"
+            )
         groups: dict[int, dict[str, Any]] = {}
         for g in self.optimizer.param_groups:
             for p in g["params"]:

@@ -155,6 +155,12 @@ class SparseLoCo(DiLoCo):
                 "sparseloco compresses its own outer gradients (top_k, chunk, bits options) and "
                 "sums them exactly: drop compression= and aggregator="
             )
+        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
+        if off_cpu:
+            raise ValueError(
+                f"sparseloco keeps its accumulators and messages on the CPU; a model on {off_cpu} is not "
+                f"supported yet"
+            )
         # DiLoCo's state (theta, buffers, counters; its outer SGD has no momentum and no state,
         # and is not used: apply_outer is this class's)
         super().setup()
