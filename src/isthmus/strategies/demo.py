@@ -97,8 +97,8 @@ class DeMo(Strategy):
         off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
         if off_cpu:
             raise ValueError(
-                f"demo keeps its momenta and messages on the CPU; a model on {off_cpu} is not "
-                f"supported yet"
+                f"demo keeps its momenta and messages on the CPU; a model on "
+                f"{off_cpu} is not supported yet"
             )
         groups: dict[int, dict[str, Any]] = {}
         for g in self.optimizer.param_groups:

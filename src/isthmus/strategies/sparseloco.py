@@ -158,8 +158,8 @@ class SparseLoCo(DiLoCo):
         off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
         if off_cpu:
             raise ValueError(
-                f"sparseloco keeps its accumulators and messages on the CPU; a model on {off_cpu} is not "
-                f"supported yet"
+                f"sparseloco keeps its accumulators and messages on the CPU; a model on "
+                f"{off_cpu} is not supported yet"
             )
         # DiLoCo's state (theta, buffers, counters; its outer SGD has no momentum and no state,
         # and is not used: apply_outer is this class's)
