@@ -18,8 +18,9 @@ The reference's defaults are this config's: ``decay`` 0.999, ``chunk`` 64, ``top
 on. One departure: the reference averages each coefficient over the peers that *sent* it, so a
 coefficient one peer picked weighs as much as one every peer picked; isthmus sums them (the mean
 over the peers present, times their count, which the sign ignores), so each coefficient weighs
-by how many peers picked it. The two updates differ where the peers' selections differ. Like the reference (a subclass of SGD), DeMo replaces the user's
-optimizer's update: isthmus reads each parameter's ``lr`` and ``weight_decay`` from the
+by how many peers picked it. The two updates differ where the peers' selections differ.
+
+Like the reference (a subclass of SGD), DeMo replaces the user's optimizer's update: isthmus reads each parameter's ``lr`` and ``weight_decay`` from the
 optimizer's param group at every step (so a learning-rate scheduler works), and never calls
 ``optimizer.step()``; the optimizer's own state is not used.
 
