@@ -20,9 +20,10 @@ coefficient one peer picked weighs as much as one every peer picked; isthmus sum
 over the peers present, times their count, which the sign ignores), so each coefficient weighs
 by how many peers picked it. The two updates differ where the peers' selections differ.
 
-Like the reference (a subclass of SGD), DeMo replaces the user's optimizer's update: isthmus reads each parameter's ``lr`` and ``weight_decay`` from the
-optimizer's param group at every step (so a learning-rate scheduler works), and never calls
-``optimizer.step()``; the optimizer's own state is not used.
+Like the reference (a subclass of SGD), DeMo replaces the user's optimizer's update: isthmus
+reads each parameter's ``lr`` and ``weight_decay`` from the optimizer's param group at every
+step (so a learning-rate scheduler works), and never calls ``optimizer.step()``; the
+optimizer's own state is not used. CPU only for now: a model on an accelerator is refused.
 
 Bytes per step per peer: :attr:`DeMo.payload_bytes` (6 bytes per kept coefficient plus the
 header), ``(world - 1)`` times that over a ring all-gather.
