@@ -27,6 +27,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "co2": {"sync_every": 3},
     "gossip": {"total_steps": 10},
     "zo": {},
+    "sparseloco": {"sync_every": 3},
+    "demo": {},
 }
 
 
@@ -139,7 +141,7 @@ def test_every_strategy_shares_the_whole_state_dict_and_names_its_keys(name):
     names = list(reg.state)
     assert all("inv_freq" not in n for n in names)  # non-persistent buffers stay local
     assert "model/frozen" in names and "model/block.bn.num_batches_tracked" in names
-    assert reg.first_round_uses_work is (name in ("ddp", "zo"))  # type: ignore[attr-defined]
+    assert reg.first_round_uses_work is (name in ("ddp", "zo", "demo"))  # type: ignore[attr-defined]
     keys = st.model_keys()
     if name == "gossip":
         # parameters and floating buffers are mixed, not shared: no shared copy holds them
@@ -148,7 +150,7 @@ def test_every_strategy_shares_the_whole_state_dict_and_names_its_keys(name):
     assert list(keys) == list(model.state_dict())
     assert set(keys.values()) <= set(names)
     assert keys["head.weight"] == keys["emb.weight"]
-    params = "model" if name in ("ddp", "zo") else "global"
+    params = "model" if name in ("ddp", "zo", "demo") else "global"
     assert keys["emb.weight"] == f"{params}/emb.weight"
     assert keys["block.bn.running_mean"] == "global/block.bn.running_mean"
     assert keys["frozen"] == "model/frozen"
@@ -188,8 +190,8 @@ def test_schema_order_and_names_of_ddp_and_diloco():
 def test_the_registry_names_each_strategys_first_round():
     for entry in STRATEGIES.names():
         cls = type(build(entry, None, net()))
-        # ddp and zo train on the batch drawn before their first round
-        assert cls.first_round_uses_work is (entry in ("ddp", "zo")), entry
+        # ddp, zo and demo train on the batch drawn before their first round
+        assert cls.first_round_uses_work is (entry in ("ddp", "zo", "demo")), entry
 
 
 # -- the buffers' global copy -------------------------------------------------------------------
@@ -424,14 +426,17 @@ def layout(obj: Any, path: str = "") -> dict[str, Any]:
 # zo takes no compression and steps with a loss function (tests/unit/test_zo.py checks its state)
 @pytest.mark.parametrize("name", [n for n in OPTIONS if n != "zo"])
 def test_local_state_has_the_same_structure_before_the_first_step_as_after(name):
-    comp = None if name == "gossip" else "topk:0.1+ef"  # gossip compresses with quantizers only
+    # gossip compresses with quantizers only; sparseloco and demo compress their own messages
+    comp = None if name in ("gossip", "sparseloco", "demo") else "topk:0.1+ef"
     fresh = build(name, None, net(), compression=comp)
     trained = build(name, None, net(), compression=comp)
     drive(trained, 5)
     state = trained.local_state()
     assert layout(fresh.local_state()) == layout(state)
     assert state["progress"]["local_steps"] == 5
-    if name != "ddp":  # DDP's optimizer state and parameters are shared
+    # DDP's optimizer state and parameters are shared; DeMo's momentum is its local state and
+    # it never steps the optimizer
+    if name not in ("ddp", "demo"):
         assert state["optimizer"]["state"] and "emb.weight" in state["model"]
         assert "block.bn.running_mean" in state["model"] and "frozen" not in state["model"]
 
