@@ -243,7 +243,9 @@ class Coordinator:
         )
         self.web.install(app)
         self.gate.install(app)
-        self._runner = web.AppRunner(app, access_log=None)
+        # a stop waits for handlers in flight (a long-poll of a peer that has gone runs to its
+        # own timeout) at most 1 s, not aiohttp's 60 s
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
