@@ -45,8 +45,9 @@ def test_every_sample_is_used_once_across_a_kill_an_abort_and_a_join(
     used_dir = tmp_path / "used"
     used_dir.mkdir()
     small = tmp_path / "small"
-    # a smaller dataset so that the run goes through a whole epoch: 360 windows of 16 tokens
-    prepare([ROOT / "README.md"], small, progress=False)
+    # a small dataset, so that the run goes through a whole epoch: the peers' script itself
+    # (about 160 windows of 16 tokens; not the README, whose growth made this run ever longer)
+    prepare([SCRIPTS / "sampled_train.py"], small, progress=False)
     n = len(TokenDataset(small, 16, split="train"))
     steps = -(-n // 12) + 8
     p = _isthmus_run(
