@@ -62,7 +62,7 @@ def _run(
 def test_a_script_that_crashes_once_is_restarted_and_the_run_ends_in_parity(tmp_path: Path) -> None:
     p = _run(
         tmp_path, "--peers", "3", "--max-restarts", "1", "--summary-json", str(tmp_path / "s.json"),
-        str(SCRIPT), "--steps", "80", "--crash-at", "10", "--delay", "0.15",
+        str(SCRIPT), "--steps", "40", "--crash-at", "10", "--delay", "0.15",
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     s = json.loads((tmp_path / "s.json").read_text())
