@@ -377,6 +377,12 @@ _GLOO = textwrap.dedent(
     t = torch.full((n,), float(rank + 1))
     pg.allreduce([t]).wait()
     print(float(t.min()), float(t.max()), flush=True)
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{1 - rank}"])  # both have their result before either leaves
+    # leave without destroying the group and the store: rank 0 hosts the store, and tearing them
+    # down at interpreter exit while the other rank is still closing once aborted rank 0
+    # (std::terminate, exit -6) after its result was printed
+    os._exit(0)
     """
 )
 
