@@ -171,16 +171,21 @@ def test_non_finite_vectors_are_never_sent(transport):
     xs[2][5] = float("nan")
     top = make_topology("ring", n)
     # short timeouts: the other ranks' operations stay pending inside Gloo until they time out,
-    # and the groups cannot be destroyed before that
+    # and the groups cannot be destroyed before that. The first groups are held to the end: a
+    # group destroyed with an operation pending blocks in its destructor, and the garbage
+    # collector did that once while the second groups were meeting (their 1 s rendezvous timed
+    # out)
+    first = local_groups(n, timeout_s=1.0)
     with pytest.raises(ValueError, match="rank 2's vector contains NaN"):
         run_parallel(
-            local_groups(n, timeout_s=1.0),
-            lambda g: gossip_step(g, xs[g.rank], top, exchange=0, transport=transport),
+            first, lambda g: gossip_step(g, xs[g.rank], top, exchange=0, transport=transport)
         )
     if transport == "p2p":
         return
+    second = local_groups(n, timeout_s=1.0)
     with pytest.raises(ValueError, match="rank 2's vector contains NaN"):
-        run_parallel(local_groups(n, timeout_s=1.0), lambda g: global_average(g, xs[g.rank]))
+        run_parallel(second, lambda g: global_average(g, xs[g.rank]))
+    del first, second
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
