@@ -227,6 +227,22 @@ class Strategy(ABC):
         fixed order: it is the run's shared-state schema). Called once, last, by the
         constructor."""
 
+    def require_own_messages(self, sends: str, holds: str) -> None:
+        """For a strategy that compresses and sums its own messages: refuse ``compression=`` and
+        ``aggregator=`` (they would be ignored) and a model off the CPU (``holds``, its state and
+        messages, live there). Raises ValueError naming which."""
+        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
+            raise ValueError(
+                f"{self.name} compresses its own {sends} and sums them exactly: "
+                "drop compression= and aggregator="
+            )
+        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
+        if off_cpu:
+            raise ValueError(
+                f"{self.name} keeps its {holds} on the CPU; a model on {off_cpu} is not "
+                "supported yet"
+            )
+
     def share_model(
         self,
         trainable: Sequence[torch.Tensor] | None,

@@ -91,17 +91,7 @@ class DeMo(Strategy):
     first_round_uses_work = True  # the first step trains on its batch, as DDP's
 
     def setup(self) -> None:
-        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
-            raise ValueError(
-                "demo compresses its own momenta (top_k, chunk options) and sums them exactly: "
-                "drop compression= and aggregator="
-            )
-        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
-        if off_cpu:
-            raise ValueError(
-                f"demo keeps its momenta and messages on the CPU; a model on "
-                f"{off_cpu} is not supported yet"
-            )
+        self.require_own_messages("momenta (top_k, chunk options)", "momenta and messages")
         groups: dict[int, dict[str, Any]] = {}
         for g in self.optimizer.param_groups:
             for p in g["params"]:

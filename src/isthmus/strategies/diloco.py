@@ -229,9 +229,7 @@ class DiLoCo(Strategy):
         buffers); None means nobody contributed and theta is unchanged. Every peer restarts
         from theta and the buffers' global copy."""
         if result is not None:
-            for g, d in zip(self.global_params, result.tensors, strict=True):
-                g.grad = d.to(g.dtype)  # the reduction is fp32; the model may not be
-            self.outer.step()
+            self._outer_update(result.tensors)
             assert result.exact is not None
             self.global_step += round(float(result.exact[0]))
             if self.buffers:
@@ -242,6 +240,13 @@ class DiLoCo(Strategy):
         self.buffers.restart()
         self.since_sync = 0
         self.outer_rounds += 1
+
+    def _outer_update(self, mean: list[torch.Tensor]) -> None:
+        """theta <- the outer optimizer's step on the mean outer gradients (fp32, one per
+        parameter). A subclass with another outer rule overrides this alone."""
+        for g, d in zip(self.global_params, mean, strict=True):
+            g.grad = d.to(g.dtype)  # the reduction is fp32; the model may not be
+        self.outer.step()
 
     def metrics(self) -> dict[str, Any]:
         return {

@@ -150,19 +150,11 @@ class SparseLoCo(DiLoCo):
     config: SparseLoCoConfig
 
     def setup(self) -> None:
-        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
-            raise ValueError(
-                "sparseloco compresses its own outer gradients (top_k, chunk, bits options) and "
-                "sums them exactly: drop compression= and aggregator="
-            )
-        off_cpu = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
-        if off_cpu:
-            raise ValueError(
-                f"sparseloco keeps its accumulators and messages on the CPU; a model on "
-                f"{off_cpu} is not supported yet"
-            )
+        self.require_own_messages(
+            "outer gradients (top_k, chunk, bits options)", "accumulators and messages"
+        )
         # DiLoCo's state (theta, buffers, counters; its outer SGD has no momentum and no state,
-        # and is not used: apply_outer is this class's)
+        # and is not used: _outer_update is this class's)
         super().setup()
         cfg = self.config
         self.error = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
@@ -217,23 +209,12 @@ class SparseLoCo(DiLoCo):
             result = Reduced([s.div_(n) for s in sums], exact_sum.div_(n), n)
         self.apply_outer(result)
 
-    def apply_outer(self, result: Reduced | None) -> None:
-        """theta <- theta - outer_lr * mean (flat fp32 tensors); the step counter and the buffers
-        as DiLoCo's; every peer restarts from theta. None: nobody was present, theta stays."""
-        if result is not None:
-            with torch.no_grad():
-                for g, d in zip(self.global_params, result.tensors, strict=True):
-                    g.add_(d.view(g.shape).to(g.dtype), alpha=-self.config.outer_lr)
-            assert result.exact is not None
-            self.global_step += round(float(result.exact[0]))
-            if self.buffers:
-                self.buffers.land(result.exact[1:])
+    def _outer_update(self, mean: list[torch.Tensor]) -> None:
+        """theta <- theta - outer_lr * mean (flat fp32 tensors); the step counter, the buffers
+        and every peer's restart from theta are DiLoCo's."""
         with torch.no_grad():
-            for p, g in zip(self.params, self.global_params, strict=True):
-                p.copy_(g)
-        self.buffers.restart()
-        self.since_sync = 0
-        self.outer_rounds += 1
+            for g, d in zip(self.global_params, mean, strict=True):
+                g.add_(d.view(g.shape).to(g.dtype), alpha=-self.config.outer_lr)
 
     # -- local state (checkpoints) ----------------------------------------------------------------
     def _local_tensors(self) -> dict[str, Any]:
