@@ -403,3 +403,33 @@ def test_fault_entries_reach_the_run_config() -> None:
     assert lab_config(s).faults.peer_faults == {1: ["slow:3@5-10"]}
     assert "fault[0].spec" in _err(_with("", '[[fault]]\npeer = 0\nspec = "slow:fast"\n'))
     assert "fault[0].peer" in _err(_with("", '[[fault]]\npeer = 99\nspec = "slow:2"\n'))
+
+
+def test_checkpoint_section_reaches_the_run_config(tmp_path: Path) -> None:
+    from isthmus.run.lab import checkpoint_dir, lab_config
+
+    s = parse_scenario(_with("", "[checkpoint]\nevery = 50\nkeep = 2\n"))
+    assert s.checkpoint is not None
+    assert (s.checkpoint.every, s.checkpoint.keep, s.checkpoint.dir) == (50, 2, "checkpoints")
+    run = lab_config(s)
+    assert (run.checkpoint.checkpoint_every, run.checkpoint.checkpoint_keep) == (50, 2)
+    # a relative dir lands inside the run's own directory, so two lab runs never share one
+    assert checkpoint_dir(s, run, tmp_path) == str(tmp_path.resolve() / "checkpoints")
+    # an absolute path, a URL or --checkpoint-dir from the command line is used as it is
+    absolute = parse_scenario(_with("", f'[checkpoint]\nevery = 5\ndir = "{tmp_path}/c"\n'))
+    assert checkpoint_dir(absolute, lab_config(absolute), tmp_path / "x") == f"{tmp_path}/c"
+    url = parse_scenario(_with("", '[checkpoint]\nevery = 5\ndir = "memory://ck"\n'))
+    assert checkpoint_dir(url, lab_config(url), tmp_path) == "memory://ck"
+    given = lab_config(s, {"checkpoint_dir": "elsewhere"})
+    assert checkpoint_dir(s, given, tmp_path) == "elsewhere"
+    # without the section: no checkpoints, as before
+    plain = parse_scenario(BASE)
+    assert plain.checkpoint is None and lab_config(plain).checkpoint.checkpoint_dir is None
+
+
+def test_checkpoint_section_errors() -> None:
+    assert "checkpoint.every" in _err(_with("", "[checkpoint]\nkeep = 2\n"))
+    assert "checkpoint.every" in _err(_with("", "[checkpoint]\nevery = 0\n"))
+    assert "checkpoint.keep" in _err(_with("", "[checkpoint]\nevery = 5\nkeep = 0\n"))
+    msg = _err(_with("", "[checkpoint]\nevery = 5\ndirectory = 'x'\n"))
+    assert "checkpoint" in msg and "dir" in msg

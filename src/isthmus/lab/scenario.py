@@ -59,6 +59,7 @@ __all__ = [
     "MODEL_PRESETS",
     "STRATEGIES",
     "ByzantineSpec",
+    "CheckpointSpec",
     "ChurnEvent",
     "FaultEntry",
     "Impairment",
@@ -252,6 +253,25 @@ class FaultEntry:
             raise ScenarioError(str(e), key="spec") from None
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    """``[checkpoint]``: durable copies of the run while it goes. With them a run outlives every
+    peer: when churn leaves no peer with the state, the coordinator restarts the run from the
+    latest complete checkpoint instead of ending it (docs/ELASTIC.md)."""
+
+    every: int
+    """Write one every this many committed rounds."""
+    keep: int = 3
+    """How many complete checkpoints to keep."""
+    dir: str = "checkpoints"
+    """Where they go: a path relative to the run's directory, an absolute path or an fsspec URL."""
+
+    def __post_init__(self) -> None:
+        check_int(self.every, "every", minimum=1)
+        check_int(self.keep, "keep", minimum=1)
+        check_str(self.dir, "dir")
+
+
 _ATTACK_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -312,6 +332,7 @@ class Scenario:
     random_churn: RandomChurn | None = None
     byzantine: tuple[ByzantineSpec, ...] = ()
     faults: tuple[FaultEntry, ...] = ()
+    checkpoint: CheckpointSpec | None = None
     description: str = ""
     source: str = "<scenario>"
     """Where it came from (a file path), for messages."""
@@ -440,6 +461,11 @@ def _section_faults(raw: Any) -> list[FaultEntry]:
     return out
 
 
+def _section_checkpoint(raw: Any) -> CheckpointSpec:
+    t = table_keys(raw, "checkpoint", [f.name for f in fields(CheckpointSpec)], ["every"])
+    return construct(CheckpointSpec, "checkpoint", **t)
+
+
 _TOP = (
     "description",
     "run",
@@ -449,6 +475,7 @@ _TOP = (
     "random_churn",
     "byzantine",
     "fault",
+    "checkpoint",
 )
 
 
@@ -479,6 +506,7 @@ def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>")
             random_churn=_section_random_churn(t["random_churn"]) if "random_churn" in t else None,
             byzantine=tuple(_section_byzantine(t["byzantine"])) if "byzantine" in t else (),
             faults=tuple(_section_faults(t["fault"])) if "fault" in t else (),
+            checkpoint=_section_checkpoint(t["checkpoint"]) if "checkpoint" in t else None,
             description=description,
             source=source,
         )

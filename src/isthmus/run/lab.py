@@ -37,6 +37,7 @@ import math
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from isthmus.lab.churn import Planned
@@ -116,6 +117,26 @@ def _scenario_faults(scenario: Scenario) -> dict[int, list[str]]:
     return out
 
 
+def _scenario_checkpoint(scenario: Scenario) -> dict[str, Any]:
+    """The scenario's ``[checkpoint]`` as flat settings; its directory, relative to the run
+    directory, is resolved by :func:`checkpoint_dir` once that directory exists."""
+    c = scenario.checkpoint
+    if c is None:
+        return {}
+    return {"checkpoint_every": c.every, "checkpoint_keep": c.keep, "checkpoint_dir": c.dir}
+
+
+def checkpoint_dir(scenario: Scenario, run: RunConfig, run_dir: Path) -> str | None:
+    """Where the run's checkpoints go: a ``[checkpoint] dir`` that is a relative path lands inside
+    the run directory (so every lab run keeps its own); an absolute path, a URL or a
+    ``--checkpoint-dir`` given on the command line is used as it is."""
+    d = run.checkpoint.checkpoint_dir
+    c = scenario.checkpoint
+    if d is None or c is None or d != c.dir or "://" in d or Path(d).is_absolute():
+        return d
+    return str(run_dir.resolve() / d)
+
+
 def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """The scenario as a run config (every peer slot of ``network.peers`` counts as a peer), with
     ``overrides`` (flat names or dotted paths) applied. ``steps`` comes from ``run.steps`` or
@@ -145,6 +166,7 @@ def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -
                 for b in scenario.byzantine
             ],
             **({"fault": _scenario_faults(scenario)} if scenario.faults else {}),
+            **_scenario_checkpoint(scenario),
             **{k: v for k, v in over.items() if k != "steps"},
         },
     )
@@ -207,6 +229,8 @@ def run_lab(
     opts = opts or LabOptions()
     run = lab_config(scenario, overrides)
     run_dir = RunDir.create(run.output.run_dir, run.name)
+    if run.checkpoint.checkpoint_dir is not None:
+        run = apply_overrides(run, {"checkpoint_dir": checkpoint_dir(scenario, run, run_dir.path)})
     run_dir.write_json("scenario.json", dataclasses.asdict(scenario))
     churn = ChurnHook(
         _events(scenario, run.timeouts.run_timeout), log_path=run_dir.path / "churn.jsonl"
