@@ -117,7 +117,8 @@ class SparseLoCoConfig(StreamingConfig):
     overlap: int = 0
     """tau: inner steps a round's all-gather runs behind before its result is applied (< H/P)."""
     outer_lr: float = 1.0
-    """alpha: theta <- theta - alpha * mean of the sent accumulators."""
+    """theta <- theta - outer_lr * mean of the sent accumulators (the paper's alpha; Streaming's
+    mixing ``alpha`` is another option, and must be 0 here)."""
     outer_momentum: float = 0.0
     """Must be 0: SparseLoCo has no outer momentum."""
     nesterov: bool = False

@@ -36,6 +36,8 @@ With ``fragments=1``, ``overlap=0`` and ``alpha=0`` this is DiLoCo bit for bit (
 state, same operations in the same order).
 
 The paper's 4-bit outer gradients are available through the reducer (``compression="e3m0"``).
+SparseLoCo (:mod:`isthmus.strategies.sparseloco`) runs on this skeleton with its own outer rule
+and its own exchange per fragment (:meth:`StreamingDiLoCo._planned`).
 
 Shared state (same names as DiLoCo): theta for every fragment, the buffers' global copy, the
 frozen parameters and integer buffers, the outer momentum, the step counter (the step at which
