@@ -131,8 +131,8 @@ def parse_sets(specs: list[str]) -> dict[str, dict[str, Any]]:
 
 def overlapped_steps(strategy: str, options: dict[str, Any]) -> int:
     """Inner steps a reduction runs behind (issue to wait)."""
-    if strategy == "streaming":
-        return int(options["overlap"])
+    if strategy in ("streaming", "sparseloco"):
+        return int(options.get("overlap", 0))
     if strategy in ("eager", "co2"):
         return int(options["sync_every"])
     return 0

@@ -177,6 +177,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "eager": {"sync_every": 3},
     "co2": {"sync_every": 3},
     "gossip": {"total_steps": 10},
+    # SparseLoCo on Streaming's fragments, a round in flight behind one step
+    "sparseloco": {"sync_every": 4, "fragments": 2, "overlap": 1, "pattern": "balanced"},
 }
 
 
@@ -219,7 +221,7 @@ def test_one_peer_session_equals_no_session_for_every_strategy(one_peer, name):
     """The catch-up round of a session (the DiLoCo family's and gossip's first step) drops its
     forward pass's statistics with its gradient, so the buffers too are those of no session."""
     options = STRATEGIES[name]
-    if name == "streaming":
+    if name in ("streaming", "sparseloco"):
         # one fragment: with a session the catch-up round takes round number 0 and shifts the
         # fragment schedule by one against a run without a session (which has no catch-up)
         options = {**options, "fragments": 1}
@@ -268,6 +270,7 @@ def resume(
         ("streaming", None),
         ("eager", None),
         ("co2", None),
+        ("sparseloco", None),  # its accumulators are local state, and the message in flight
     ],
 )
 def test_local_state_round_trip_continues_training_bit_for_bit(
@@ -287,10 +290,12 @@ def test_local_state_round_trip_continues_training_bit_for_bit(
     torch.manual_seed(5)
     train(st, model, "tied", cut, end=False)
     store = CheckpointStore(str(tmp_path / "ckpt"), create=True)
-    if name in ("streaming", "eager", "co2"):
+    if name in ("streaming", "eager", "co2", "sparseloco"):
         assert st.local_state()["flight"]["present"] == 1  # a round was in flight: it is saved
     if compression:
         assert len(st.local_state()["compressor"]) > 1000  # the residuals are in it
+    if name == "sparseloco":  # so are its accumulators, and they hold something
+        assert any(bool(e.abs().sum() > 0) for e in st.local_state()["error"].values())
     revision = checkpoint(st, s1, store)
 
     s2 = one_peer()

@@ -10,15 +10,23 @@ import pytest
 from conftest import assert_bitwise_equal
 
 RUNS = {
-    # (options, steps, the step whose round b dies in)
-    "sparseloco": ({"sync_every": 5}, 20, 10),
-    "demo": ({}, 12, 5),
+    # (strategy, options, steps, the step whose round b dies in)
+    "sparseloco": ("sparseloco", {"sync_every": 5}, 20, 10),
+    # two fragments, each round's all-gather in flight behind one inner step: b dies at the
+    # issue of the round at step 11 (its all-gather started), the survivors fail at step 12
+    "sparseloco-fragments-overlap": (
+        "sparseloco",
+        {"sync_every": 6, "fragments": 2, "overlap": 1},
+        18,
+        11,
+    ),
+    "demo": ("demo", {}, 12, 5),
 }
 
 
-@pytest.mark.parametrize("strategy", list(RUNS))
-def test_kill_in_the_all_gather_and_join_end_bitwise_equal(cluster, strategy):
-    options, steps, kill_at = RUNS[strategy]
+@pytest.mark.parametrize("run", list(RUNS))
+def test_kill_in_the_all_gather_and_join_end_bitwise_equal(cluster, run):
+    strategy, options, steps, kill_at = RUNS[run]
     # min_peers=3: after the kill the survivors wait for the joiner, so it joins mid-run
     c = cluster(start_peers=3, min_peers=3)
     common = {"strategy": strategy, "strategy_options": options, "steps": steps}
@@ -50,6 +58,9 @@ def test_kill_in_the_all_gather_and_join_end_bitwise_equal(cluster, strategy):
     assert later and all(not r["resynced"] and r["world"] == 3 for r in later)
     # the message is the documented size on every peer
     assert fa["strategy"]["payload_bytes"] == fj["strategy"]["payload_bytes"]
+    if "fragments" in options:
+        assert fa["strategy"]["round_retries"] >= 1  # the overlapped round, re-reduced
+        assert len(fj["strategy"]["fragment_payload_bytes"]) == options["fragments"]
     assert fa["digest"] == fc["digest"] == fj["digest"]
     assert fa["model_digest"] == fc["model_digest"] == fj["model_digest"]
     assert_bitwise_equal(c.state("a"), c.state("c"))

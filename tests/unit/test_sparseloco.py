@@ -1,5 +1,6 @@
 """SparseLoCo's math and one-peer strategy, without a network: the codec's bytes, quantizer and
-packing, the rank-order sum, and one peer against a hand-written SparseLoCo round."""
+packing, the rank-order sum, and one peer against hand-written SparseLoCo rounds (whole model,
+Streaming fragments, overlapped rounds), with its local state saved and loaded mid-round."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from isthmus.reduce.sparseloco_math import (
     unpack_codes,
 )
 from isthmus.strategies import SparseLoCo, SparseLoCoConfig, make_strategy
+from isthmus.strategies.streaming import layer_of
 
 TINY = GPTConfig.tiny()
 
@@ -74,7 +76,9 @@ def test_message_is_exactly_the_documented_bytes(bits):
     shapes = [p.shape for p in st.params]
     want = _expected_bytes(shapes, 4096, 64, bits, exact=1)  # the step count, no buffers
     assert st.payload_bytes == want
-    msg = st.codec.encode([torch.randn(p.numel()) for p in st.params], torch.tensor([5.0]))
+    msg = st.groups[0].codec.encode(
+        [torch.randn(p.numel()) for p in st.params], torch.tensor([5.0])
+    )
     assert msg.dtype == torch.uint8 and msg.numel() == want
     # the tiny GPT in figures: 34,688 parameters, 2 bits -> 3,736 bytes a round
     if bits == 2:
@@ -185,7 +189,16 @@ def test_options_and_refusals():
     with pytest.raises(ValueError, match="compression"):
         make_strategy("sparseloco", None, model, opt, compression="int8")
     st = make_strategy("sparseloco", None, model, opt, top_k="32", bits="4")
-    assert isinstance(st, SparseLoCo) and st.codec.bits == 4
+    assert isinstance(st, SparseLoCo) and st.groups[0].codec.bits == 4
+    # Streaming's options: checked as streaming checks them; mixing does not compose
+    with pytest.raises(ValueError, match="alpha must be 0"):
+        SparseLoCoConfig(fragments=2, alpha=0.5)
+    with pytest.raises(ValueError, match=r"overlap \(tau=10\) must be in 0\.\.9"):
+        SparseLoCoConfig(fragments=2, overlap=10)
+    with pytest.raises(ValueError, match="multiple of fragments"):
+        SparseLoCoConfig(fragments=3)
+    st = make_strategy("sparseloco", None, model, opt, fragments="2", overlap="1")
+    assert isinstance(st, SparseLoCo) and len(st.groups) == 2
 
 
 def test_a_nonfinite_accumulator_sends_nothing_and_keeps_the_residual():
@@ -196,7 +209,7 @@ def test_a_nonfinite_accumulator_sends_nothing_and_keeps_the_residual():
     before = [g.clone() for g in st.global_params]
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))
-    st.sync()
+    st.step()  # no gradients: the optimizer leaves the parameters; the round at step 1 runs
     assert st.reducer.nonfinite_skips == 1 and st.absent_rounds == 1
     assert all(torch.equal(a, b) for a, b in zip(before, st.global_params, strict=True))
     assert torch.equal(st.error[0], torch.ones_like(st.error[0]))
@@ -219,7 +232,155 @@ def test_the_accumulators_travel_in_the_local_state():
     fresh = SparseLoCo(None, fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=3e-3))
     fresh.load_local_state(saved)
     assert all(torch.equal(a, b) for a, b in zip(st.error, fresh.error, strict=True))
-    assert fresh.since_sync == st.since_sync == 1
+    assert fresh.since == st.since == 1
     bad = {k: v for k, v in saved.items() if k != "error"}
     with pytest.raises(ValueError, match="error"):
         fresh.load_local_state(bad)
+
+
+def test_each_fragment_sends_its_own_documented_bytes():
+    model = GPT(TINY, seed=3)
+    st = SparseLoCo(
+        None, model, torch.optim.AdamW(model.parameters()), SparseLoCoConfig(fragments=2)
+    )
+    whole = _expected_bytes([p.shape for p in st.params], 4096, 64, 2, exact=1)
+    for f, idx in enumerate(st.fragments):
+        want = _expected_bytes([st.params[i].shape for i in idx], 4096, 64, 2, exact=1)
+        assert st.fragment_payload_bytes[f] == want
+        tensors = [torch.randn(st.params[i].numel()) for i in idx]
+        assert st.groups[f].codec.encode(tensors, torch.tensor([1.0])).numel() == want
+    # every tensor's bytes go in its fragment's round, plus one 8-byte header per fragment
+    assert sum(st.fragment_payload_bytes) == whole + 8
+    # the tiny GPT, strided: layer 0 with the embeddings, then layer 1 (small tensors cost their
+    # table and up to 64 entries each, so bytes do not split like elements)
+    assert st.fragment_payload_bytes == [2_200, 1_544] and st.payload_bytes == 2_200 < whole
+    assert st.metrics()["fragment_payload_bytes"] == [2_200, 1_544]
+
+
+def _hand_fragments(
+    corpus: Corpus, h: int, p: int, tau: int, steps: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """SparseLoCo on Streaming's schedule by hand (one peer): fragments by layer parity (the tiny
+    GPT's two layers, the rest with layer 0), fragment = round % P; a round's accumulator and
+    message are built when it is issued and applied tau steps later, when the fragment restarts
+    from theta. Returns theta, the accumulators and the model at the end (after finish)."""
+    chunk, k, beta, lr = 64, 4, 0.9, 0.8
+    model = GPT(TINY, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    frags = [[i for i, n in enumerate(names) if (layer_of(n) or 0) % p == f] for f in range(p)]
+    theta = [t.detach().clone() for t in x]
+    error = [torch.zeros(t.numel()) for t in x]
+    rounds, last_apply = 0, 0
+
+    def issue() -> tuple[int, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        frag = rounds % p
+        acc = {i: error[i] * beta + (theta[i] - x[i].detach()).reshape(-1) for i in frags[frag]}
+        return frag, acc, {i: _hand_round(a, chunk, k) for i, a in acc.items()}
+
+    def apply(frag: int, acc: dict[int, torch.Tensor], sent: dict[int, torch.Tensor]) -> None:
+        nonlocal rounds
+        with torch.no_grad():
+            for i in frags[frag]:
+                error[i] = acc[i] - sent[i]
+                theta[i] = torch.add(theta[i], sent[i].view(theta[i].shape), alpha=-lr)
+                x[i].copy_(theta[i])
+        rounds += 1
+
+    flight = None
+    for s in range(1, steps + 1):
+        xb, yb = corpus.batch(step=s - 1, rank=0, world=1, batch_size=2, block_size=TINY.block_size)
+        model(xb, yb)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        if flight is not None and s >= flight[1]:
+            apply(*flight[0])
+            flight, last_apply = None, s
+        if flight is None and (s + tau) % (h // p) == 0:
+            flight = (issue(), s + tau)
+            if tau == 0:
+                apply(*flight[0])
+                flight, last_apply = None, s
+    # finish: the round in flight, then each fragment with progress, then the model on theta
+    just = flight is not None or last_apply == steps
+    if flight is not None:
+        apply(*flight[0])
+    for _ in range(p - 1 if just else p):
+        apply(*issue())
+    with torch.no_grad():
+        for xi, t in zip(x, theta, strict=True):
+            xi.copy_(t)
+    return theta, error, [t.detach() for t in x]
+
+
+# Every round follows at least two inner steps of its fragment: after one AdamW step many
+# entries of a tensor move by the same magnitude, and top-k's choice among ties is torch's own.
+@pytest.mark.parametrize(
+    "h,p,tau,steps",
+    [(4, 2, 0, 7), (3, 1, 1, 8), (6, 2, 1, 8)],
+    ids=["fragments", "overlap", "fragments-overlap"],
+)
+def test_one_peer_with_fragments_and_overlap_equals_a_hand_written_reference(h, p, tau, steps):
+    corpus = Corpus.from_stdlib(max_bytes=50_000)
+    torch.set_num_threads(1)
+    theta, error, local = _hand_fragments(corpus, h, p, tau, steps)
+    model = GPT(TINY, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = SparseLoCoConfig(
+        sync_every=h, fragments=p, overlap=tau, chunk=64, top_k=4, outer_lr=0.8, error_decay=0.9
+    )
+    st = SparseLoCo(None, model, opt, cfg)
+    for step in range(steps):
+        x, y = corpus.batch(step=step, rank=0, world=1, batch_size=2, block_size=TINY.block_size)
+        model(x, y)[1].backward()
+        st.step()
+        opt.zero_grad()
+    st.finish()
+    assert st.step_count == steps and st.absent_rounds == 0
+    for i, (g, t) in enumerate(zip(st.global_params, theta, strict=True)):
+        assert torch.equal(g, t), f"theta {st.names[i]} differs"
+        assert torch.equal(st.error[i], error[i]), f"accumulator {st.names[i]} differs"
+    for got, want in zip(model.parameters(), local, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_round_in_flight_survives_the_local_state_bit_for_bit():
+    """A checkpoint taken while a fragment's round is in flight: the loaded peer re-issues it
+    (the same message, from the same accumulators and snapshot) and ends on the same bits."""
+    corpus = Corpus.from_stdlib(max_bytes=50_000)
+    torch.set_num_threads(1)
+    cfg = SparseLoCoConfig(sync_every=6, fragments=2, overlap=1, chunk=64, top_k=4)
+
+    def build() -> SparseLoCo:
+        model = GPT(TINY, seed=6)
+        return SparseLoCo(None, model, torch.optim.AdamW(model.parameters(), lr=3e-3), cfg)
+
+    def run(st: SparseLoCo, upto: int) -> None:
+        while st.step_count < upto:
+            x, y = corpus.batch(
+                step=st.step_count, rank=0, world=1, batch_size=2, block_size=TINY.block_size
+            )
+            st.model(x, y)[1].backward()
+            st.step()
+            st.optimizer.zero_grad()
+
+    a = build()
+    run(a, 5)  # the round issued at step 5 (fragment 1, applied at 6) is in flight
+    assert a.pipeline.in_flight and any(bool(e.abs().sum() > 0) for e in a.error)
+    saved = copy.deepcopy(a.local_state())
+    assert saved["flight"]["present"] == 1 and saved["flight"]["fragment"] == 1
+    b = build()
+    with torch.no_grad():  # the shared state, as a checkpoint restores it
+        for gb, ga in zip(b.global_params, a.global_params, strict=True):
+            gb.copy_(ga)
+        b.global_step.copy_(a.global_step)
+    b.load_local_state(saved)
+    assert all(torch.equal(x, y) for x, y in zip(a.error, b.error, strict=True))
+    for st in (a, b):
+        run(st, 13)
+        st.finish()
+    assert a.outer_rounds == b.outer_rounds and a.sync_log[-len(b.sync_log) :] == b.sync_log
+    ends = [(a.global_params, b.global_params), (a.error, b.error), (a.params, b.params)]
+    for xs, ys in ends:
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))

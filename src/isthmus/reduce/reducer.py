@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -249,6 +250,15 @@ class Reducer:
     ) -> Reduced | None:
         """Blocking form of :meth:`start`."""
         return self.start(rnd, items, contribute=contribute, exact=exact, weight=weight).wait()
+
+    def background(self, finish: Callable[[], Reduced | None]) -> PendingMean:
+        """Run a strategy's own reduction to its end (``finish``: wait for the collectives it
+        issued from the training thread, decode, sum) on this reducer's worker thread, after the
+        reductions started before it, timed in :attr:`timing` like the reducer's own. What
+        ``finish`` raises, :meth:`PendingMean.wait` raises."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-reduce")
+        return PendingMean(self._worker.submit(finish), self.timing)
 
     def _check(self, rnd: Round, items: Items, contribute: bool) -> bool:
         # Compressed mode checks what the compressor will see (fp32): a finite fp64 value beyond

@@ -19,8 +19,8 @@ one boundary later; where forward passes ran while a round was in flight, the mo
 they gathered on top of the mean. **gossip**: floating buffers are mixed like parameters, and
 the final merge averages them exactly. **zo**: buffers are not trained; every step puts them back
 (floating ones from their shared copy ``global/<name>``), since its forward passes only evaluate
-perturbed points. **sparseloco** follows the DiLoCo family (the buffers ride in its message's
-exact values); **demo** follows ddp (averaged every step over the peers present). In mixed
+perturbed points. **sparseloco** follows Streaming DiLoCo (the buffers ride in its messages'
+exact values, all of them in every fragment's round); **demo** follows ddp (averaged every step over the peers present). In mixed
 precision the DiLoCo family keeps fp32 global state (theta, the outer optimizer, the buffers'
 copy) for bf16/fp16 tensors and casts it into the model; fp32 models are unchanged bit for bit.
 A catch-up round (the first step of the DiLoCo family and gossip with a session) drops its

@@ -24,6 +24,8 @@ What happens on failure (the guarantee every overlapped strategy documents):
   on every peer is what the round would have produced without the failure, minus the dead peer's
   contribution. Recomputing from the current parameters instead would fold the steps taken since
   issue into this round on the survivors only, and count them twice (again in the next round).
+  A plan with its own :class:`Exchange` (SparseLoCo's message) sends what it built once, and
+  what it stages (SparseLoCo's residual) is kept only once an attempt committed.
 * If the retry's begin resynced this peer (it had been evicted, e.g. stopped for too long), its
   snapshot is void: it rebuilds the round's items from the repaired state and contributes nothing
   (:attr:`Settled.resynced_late` tells the strategy to restart its local progress).
@@ -44,7 +46,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,11 +57,29 @@ from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy, load_tensors
 
-__all__ = ["Build", "DelayedOuter", "Flight", "Planned", "RoundPipeline", "Settled"]
+__all__ = ["Build", "DelayedOuter", "Exchange", "Flight", "Planned", "RoundPipeline", "Settled"]
 
 log = logging.getLogger("isthmus.overlap")
 
 Items = list[tuple[str, torch.Tensor]]
+
+
+class Exchange(Protocol):
+    """A round's own reduction, for a strategy that does not average ``items`` with the reducer
+    (SparseLoCo all-gathers a compressed message). Built with the plan, so an aborted attempt's
+    retry sends what the first attempt sent; what it stages is kept only by :meth:`commit`."""
+
+    def start(self, rnd: Round, contribute: bool) -> PendingMean:
+        """Start this attempt's collectives (absent if not ``contribute``); return at once."""
+        ...
+
+    def alone(self, contribute: bool) -> Reduced | None:
+        """The result of a peer without a session (its own update, as the collective gives it)."""
+        ...
+
+    def commit(self) -> None:
+        """The attempt started last (or :meth:`alone`) committed."""
+        ...
 
 
 @dataclass(kw_only=True)
@@ -74,6 +94,8 @@ class Planned:
     """Values summed exactly and averaged over contributors (e.g. the step the round applies at)."""
     tag: Any = None
     """The strategy's own bookkeeping for this round (fragment index, apply step, ...)."""
+    exchange: Exchange | None = None
+    """How the round is reduced; None: the reducer's mean of ``items`` and ``exact``."""
 
 
 Build = Callable[[Round | None], Planned]
@@ -143,12 +165,14 @@ class RoundPipeline:
         if self.session is None:
             plan = build(None)
             local = None
-            if plan.contribute and not all(all_finite(t) for _, t in plan.items):
+            if plan.exchange is not None:
+                local = plan.exchange.alone(plan.contribute)
+            elif plan.contribute and not all(all_finite(t) for _, t in plan.items):
                 # the reducer's policy, applied to the peer alone: a non-finite update is dropped
                 self.reducer.nonfinite_skips += 1
                 log.warning("non-finite values in this peer's update: not applying it")
                 plan.contribute = False
-            if plan.contribute:
+            elif plan.contribute:
                 local = Reduced([t for _, t in plan.items], plan.exact, 1)
             self.flight = Flight(None, plan, build, local=local)
             return self.flight
@@ -157,9 +181,7 @@ class RoundPipeline:
             plan = build(rnd)
             flight = Flight(rnd, plan, build)
             try:
-                flight.pending = self.reducer.start(
-                    rnd, plan.items, contribute=plan.contribute, exact=plan.exact
-                )
+                flight.pending = self._start(rnd, plan)
                 # In flight from here on: the point where tests kill a peer mid-reduction.
                 rnd.check_faults("collective", step=self._step())
             except CollectiveError as e:
@@ -183,6 +205,8 @@ class RoundPipeline:
         self.flight = None
         self.rounds += 1
         if f.rnd is None:
+            if f.plan.exchange is not None:
+                f.plan.exchange.commit()
             return Settled(f.local, f.plan.tag, self.rounds - 1, False, False, False)
         rnd = f.rnd
         result: Reduced | None = None
@@ -199,11 +223,21 @@ class RoundPipeline:
                 raise
         if not error:
             if rnd.commit():
-                self.reducer.commit()
+                self._commit(f.plan)
                 return Settled(result, f.plan.tag, rnd.number, rnd.resynced, False, False)
         else:
             rnd.commit(ok=False, error=error)
         return self._retry(f, error or "the round did not commit")
+
+    def _start(self, rnd: Round, plan: Planned) -> PendingMean:
+        if plan.exchange is not None:
+            return plan.exchange.start(rnd, plan.contribute)
+        return self.reducer.start(rnd, plan.items, contribute=plan.contribute, exact=plan.exact)
+
+    def _commit(self, plan: Planned) -> None:
+        self.reducer.commit()
+        if plan.exchange is not None:
+            plan.exchange.commit()
 
     def _retry(self, f: Flight, why: str) -> Settled:
         assert self.session is not None and f.rnd is not None
@@ -220,14 +254,12 @@ class RoundPipeline:
             else:
                 plan = f.plan
             last.update(plan=plan, rnd=rnd)
-            pending = self.reducer.start(
-                rnd, plan.items, contribute=plan.contribute, exact=plan.exact
-            )
+            pending = self._start(rnd, plan)
             rnd.check_faults("collective", step=self._step())
             return pending.wait()
 
         result = self.session.run_round(again)
-        self.reducer.commit()
+        self._commit(last["plan"])
         rnd: Round = last["rnd"]
         resynced = rnd.resynced or rnd.number != first.number
         return Settled(result, last["plan"].tag, rnd.number, first.resynced, resynced, True)

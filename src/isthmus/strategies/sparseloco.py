@@ -18,6 +18,24 @@ peer keeps an **error-feedback accumulator** ``e_r`` (fp32, local) and, per roun
 
 With ``session=None`` the message of the one peer is decoded and applied the same way.
 
+**Fragments and overlap** (``fragments`` = P, ``overlap`` = tau, ``pattern``): the rounds run on
+Streaming DiLoCo's skeleton (:mod:`isthmus.strategies.streaming`): the model is cut into P
+fragments, one synced every H/P steps on the committed round's schedule (``round % P``), each
+with its own accumulators (those of its parameters) and its own message (the fragment's
+tensors and a header with the step and all the floating buffers, the Streaming rule), so one
+round sends about 1/P of the bytes (:attr:`SparseLoCo.fragment_payload_bytes`). With tau > 0 a
+fragment's message is built and its all-gather started tau inner steps before the result is
+applied (tau < H/P; P = 1 puts the whole model's round in flight). The defaults (P = 1, tau =
+0) are the paper's SparseLoCo, its rounds those of DiLoCo. These are options of ``sparseloco``
+rather than an outer rule of ``streaming``: the codec's options and SparseLoCo's own defaults
+(H = 20, outer_lr 1, no momentum) belong here, and on ``streaming`` they would be options that
+mean nothing for its default Nesterov step. Streaming's ``alpha`` must stay 0 (ValueError
+naming it): mixing would keep part of a fragment's unsent progress in the local model while
+its accumulator also holds it, counting it twice; each synced fragment restarts from theta, and
+so the tau steps overlapped with its round are dropped for that fragment (Streaming's alpha 0).
+Eager DiLoCo's whole-phase delay (tau = H) is another skeleton and is not composed here: the
+config refuses tau >= H/P.
+
 Defaults: 64 of every 4096 elements (1.56% density, the paper's denser setting) at 2 bits,
 ``error_decay`` 0.95 and ``outer_lr`` 1.0 (the paper's values as ALGORITHMS.md records them;
 the decay and the outer learning rate were not confirmed against the paper's text here), and
@@ -26,66 +44,81 @@ H = 20, the better of the two measured. On the tiny GPT (4 peers, 3000 steps) Sp
 ended 1.4% below at 147x: the paper's claim that it beats DiLoCo did not hold on this model and
 budget (docs/benchmarks/frontier.png; error_decay, outer_lr and 2-D tiles were not searched). The
 reference tiles matrices into 64 x 64 blocks; isthmus chunks the flattened tensor (see
-:mod:`isthmus.reduce.sparseloco_math`). Bytes per round per peer: :attr:`payload_bytes`, the
-all-gather sending ``(world - 1)`` times that over a ring.
+:mod:`isthmus.reduce.sparseloco_math`). Bytes per round per peer: one fragment's message (the
+whole model's with P = 1), the all-gather sending ``(world - 1)`` times that over a ring.
 
-Shared state: theta (``global/*``), the buffers' global copy, the step counter; no outer
-optimizer state. Local: the inner optimizer, the local parameters and ``e_r`` (in checkpoints).
+Shared state (Streaming's and DiLoCo's names): theta (``global/*``), the buffers' global copy,
+the step counter; no outer optimizer state. Local: the inner optimizer, the local parameters,
+``e_r`` (``error``, one per parameter whatever P: a fragment's accumulators are its
+parameters') and a round in flight (its outer gradient snapshot: re-issued after loading, its
+message rebuilt from the same ``e_r`` and snapshot, so the same bytes), all in checkpoints.
 
-Faults, joins and the accumulator:
+Faults, joins and the accumulator (per fragment, each round alike):
 
-* A round's message is built once, before the round; an aborted attempt (a peer died) is retried
-  by the survivors with the same message, and ``e_r`` changes only after a commit, so an aborted
-  round leaves every accumulator as it was and is counted once.
+* A round's message is built once, when the round is planned (:class:`SparseRound`); an aborted
+  attempt (a peer died, also while the all-gather was in flight behind inner steps) is retried
+  by the survivors with the same message, and ``e_r`` changes only after a commit, so an
+  aborted round leaves every accumulator as it was and is counted once.
 * A **dead peer's residual** is lost with it: the part of its outer gradients it never sent is
   never applied (as a dead DiLoCo peer's last H inner steps). The survivors' accumulators are
   unaffected; the mean is taken over the peers present in the committed round.
-* A **joiner** starts with ``e_r = 0``: it has no unsent progress. Its first step is DiLoCo's
-  catch-up round, in which it sends an absent message and receives theta.
-* A peer resynced at a round's begin (evicted, then repaired) sends an absent message: its outer
-  gradient did not start from theta and is dropped, while its accumulator keeps the residual of
-  earlier rounds (unsent progress on theta, sent in later rounds).
+* A **joiner** starts with ``e_r = 0``: it has no unsent progress. Its first step is the
+  catch-up round (DiLoCo's, Streaming's), in which it sends an absent message and receives theta.
+* A peer resynced at a round's begin (evicted, then repaired), or by a retry after the round was
+  issued, sends an absent message: its outer gradient did not start from theta and is dropped,
+  while its accumulators keep the residual of earlier rounds (unsent progress on theta, sent
+  in later rounds).
 * A peer whose accumulator or buffers are not finite sends an absent message (logged), and its
   accumulator stays as before the round.
 
 Refuses ``compression=`` and ``aggregator=`` (ValueError): the message is already compressed,
-and robust rules do not apply to sparse sums. Not yet composed with Streaming DiLoCo's
-fragments, overlapped rounds, DiLoCo's time budget (``inner_budget="time"`` is refused) or its
-token weighting (``step(tokens=n)`` is accepted, every present message counts once).
+and robust rules do not apply to sparse sums. Not composed with DiLoCo's time budget
+(``inner_budget="time"`` is refused) or its token weighting (``step(tokens=n)`` is accepted,
+every present message counts once).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.base import all_finite
-from isthmus.reduce.reducer import Reduced
+from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
 from isthmus.reduce.sparseloco_math import SparseCodec, sum_messages
-from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
 from isthmus.strategies.model_state import load_tensors
+from isthmus.strategies.overlap import Planned
+from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
 
-__all__ = ["SparseLoCo", "SparseLoCoConfig", "gather_messages"]
+__all__ = ["SparseGroup", "SparseLoCo", "SparseLoCoConfig", "SparseRound", "gather_messages"]
 
 log = logging.getLogger("isthmus.sparseloco")
 
 
 @dataclass(kw_only=True)
-class SparseLoCoConfig(DiLoCoConfig):
+class SparseLoCoConfig(StreamingConfig):
     """Options of :class:`SparseLoCo` (see the module docstring for the defaults' sources). It
-    extends DiLoCo's; ``outer_momentum`` must stay 0 (the accumulator replaces it) and the time
-    budget is not implemented (``inner_budget="steps"`` only)."""
+    extends Streaming DiLoCo's (and so DiLoCo's); ``outer_momentum`` and ``alpha`` must stay 0
+    (the accumulator replaces the momentum; mixing would count unsent progress twice) and the
+    time budget is not implemented (``inner_budget="steps"`` only)."""
 
     sync_every: int = 20
-    """H: inner steps between rounds. Measured on the tiny GPT (4 peers, 3000 steps): H = 20
-    reached an eval loss 13.0% above DDP's at 369x fewer bytes, H = 50 17.3% at 913x."""
+    """H: inner steps between rounds (of each fragment). Measured on the tiny GPT (4 peers, 3000
+    steps): H = 20 reached an eval loss 13.0% above DDP's at 369x fewer bytes, H = 50 17.3% at
+    913x."""
+    fragments: int = 1
+    """P: fragments synced in turn, one every H/P steps, each with its own accumulators and
+    message (Streaming DiLoCo's); 1: the whole model every H steps (the paper)."""
+    overlap: int = 0
+    """tau: inner steps a round's all-gather runs behind before its result is applied (< H/P)."""
     outer_lr: float = 1.0
-    """alpha: theta <- theta - alpha * mean of the sent accumulators."""
+    """theta <- theta - outer_lr * mean of the sent accumulators (the paper's alpha; Streaming's
+    mixing ``alpha`` is another option, and must be 0 here)."""
     outer_momentum: float = 0.0
     """Must be 0: SparseLoCo has no outer momentum."""
     nesterov: bool = False
@@ -97,7 +130,6 @@ class SparseLoCoConfig(DiLoCoConfig):
     """Entries kept per chunk (64 of 4096: 1.56%)."""
     bits: int = 2
     """Bits per kept value: 1, 2, 4, 8, or 32 (float32, unquantized)."""
-    time_budget: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +137,12 @@ class SparseLoCoConfig(DiLoCoConfig):
             raise ValueError(
                 f"sparseloco has no outer momentum (its error feedback replaces it): "
                 f"outer_momentum must be 0, got {self.outer_momentum}"
+            )
+        if self.alpha != 0:
+            raise ValueError(
+                f"sparseloco restarts each synced fragment from theta: alpha must be 0, got "
+                f"{self.alpha} (mixing would keep unsent progress in the local model while the "
+                f"accumulator holds it too, counting it twice)"
             )
         if not 0 <= self.error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
@@ -141,9 +179,103 @@ def gather_messages(
     return messages, used["present"]
 
 
-class SparseLoCo(DiLoCo):
+class SparseGroup:
+    """The error-feedback accumulators of one group of parameters (the whole model, or one
+    fragment) and the codec of their message; :meth:`round` plans one round of them."""
+
+    def __init__(
+        self,
+        error: list[torch.Tensor],
+        shapes: Sequence[torch.Size],
+        config: SparseLoCoConfig,
+        exact: int,
+    ) -> None:
+        self.error = error  # the strategy's own tensors (flat fp32), updated in place
+        self.decay = config.error_decay
+        self.codec = SparseCodec(shapes, config.chunk, config.top_k, config.bits, exact=exact)
+        self.absent = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8)
+        self.absent_rounds = 0  # committed rounds this peer took part in without a message
+
+    def round(
+        self,
+        deltas: Sequence[torch.Tensor],
+        exact: torch.Tensor | None,
+        contribute: bool,
+        reducer: Reducer,
+    ) -> SparseRound:
+        return SparseRound(self, deltas, exact, contribute, reducer)
+
+    def mean(self, messages: Sequence[torch.Tensor]) -> Reduced | None:
+        """The round's result from every member's message, in rank order (None: none present)."""
+        sums, exact, n = sum_messages(self.codec, messages)
+        if not n:
+            return None
+        return Reduced([s.div_(n) for s in sums], exact.div_(n), n)
+
+
+class SparseRound:
+    """One round of one :class:`SparseGroup` (an :class:`~isthmus.strategies.overlap.Exchange`):
+    ``e <- decay e + delta`` and its message, built once when the round is planned, so that a
+    retried attempt sends the same bytes; the accumulators change only in :meth:`commit`.
+
+    A non-finite accumulator is not sent (``reducer.nonfinite_skips``, logged): the round sends
+    an absent message and the accumulators stay as they were."""
+
+    def __init__(
+        self,
+        group: SparseGroup,
+        deltas: Sequence[torch.Tensor],
+        exact: torch.Tensor | None,
+        contribute: bool,
+        reducer: Reducer,
+    ) -> None:
+        self.group, self.reducer = group, reducer
+        self.accumulated: list[torch.Tensor] = []
+        self.message: torch.Tensor | None = None
+        self.sent = False  # whether the latest attempt sent the message (not the absent one)
+        if not contribute:
+            return  # nothing is computed for a round that cannot count
+        acc = [
+            e.mul(group.decay).add_(d.reshape(-1).to(torch.float32))
+            for e, d in zip(group.error, deltas, strict=True)
+        ]
+        if all(map(all_finite, acc)):
+            self.accumulated = acc
+            self.message = group.codec.encode(acc, exact)
+        else:
+            reducer.nonfinite_skips += 1
+            log.warning("non-finite values in this peer's accumulator: sending nothing")
+
+    def _mine(self, contribute: bool) -> torch.Tensor:
+        self.sent = contribute and self.message is not None
+        return self.message if self.message is not None and self.sent else self.group.absent
+
+    def start(self, rnd: Round, contribute: bool) -> PendingMean:
+        """All-gather this attempt's message (from the training thread, so every member issues
+        its collectives in one order); decoding and summing run on the reducer's worker."""
+        world = rnd.world
+        handle = rnd.group.all_gather_flat(self._mine(contribute), async_op=True)
+        group = self.group
+        return self.reducer.background(lambda: group.mean(list(handle.wait().view(world, -1))))
+
+    def alone(self, contribute: bool) -> Reduced | None:
+        return self.group.mean([self._mine(contribute)])
+
+    def commit(self) -> None:
+        """The residual: ``e <- accumulated - sent`` if the committed attempt sent the message;
+        otherwise the accumulators stay as they were."""
+        if not self.sent or self.message is None:
+            self.group.absent_rounds += 1
+            return
+        codec = self.group.codec
+        sent = codec.dense(codec.decode(self.message))
+        for e, a, s in zip(self.group.error, self.accumulated, sent, strict=True):
+            e.copy_(a.sub_(s))
+
+
+class SparseLoCo(StreamingDiLoCo):
     """SparseLoCo around the user's inner optimizer. Call :meth:`step` after every backward and
-    :meth:`finish` once at the end (it syncs the last partial phase)."""
+    :meth:`finish` once at the end (it syncs what is left, each fragment once)."""
 
     name = "sparseloco"
     Config = SparseLoCoConfig
@@ -153,67 +285,58 @@ class SparseLoCo(DiLoCo):
         self.require_own_messages(
             "outer gradients (top_k, chunk, bits options)", "accumulators and messages"
         )
-        # DiLoCo's state (theta, buffers, counters; its outer SGD has no momentum and no state,
-        # and is not used: _outer_update is this class's)
+        # Streaming's state (theta, buffers, counters, fragments; its outer SGD has no momentum
+        # and no state, and is not used: _outer_update is this class's)
         super().setup()
-        cfg = self.config
         self.error = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
-        self.codec = SparseCodec(
-            [p.shape for p in self.params],
-            cfg.chunk,
-            cfg.top_k,
-            cfg.bits,
-            exact=1 + self.buffers.numel,
-        )
-        self.absent = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8)
-        self.absent_rounds = 0  # rounds this peer took part in without a message
+        exact = 1 + self.buffers.numel  # the step and every floating buffer ride in the header
+        self.groups = [
+            SparseGroup(
+                [self.error[i] for i in idx],
+                [self.params[i].shape for i in idx],
+                self.config,
+                exact,
+            )
+            for idx in self.fragments
+        ]
+
+    @property
+    def fragment_payload_bytes(self) -> list[int]:
+        """Bytes of this peer's message in a round of each fragment."""
+        return [g.codec.payload_bytes for g in self.groups]
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of this peer's message in every round."""
-        return self.codec.payload_bytes
+        """Bytes of this peer's message in the largest round (every round with one fragment)."""
+        return max(self.fragment_payload_bytes)
 
-    def sync(self, *, catch_up: bool = False) -> None:
-        """One round (see the module docstring). A ``catch_up`` round sends nothing present."""
-        cfg = self.config
-        if not catch_up:
-            self.phase_steps = [*self.phase_steps[-999:], self.since_sync]
-        self.phase_tokens = 0.0  # not weighted: every present message counts once
-        snap = self.buffers.snapshot()
-        exact = torch.cat([torch.tensor([float(self.since_sync)]), self.buffers.flat(snap)])
-        accumulated = [
-            e.mul(cfg.error_decay).add_(d.reshape(-1).to(torch.float32))
-            for e, d in zip(self.error, self.outer_gradient(), strict=True)
-        ]
-        message: torch.Tensor | None = None
-        if not catch_up:
-            finite = all(map(all_finite, accumulated))
-            if not finite:
-                self.reducer.nonfinite_skips += 1
-                log.warning("non-finite values in this peer's accumulator: sending nothing")
-            if finite and self.buffers.finite(snap):
-                message = self.codec.encode(accumulated, exact)
-        messages, present = gather_messages(
-            self.session, message, self.absent, lambda: self.step_count
+    @property
+    def absent_rounds(self) -> int:
+        """Committed rounds this peer took part in without a message."""
+        return sum(g.absent_rounds for g in self.groups)
+
+    def _step(self, tokens: float = 1.0) -> None:
+        """One inner step; ``tokens`` is accepted (and checked) but does not weigh anything:
+        every present message counts once. Raises ValueError for a negative or non-finite
+        count."""
+        if not (math.isfinite(tokens) and tokens >= 0):
+            raise ValueError(f"tokens must be a finite number >= 0, got {tokens}")
+        super()._step()
+
+    def _planned(self, fragment: int, plan: Planned) -> Planned:
+        rnd = self.groups[fragment].round(
+            [t for _, t in plan.items], plan.exact, plan.contribute, self.reducer
         )
-        if present:
-            assert message is not None
-            sent = self.codec.dense(self.codec.decode(message))
-            for e, a, s in zip(self.error, accumulated, sent, strict=True):
-                e.copy_(a.sub_(s))
-        else:
-            self.absent_rounds += 1
-        sums, exact_sum, n = sum_messages(self.codec, messages)
-        result = None
-        if n:
-            result = Reduced([s.div_(n) for s in sums], exact_sum.div_(n), n)
-        self.apply_outer(result)
+        plan.exchange = rnd
+        plan.contribute = rnd.message is not None
+        return plan
 
-    def _outer_update(self, mean: list[torch.Tensor]) -> None:
-        """theta <- theta - outer_lr * mean (flat fp32 tensors); the step counter, the buffers
-        and every peer's restart from theta are DiLoCo's."""
+    def _outer_update(self, idx: Sequence[int], mean: Sequence[torch.Tensor]) -> None:
+        """theta_f <- theta_f - outer_lr * mean (flat fp32 tensors); the step counter, the
+        buffers and the restart from theta are Streaming's."""
         with torch.no_grad():
-            for g, d in zip(self.global_params, mean, strict=True):
+            for i, d in zip(idx, mean, strict=True):
+                g = self.global_params[i]
                 g.add_(d.view(g.shape).to(g.dtype), alpha=-self.config.outer_lr)
 
     # -- local state (checkpoints) ----------------------------------------------------------------
@@ -221,15 +344,17 @@ class SparseLoCo(DiLoCo):
         return {**super()._local_tensors(), "error": dict(zip(self.names, self.error, strict=True))}
 
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
-        super()._load_local_tensors(state)
         if "error" not in state:
             raise ValueError("local state has no 'error' (SparseLoCo's accumulators)")
+        super()._load_local_tensors(state)
         load_tensors("error", dict(zip(self.names, self.error, strict=True)), state["error"])
 
     def metrics(self) -> dict[str, Any]:
+        kept = sum(lay.kept for g in self.groups for lay in g.codec.layouts)
         return {
             **super().metrics(),
             "payload_bytes": self.payload_bytes,
-            "density": round(self.codec.density, 6),
+            "fragment_payload_bytes": self.fragment_payload_bytes,
+            "density": round(kept / max(1, sum(p.numel() for p in self.params)), 6),
             "absent_rounds": self.absent_rounds,
         }

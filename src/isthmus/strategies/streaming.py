@@ -36,6 +36,8 @@ With ``fragments=1``, ``overlap=0`` and ``alpha=0`` this is DiLoCo bit for bit (
 state, same operations in the same order).
 
 The paper's 4-bit outer gradients are available through the reducer (``compression="e3m0"``).
+SparseLoCo (:mod:`isthmus.strategies.sparseloco`) runs on this skeleton with its own outer rule
+and its own exchange per fragment (:meth:`StreamingDiLoCo._planned`).
 
 Shared state (same names as DiLoCo): theta for every fragment, the buffers' global copy, the
 frozen parameters and integer buffers, the outer momentum, the step counter (the step at which
@@ -342,7 +344,7 @@ class StreamingDiLoCo(Strategy):
                 and (rnd is None or not rnd.resynced)
                 and (not self.buffers or self.buffers.finite(snap))
             )
-            return Planned(
+            plan = Planned(
                 items=[
                     (
                         self.names[i],
@@ -356,8 +358,24 @@ class StreamingDiLoCo(Strategy):
                 ),
                 tag=_Sync(frag, apply_step, base, tuple(snap) if ok else None),
             )
+            return self._planned(frag, plan)
 
         self.pipeline.issue(build)
+
+    def _planned(self, fragment: int, plan: Planned) -> Planned:
+        """A fragment's round as planned (its outer gradient, contribution, exact values), before
+        it starts; also for a retry that rebuilds it and a round re-issued from a checkpoint.
+        Here it is averaged by the reducer as it is; SparseLoCo gives it its own exchange."""
+        return plan
+
+    def _outer_update(self, idx: Sequence[int], mean: Sequence[torch.Tensor]) -> None:
+        """theta_f <- the outer optimizer's step on fragment ``idx``'s mean outer gradients (fp32,
+        one per parameter). A subclass with another outer rule overrides this alone."""
+        for g in self.global_params:
+            g.grad = None
+        for i, d in zip(idx, mean, strict=True):
+            self.global_params[i].grad = d.to(self.global_params[i].dtype)
+        self.outer.step()
 
     def _settle(self, final_step: int | None = None) -> None:
         s = self.pipeline.settle()
@@ -366,11 +384,7 @@ class StreamingDiLoCo(Strategy):
         result = s.result
         step_at = tag.apply_step
         if result is not None:
-            for g in self.global_params:
-                g.grad = None
-            for i, d in zip(idx, result.tensors, strict=True):
-                self.global_params[i].grad = d.to(self.global_params[i].dtype)
-            self.outer.step()
+            self._outer_update(idx, result.tensors)
             if result.exact is not None:
                 # the contributors' apply step: what a joiner needs to continue in step
                 step_at = tag.base + round(float(result.exact[0]))
@@ -496,7 +510,8 @@ class StreamingDiLoCo(Strategy):
 
         def build(rnd: Round | None) -> Planned:
             ok = saved["contribute"] and (rnd is None or not rnd.resynced)
-            return Planned(items=items, contribute=ok, exact=saved["exact"], tag=tag)
+            plan = Planned(items=items, contribute=ok, exact=saved["exact"], tag=tag)
+            return self._planned(frag, plan)
 
         self.pipeline.issue(build)
 
