@@ -188,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROW.KEY=VALUE",
         help="override one option of one row (repeatable), e.g. eager.outer_momentum=0.9",
     )
+    ap.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds; a member quiet for a third of it is left out of a round, which a heavily "
+        "loaded machine can cause (the row then warns): raise it there to keep runs deterministic",
+    )
     ap.add_argument("--only", default="", help="comma-separated subset of the strategies")
     ap.add_argument("--out", default="runs/bench-strategies", help="run directories go here")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
@@ -216,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch_size": args.batch_size,
                 "lr": args.lr,
                 "corpus_bytes": args.corpus_bytes,
+                "heartbeat_timeout": args.heartbeat_timeout,
                 "run_dir": str(out / label),
                 "progress": False,
             }
@@ -237,7 +245,18 @@ def main(argv: list[str] | None = None) -> int:
             "rounds_committed": s.rounds_committed,
             "peers_final": s.peers_final,
             "wall_s": s.wall_s,
+            # a peer left out of a round (quiet under load) and resynced changes the run: its
+            # loss is then not the deterministic one of this configuration
+            "resyncs": s.resyncs,
+            "rounds_aborted": s.rounds_aborted,
         }
+        if s.resyncs or s.rounds_aborted:
+            print(
+                f"warning: {label}'s membership changed during the run ({s.resyncs} resyncs, "
+                f"{s.rounds_aborted} aborted rounds): its loss is not the deterministic one; "
+                "run it again on a quieter machine or with a larger --heartbeat-timeout",
+                flush=True,
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     print()
