@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -41,16 +40,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from isthmus.comm.config import RoundFailed, RoundTimeout, RunFinished, SessionConfig, StateMismatch
-from isthmus.comm.connect import Connecting, Graveyard, Rendezvous, connect_gloo, rendezvous
+from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
+from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
-from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
+from isthmus.comm.group import CollectiveError, CommStats, Group
 from isthmus.comm.state import SharedState
-from isthmus.comm.stripes import connect_stripes, reverse_sets
 from isthmus.comm.transfer import TransferError, apply_transfers
-from isthmus.comm.wires import Wires
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
 from isthmus.coordinator.protocol import RestorePoint, RoundPlan
 
@@ -277,72 +274,18 @@ class Session:
         g = self._group
         if g is not None and g.name == name and not g.aborted:
             return g
-        rank, world = plan.rank_of(self.peer_id or 0), len(plan.members)
-        cfg = self.config
-        if world == 1:
-            g = Group(None, 0, 1, timeout_s=cfg.collective_timeout, stats=self.stats, name=name)
-            self._set_group(g)
-            return g
-        wires = Wires(f"{self.name} {name}")
-        backend = self._backend()
-        gloo = functools.partial(
-            connect_gloo,
-            rank=rank,
-            world=world,
-            timeout_s=cfg.collective_timeout,
-            wires=wires,
-            interface=cfg.interface,
-            hostname=cfg.hostname,
-        )
-        deadline = time.monotonic() + cfg.collective_timeout
-
-        def abandon() -> str | None:
-            if plan.epoch in self._aborted_epochs:
-                return f"epoch {plan.epoch} aborted while its group was connecting"
-            if time.monotonic() > deadline:
-                return (
-                    f"could not connect the process group of epoch {plan.epoch} within "
-                    f"{cfg.collective_timeout:.0f}s (a member is unreachable: check the network "
-                    f"interface and that peers can reach each other's Gloo ports)"
-                )
-            return None
-
         assert self._stores is not None
-        store = dist.PrefixStore(
-            f"isthmus/{self.run_id}/{name}/", self._stores.take(wires, abandon)
-        )
-
-        def build() -> Any:
-            if backend == "gloo":  # K groups, K connections per pair (comm/stripes.py)
-                return connect_stripes(gloo, store, cfg.connections)
-            return build_process_group(
-                store,
-                rank,
-                world,
-                timeout_s=cfg.collective_timeout,
-                backend=backend,
-                interface=cfg.interface,
-                hostname=cfg.hostname,
-            ), []
-
-        attempt = Connecting(build, wires, name=f"connect-{name}")
-        try:
-            pg, stripes = attempt.wait(abandon)
-        except CollectiveError:
-            self._graveyard.park(attempt)  # until its thread is out of torch
-            raise
-        # a second connection set (one per stripe), built on first use by Group.exchange
-        reverse = reverse_sets(gloo, store, cfg.connections) if backend == "gloo" else None
-        g = Group(
-            pg,
-            rank,
-            world,
-            timeout_s=cfg.collective_timeout,
+        g = connect_epoch(
+            plan,
+            peer_id=self.peer_id or 0,
+            owner=self.name,
+            run_id=self.run_id,
+            config=self.config,
+            backend=self._backend(),
             stats=self.stats,
-            name=name,
-            connect_reverse=reverse,
-            wires=wires,
-            stripes=stripes,
+            stores=self._stores,
+            aborted=lambda: plan.epoch in self._aborted_epochs,
+            graveyard=self._graveyard,
         )
         self._set_group(g)
         if plan.epoch in self._aborted_epochs:
