@@ -403,3 +403,16 @@ def test_fault_entries_reach_the_run_config() -> None:
     assert lab_config(s).faults.peer_faults == {1: ["slow:3@5-10"]}
     assert "fault[0].spec" in _err(_with("", '[[fault]]\npeer = 0\nspec = "slow:fast"\n'))
     assert "fault[0].peer" in _err(_with("", '[[fault]]\npeer = 99\nspec = "slow:2"\n'))
+
+
+def test_striping_and_probing_reach_the_run_config() -> None:
+    from isthmus.run.lab import lab_config
+
+    assert lab_config(parse_scenario(BASE)).strategy.connections == 1
+    s = parse_scenario(_with("strategy", "connections = 4\nprobe_links = true"))
+    assert (s.strategy.connections, s.strategy.probe_links) == (4, True)
+    cfg = lab_config(s)
+    assert (cfg.strategy.connections, cfg.strategy.probe_links) == (4, True)
+    assert lab_config(s, {"connections": 2}).strategy.connections == 2  # the command line wins
+    assert "strategy.connections" in _err(_with("strategy", "connections = 0"))
+    assert "strategy.probe_links" in _err(_with("strategy", "probe_links = 1"))

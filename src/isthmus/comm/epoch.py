@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -41,18 +41,21 @@ def connect_epoch(
     stores: Rendezvous,
     aborted: Callable[[], bool],
     graveyard: Graveyard,
-) -> Group:
+    wishes: Sequence[int] = (),
+) -> tuple[Group, list[int]]:
     """The :class:`Group` of ``plan``'s epoch for member ``peer_id`` (``owner`` names the
     session in logs): a group of one without connections when the epoch has one member, else
     ``config.connections`` Gloo groups (or one NCCL group) on the epoch's store prefix
     ``isthmus/<run_id>/epoch<N>/``. ``aborted()`` says whether the coordinator aborted the epoch
-    meanwhile (the attempt is then abandoned). Raises :class:`CollectiveError` as the module
-    docstring says."""
+    meanwhile (the attempt is then abandoned). ``wishes`` go into the Gloo handshake
+    (:func:`~isthmus.comm.stripes.connect_stripes`); returned with the group is their maximum
+    over the members (empty for a group of one or NCCL, which have no handshake). Raises
+    :class:`CollectiveError` as the module docstring says."""
     name = f"epoch{plan.epoch}"
     rank, world = plan.rank_of(peer_id), len(plan.members)
     cfg = config
     if world == 1:
-        return Group(None, 0, 1, timeout_s=cfg.collective_timeout, stats=stats, name=name)
+        return Group(None, 0, 1, timeout_s=cfg.collective_timeout, stats=stats, name=name), []
     wires = Wires(f"{owner} {name}")
     gloo = functools.partial(
         connect_gloo,
@@ -80,26 +83,30 @@ def connect_epoch(
 
     def build() -> Any:
         if backend == "gloo":  # K groups, K connections per pair (comm/stripes.py)
-            return connect_stripes(gloo, store, cfg.connections)
-        return build_process_group(
-            store,
-            rank,
-            world,
-            timeout_s=cfg.collective_timeout,
-            backend=backend,
-            interface=cfg.interface,
-            hostname=cfg.hostname,
-        ), []
+            return connect_stripes(gloo, store, cfg.connections, wishes=wishes)
+        return (
+            build_process_group(
+                store,
+                rank,
+                world,
+                timeout_s=cfg.collective_timeout,
+                backend=backend,
+                interface=cfg.interface,
+                hostname=cfg.hostname,
+            ),
+            [],
+            [],
+        )
 
     attempt = Connecting(build, wires, name=f"connect-{name}")
     try:
-        pg, stripes = attempt.wait(abandon)
+        pg, stripes, agreed = attempt.wait(abandon)
     except CollectiveError:
         graveyard.park(attempt)  # until its thread is out of torch
         raise
     # a second connection set (one per stripe), built on first use by Group.exchange
     reverse = reverse_sets(gloo, store, cfg.connections) if backend == "gloo" else None
-    return Group(
+    group = Group(
         pg,
         rank,
         world,
@@ -110,3 +117,4 @@ def connect_epoch(
         wires=wires,
         stripes=stripes,
     )
+    return group, agreed

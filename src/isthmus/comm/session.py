@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group
+from isthmus.comm.probe import LinkProber
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
@@ -154,6 +156,10 @@ class Session:
         self.rank = 0  # this peer's rank and the world size in the latest round (for data sharding)
         self.world = 1
         self._commit_hooks: list[Callable[[RoundPlan], None]] = []
+        self.prober = LinkProber(
+            enabled=config.probe_links, cap=config.probe_bytes, owner=self.name
+        )
+        """Measures the links to the other members when membership changes (``probe_links``)."""
         self._tensorboard: Any = None  # a SummaryWriter, made at the first log_scalars
         self._client = CoordinatorClient(
             config.coordinator, config.token, **config.client_options()
@@ -275,7 +281,7 @@ class Session:
         if g is not None and g.name == name and not g.aborted:
             return g
         assert self._stores is not None
-        g = connect_epoch(
+        g, agreed = connect_epoch(
             plan,
             peer_id=self.peer_id or 0,
             owner=self.name,
@@ -286,7 +292,9 @@ class Session:
             stores=self._stores,
             aborted=lambda: plan.epoch in self._aborted_epochs,
             graveyard=self._graveyard,
+            wishes=self.prober.wishes(plan),
         )
+        self.prober.agree(plan, agreed)
         self._set_group(g)
         if plan.epoch in self._aborted_epochs:
             g.abort(f"epoch {plan.epoch} was aborted")
@@ -312,6 +320,13 @@ class Session:
             t0 = time.monotonic()
             try:
                 group = self._group_for(plan)
+                links = self.prober.run(  # on a new member set (comm/probe.py)
+                    group,
+                    plan,
+                    functools.partial(self._probe_fault, plan.round),
+                )
+                if links is not None:
+                    self.report(probed=links)
                 if plan.transfers:
                     apply_transfers(group, plan, self.state, self.peer_id or 0)
                     if self.peer_id in plan.resynced:
@@ -329,6 +344,9 @@ class Session:
             self.rank, self.world = group.rank, group.world
             return Round(self, plan, group, t0)
         raise RoundFailed(f"round could not be set up in {cfg.max_attempts} attempts")
+
+    def _probe_fault(self, round: int, pair: int) -> None:
+        self.faults.check("probe", step=pair, round=round)
 
     def _ask_for_round(self, deadline: float) -> RoundPlan | None:
         nonce = uuid.uuid4().hex

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,12 +80,22 @@ class Script(Program):
     """The user's own training script, run with this Python: ``python script.py args...``.
 
     It finds the run through the environment (``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN``,
-    ``ISTHMUS_NAME``, ``ISTHMUS_PEER``, ``ISTHMUS_RUN_DIR``, ``ISTHMUS_HOSTNAME`` in the lab).
+    ``ISTHMUS_NAME``, ``ISTHMUS_PEER``, ``ISTHMUS_RUN_DIR``, ``ISTHMUS_HOSTNAME`` in the lab, and
+    ``settings``).
     Raises FileNotFoundError at once if the script does not exist.
     """
 
-    def __init__(self, path: str | Path, args: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        args: list[str] | tuple[str, ...] = (),
+        *,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         self.path = Path(path)
+        self.settings = dict(settings or {})
+        """More environment for every peer: the run's settings that every peer must share
+        (``ISTHMUS_CONNECTIONS``, ``ISTHMUS_PROBE_LINKS``; see ``SessionConfig.from_env``)."""
         if not self.path.is_file():
             raise FileNotFoundError(f"no such script: {self.path}")
         self.args = list(args)
@@ -100,6 +111,7 @@ class Script(Program):
             "ISTHMUS_NAME": peer.name,
             "ISTHMUS_PEER": str(peer.slot),
             "ISTHMUS_RUN_DIR": str(peer.run_dir),
+            **self.settings,
         }
         if peer.hostname:
             env["ISTHMUS_HOSTNAME"] = peer.hostname
