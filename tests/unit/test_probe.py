@@ -60,6 +60,26 @@ def test_a_member_that_fails_mid_probe_makes_the_others_raise_not_hang():
     assert all(g.aborted for g in groups)
 
 
+def test_an_error_inside_a_probe_fails_the_round_not_the_run():
+    groups = local_groups(4, timeout_s=20.0)
+    plan = _plan(1, (10, 11, 12, 13))
+
+    def probe(g):
+        prober = LinkProber(enabled=True, cap=64 << 10)
+        prober.agree(plan, [1, 0])
+
+        def between(i: int) -> None:
+            if g.rank == 1:
+                raise ValueError("a bug")
+
+        return prober.run(g, plan, between)
+
+    # a collective's error: the session reports the round failed and retries it
+    with pytest.raises(CollectiveError, match="probe failed: ValueError: a bug"):
+        run_parallel(groups, probe, timeout_s=60.0)
+    assert groups[1].aborted
+
+
 def _plan(epoch: int, members: tuple[int, ...]) -> RoundPlan:
     return RoundPlan(
         round=0, epoch=epoch, members=members, transfers=(), expected={}, new_epoch=True

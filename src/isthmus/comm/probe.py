@@ -197,8 +197,9 @@ class LinkProber:
         self, group: Group, plan: RoundPlan, between: Callable[[int], None] | None = None
     ) -> dict[str, dict[str, float]] | None:
         """Probe if this round is due to; returns the links to report (None: no probe ran).
-        Raises :class:`~isthmus.comm.group.CollectiveError` as :func:`probe_links` does (and
-        what ``between`` raises); the table is then unchanged."""
+        Raises :class:`~isthmus.comm.group.CollectiveError` as :func:`probe_links` does, also
+        for any other error inside the probe (the group is aborted): the round fails and is
+        retried, never the run. The table is then unchanged."""
         if not self.due(plan):
             return None
         self._due = None
@@ -206,9 +207,13 @@ class LinkProber:
         sent0 = group.stats.by_op.get("probe", 0)
         try:
             measured = probe_links(group, plan.members, cap=self.cap, between=between)
-        except Exception:
+        except CollectiveError:
             self.failures += 1
             raise
+        except Exception as e:  # not the network's doing: still the round's, never the run's
+            self.failures += 1
+            group.abort(f"probe failed: {e}")  # partners waiting on this member fail at once
+            raise CollectiveError(f"probe failed: {type(e).__name__}: {e}") from e
         finally:
             self.seconds += time.monotonic() - t0
         self.table.update(measured)
