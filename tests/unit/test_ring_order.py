@@ -156,12 +156,13 @@ def test_the_two_region_scenarios_links_give_a_ring_crossing_twice_by_address():
 
 
 def _probed_peers(names: dict[int, str], rate: dict[tuple[int, int], float]):
-    """Peers whose probes (comm/probe.py) reported ``rate[(p, q)]`` by peer id."""
+    """Peers whose probes (comm/probe.py) reported ``rate[(q, p)]``, the rate at which ``p``
+    receives from ``q``, by peer id."""
     return {
         p: SimpleNamespace(
             name=n,
             info={
-                "probed": {str(q): {"mbit": rate[(p, q)], "rtt_ms": 1.0} for q in names if q != p}
+                "probed": {str(q): {"mbit": rate[(q, p)], "rtt_ms": 1.0} for q in names if q != p}
             },
         )
         for p, n in names.items()
@@ -184,6 +185,13 @@ def test_probed_rates_order_the_ring_and_handed_in_links_win_over_them():
             names[q]: (1000.0 if other[p] == other[q] else 50.0) for q in names if q != p
         }
     assert ring_members(list(names), peers) == (10, 11, 12, 13)  # name order is that ring
+    # each end reports the way in: one slow way of one pair is enough to avoid that edge
+    fast = dict.fromkeys(probed, 1700.0)
+    fast[(11, 12)] = 140.0  # what 12 receives from 11
+    ring = ring_members(list(names), _probed_peers(names, fast))
+    assert {ring[1], ring[2]} != {11, 12} and {ring[0], ring[3]} != {11, 12}
+    alike = _probed_peers(names, dict.fromkeys(probed, 1700.0))
+    assert ring_members(list(names), alike) == (10, 11, 12, 13)
     # malformed probes are ignored like malformed links: the other ends' reports suffice
     bad = _probed_peers(names, probed)
     bad[11].info["probed"] = {"10": {"mbit": "fast"}, "12": "x", "13": -1, "99": 5.0}

@@ -186,10 +186,8 @@ def _reported(
                 if q is not None and q != p and rate is not None:
                     # a probe measures what p receives from q; a table states p's rate to q
                     out[(q, p) if field == "probed" else (p, q)] = rate
-    for (p, q), rate in probed.items():
-        if (p, q) not in given and (q, p) not in given:
-            given[(p, q)] = rate
-    return given
+    stated = {frozenset(pair) for pair in given}
+    return given | {pair: rate for pair, rate in probed.items() if frozenset(pair) not in stated}
 
 
 def materially_better(a: Sequence[float], b: Sequence[float], factor: float = MATERIAL) -> bool:
