@@ -30,7 +30,8 @@ def main() -> None:
             session.run_round(lambda rnd: rnd.group.all_reduce(torch.ones(256)))
             time.sleep(0.6)
         print("PROBED " + json.dumps(session.prober.table.report()), flush=True)
-        print(f"PROBE_SECONDS {session.prober.seconds:.3f}", flush=True)
+        sent = session.stats.by_op.get("probe", 0)
+        print(f"PROBE_SECONDS {session.prober.seconds:.3f} BYTES {sent}", flush=True)
 
 
 if __name__ == "__main__":
