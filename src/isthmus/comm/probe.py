@@ -64,8 +64,9 @@ def probe_links(
     between: Callable[[int], None] | None = None,
 ) -> dict[int, Link]:
     """Measure the links between this member of ``group`` and every other: ``{peer id: Link}``,
-    the rate at which that peer sends to this one (``members[rank]`` is the peer id of a rank). Every member must call it at the same point.
-    Transfers are at most ``cap`` bytes; the bytes count as ``probe`` in the group's stats.
+    the rate at which that peer sends to this one (``members[rank]`` is the peer id of a rank).
+    Every member must call it at the same point. Transfers are at most ``cap`` bytes; the bytes
+    count as ``probe`` in the group's stats.
     ``between(i)`` runs after this member's ``i``-th pair (fault injection: the ``probe``
     point). Raises :class:`~isthmus.comm.group.CollectiveError` when a partner dies, is cut off
     or is silent past the group's timeout (the group is then aborted)."""
