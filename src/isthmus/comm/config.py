@@ -30,7 +30,8 @@ class RoundFailed(RuntimeError):
 
 
 def _flag(text: str) -> bool:
-    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case); else ValueError."""
+    """``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case); else
+    ValueError."""
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True

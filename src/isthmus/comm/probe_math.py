@@ -84,8 +84,8 @@ def tournament(n: int) -> list[list[tuple[int, int]]]:
 
 def rate_mbit(nbytes: int, seconds: float, rtt_s: float) -> float:
     """The rate, Mbit/s, of a transfer of ``nbytes`` that took ``seconds`` from its request (the
-    receive posted) to its last byte received, on a link of round trip ``rtt_s``: the bytes over the time
-    less one round trip (at least :data:`_FLOOR` of the time). Raises ValueError for a
+    receive posted) to its last byte received, on a link of round trip ``rtt_s``: the bytes over
+    the time less one round trip (at least :data:`_FLOOR` of the time). Raises ValueError for a
     non-positive size or time."""
     if nbytes <= 0 or not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"rate_mbit needs bytes > 0 and seconds > 0, got {nbytes}, {seconds}")
