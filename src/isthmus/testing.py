@@ -39,7 +39,7 @@ def local_groups(world: int, *, timeout_s: float = 30.0, connections: int = 1) -
         connect = functools.partial(
             build_process_group, rank=rank, world=world, timeout_s=timeout_s, hostname="127.0.0.1"
         )
-        pg, stripes = connect_stripes(connect, store, connections)
+        pg, stripes, _ = connect_stripes(connect, store, connections)
         return Group(
             pg,
             rank,

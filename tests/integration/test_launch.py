@@ -94,6 +94,19 @@ def test_a_missing_script_or_one_that_fails_at_once_is_reported_not_waited_for(
     assert p.returncode == 1 and "ISTHMUS_TOKEN is not set" in p.stderr
 
 
+def test_connections_and_probing_reach_the_script_through_from_env(tmp_path: Path) -> None:
+    """What every peer must share comes with the run: `--connections`, `--probe-links`."""
+    show = tmp_path / "show.py"
+    show.write_text(
+        "import isthmus\ncfg = isthmus.SessionConfig.from_env()\n"
+        "print('settings', cfg.connections, cfg.probe_links)\n"
+    )
+    p = _run(tmp_path / "on", "--peers", "1", "--connections", "3", "--probe-links", str(show))
+    assert p.returncode == 0, p.stderr
+    assert "settings 3 True" in (tmp_path / "on" / "run" / "peer0.log").read_text()
+    # without the flags: connections 1, probing off (tests/unit/test_session_config.py)
+
+
 def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     """SIGINT to the launcher: every peer process is gone afterwards, the exit code says so."""
     proc = subprocess.Popen(

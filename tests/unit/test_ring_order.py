@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from isthmus.coordinator.ring import EXACT_MAX, crossings, order_ring, ring_key, ring_members
+from isthmus.coordinator.ring import (
+    EXACT_MAX,
+    crossings,
+    materially_better,
+    order_ring,
+    ring_key,
+    ring_members,
+)
 
 
 def _regions(sizes: list[int], inside: float, between: float):
@@ -146,3 +153,60 @@ def test_the_two_region_scenarios_links_give_a_ring_crossing_twice_by_address():
     members = ring_members(list(names), peers)
     assert crossings([slot[p] for p in members], region) == 2
     assert crossings([slot[p] for p in (10, 12, 11, 13)], region) == 4  # name order
+
+
+def _probed_peers(names: dict[int, str], rate: dict[tuple[int, int], float]):
+    """Peers whose probes (comm/probe.py) reported ``rate[(q, p)]``, the rate at which ``p``
+    receives from ``q``, by peer id."""
+    return {
+        p: SimpleNamespace(
+            name=n,
+            info={
+                "probed": {str(q): {"mbit": rate[(q, p)], "rtt_ms": 1.0} for q in names if q != p}
+            },
+        )
+        for p, n in names.items()
+    }
+
+
+def test_probed_rates_order_the_ring_and_handed_in_links_win_over_them():
+    names = {10: "a", 11: "b", 12: "c", 13: "d"}
+    region = {10: "eu", 11: "us", 12: "eu", 13: "us"}  # name order crosses four times
+    probed = {
+        (p, q): (940.0 if region[p] == region[q] else 21.0) for p in names for q in names if p != q
+    }
+    peers = _probed_peers(names, probed)
+    assert crossings(ring_members(list(names), peers), region) == 2
+    # a table handed in for every pair (the lab's, by name) says the regions are the other way
+    # round: it wins, pair by pair, over what the probes measured
+    other = {10: "eu", 11: "eu", 12: "us", 13: "us"}
+    for p in names:
+        peers[p].info["links"] = {
+            names[q]: (1000.0 if other[p] == other[q] else 50.0) for q in names if q != p
+        }
+    assert ring_members(list(names), peers) == (10, 11, 12, 13)  # name order is that ring
+    # each end reports the way in: one slow way of one pair is enough to avoid that edge
+    fast = dict.fromkeys(probed, 1700.0)
+    fast[(11, 12)] = 140.0  # what 12 receives from 11
+    ring = ring_members(list(names), _probed_peers(names, fast))
+    assert {ring[1], ring[2]} != {11, 12} and {ring[0], ring[3]} != {11, 12}
+    alike = _probed_peers(names, dict.fromkeys(probed, 1700.0))
+    assert ring_members(list(names), alike) == (10, 11, 12, 13)
+    # malformed probes are ignored like malformed links: the other ends' reports suffice
+    bad = _probed_peers(names, probed)
+    bad[11].info["probed"] = {"10": {"mbit": "fast"}, "12": "x", "13": -1, "99": 5.0}
+    assert crossings(ring_members(list(names), bad), region) == 2
+    bad[13].info["probed"] = "garbage"  # now the pair 11-13 is unknown: name order
+    assert ring_members(list(names), bad) == (10, 11, 12, 13)
+
+
+def test_links_alike_keep_name_order_whatever_the_noise():
+    names = {10: "a", 11: "b", 12: "c", 13: "d", 14: "e"}
+    rng = random.Random(7)
+    for _ in range(20):
+        # one machine or one LAN: every pair within a factor of 1.9 of every other
+        noisy = {(p, q): 1000.0 * rng.uniform(0.55, 1.0) for p in names for q in names if p != q}
+        assert ring_members(list(names), _probed_peers(names, noisy)) == tuple(names)
+    assert materially_better([50.0, 1000.0], [50.0, 400.0])
+    assert not materially_better([50.0, 1000.0], [50.0, 600.0])
+    assert not materially_better([50.0, 1000.0], [101.0, 120.0])  # the slowest edge decides first

@@ -107,6 +107,10 @@ def test_command_line_flags_are_generated_from_the_config() -> None:
     )
     assert cfg.faults.byzantine[0].attack == "sign_flip"
     assert overrides_from(p.parse_args([])) == {}  # nothing given: the preset stays in force
+    # a bool that defaults to false is a switch
+    switched = from_flat(**overrides_from(p.parse_args(["--probe-links", "--connections", "3"])))
+    assert switched.strategy.probe_links is True and switched.strategy.connections == 3
+    assert from_flat().strategy.probe_links is False
     with pytest.raises(SystemExit):
         p.parse_args(["--model", "huge"])
     with pytest.raises(SpecError, match="--kill takes PEER@STEP"):

@@ -433,3 +433,16 @@ def test_checkpoint_section_errors() -> None:
     assert "checkpoint.keep" in _err(_with("", "[checkpoint]\nevery = 5\nkeep = 0\n"))
     msg = _err(_with("", "[checkpoint]\nevery = 5\ndirectory = 'x'\n"))
     assert "checkpoint" in msg and "dir" in msg
+
+
+def test_striping_and_probing_reach_the_run_config() -> None:
+    from isthmus.run.lab import lab_config
+
+    assert lab_config(parse_scenario(BASE)).strategy.connections == 1
+    s = parse_scenario(_with("strategy", "connections = 4\nprobe_links = true"))
+    assert (s.strategy.connections, s.strategy.probe_links) == (4, True)
+    cfg = lab_config(s)
+    assert (cfg.strategy.connections, cfg.strategy.probe_links) == (4, True)
+    assert lab_config(s, {"connections": 2}).strategy.connections == 2  # the command line wins
+    assert "strategy.connections" in _err(_with("strategy", "connections = 0"))
+    assert "strategy.probe_links" in _err(_with("strategy", "probe_links = 1"))

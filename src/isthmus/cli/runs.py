@@ -22,8 +22,12 @@ RUN_FLAGS = (
     "run_dir",
     "summary_json",
     "progress",
+    "connections",
+    "probe_links",
 )
-"""The run settings `isthmus run` takes (the script brings its own model, data and strategy)."""
+"""The run settings `isthmus run` takes (the script brings its own model, data and strategy;
+`connections` and `probe_links` reach it through SessionConfig.from_env, as every peer must agree
+on them)."""
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -125,6 +129,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             steps=args.steps,
             progress=cfg.output.progress,
             summary_json=cfg.output.summary_json,
+            connections=cfg.strategy.connections,
+            probe_links=cfg.strategy.probe_links,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"isthmus run: {e}", file=sys.stderr)

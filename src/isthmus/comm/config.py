@@ -29,6 +29,17 @@ class RoundFailed(RuntimeError):
     """A round could not commit within ``max_attempts`` attempts."""
 
 
+def _flag(text: str) -> bool:
+    """``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case); else
+    ValueError."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
 @dataclass(kw_only=True)
 class SessionConfig:
     """How a peer joins a run. Times are seconds; every wait in the session is bounded by one."""
@@ -56,7 +67,22 @@ class SessionConfig:
     """TCP connections per peer pair (Gloo only): each epoch builds this many process groups and
     all-reduce, all-gather and the exchange of the quantized all-reduce split their bytes over
     them (:mod:`isthmus.comm.stripes`). More help over long fat links, where one connection is
-    held back by its window; 1 because on the lab's short links more only cost set-up time."""
+    held back by its window (4-peer all-reduce at 1 Gbit/s, 50 ms: 2.5x with 4); they gain
+    nothing where the bandwidth-delay product is small (100 Mbit/s up to 50 ms, 1 Gbit/s up to
+    10 ms: docs/BENCHMARKS.md, issue 19's default K). 1 by default: more only cost connections
+    there, and K decides how a plain sum is cut, so its last bits (every run's results) would
+    change with the default."""
+    probe_links: bool = False
+    """Measure the round trip and sending rate to every other member when the membership changes
+    (Gloo, epochs of 4 or more: :mod:`isthmus.comm.probe`) and report them, so that the
+    coordinator orders the ring by them. Off by default: ordering by a measurement makes the
+    ranks, and so each peer's data shard, depend on the measurement's noise (a run is no longer
+    repeated bit for bit), and on one machine or one LAN there is nothing to gain. Rates reported
+    with :meth:`Session.report` (``links=``) win over probed ones. When members disagree, none
+    probes."""
+    probe_bytes: int = 1024 * 1024
+    """The largest transfer a probe sends to measure one pair's rate (16 KiB to 64 MiB). A probe
+    sends less on a thin link: its transfers grow from 16 KiB only until one takes 50 ms."""
     connect_timeout: float = 30.0
     """How long calls keep retrying while the coordinator cannot be reached."""
     collective_timeout: float = 60.0
@@ -92,6 +118,17 @@ class SessionConfig:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
         if not isinstance(self.connections, int) or not 1 <= self.connections <= 64:
             raise ValueError(f"connections must be an int from 1 to 64, got {self.connections!r}")
+        if not isinstance(self.probe_links, bool):
+            raise ValueError(f"probe_links must be True or False, got {self.probe_links!r}")
+        if (
+            isinstance(self.probe_bytes, bool)
+            or not isinstance(self.probe_bytes, int)
+            or not 16 * 1024 <= self.probe_bytes <= 64 * 1024 * 1024
+        ):
+            raise ValueError(
+                f"probe_bytes must be an int from 16384 (16 KiB) to 67108864 (64 MiB), got "
+                f"{self.probe_bytes!r}"
+            )
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
@@ -119,11 +156,14 @@ class SessionConfig:
         """The config ``isthmus run`` hands a script through the environment:
         ``ISTHMUS_COORDINATOR`` (host:port), ``ISTHMUS_TOKEN`` (or ``ISTHMUS_TOKEN_FILE``),
         ``ISTHMUS_NAME``, ``ISTHMUS_COORDINATOR_FINGERPRINT`` or ``ISTHMUS_COORDINATOR_CA`` for
-        TLS, and ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo. Keyword
-        arguments win over the environment (which never overrides what the script says).
+        TLS, ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo, and the run's
+        ``ISTHMUS_CONNECTIONS`` (an integer: ``connections``) and ``ISTHMUS_PROBE_LINKS`` (``1``
+        or ``0``: ``probe_links``), which ``isthmus run`` sets from ``--connections`` and
+        ``--probe-links`` so that every peer of the run agrees. Keyword arguments win over the
+        environment (which never overrides what the script says).
 
         Raises ValueError naming the missing variable when the script was not started by
-        ``isthmus run`` and none is given.
+        ``isthmus run`` and none is given, and naming the variable that holds a malformed value.
         """
         env = os.environ
         values: dict[str, Any] = {}
@@ -143,6 +183,17 @@ class SessionConfig:
                 values["token"] = Path(env["ISTHMUS_TOKEN_FILE"]).read_text().strip()
             except OSError as e:
                 raise ValueError(f"cannot read ISTHMUS_TOKEN_FILE: {e}") from None
+        for key, var, parse in (
+            ("connections", "ISTHMUS_CONNECTIONS", int),
+            ("probe_links", "ISTHMUS_PROBE_LINKS", _flag),
+        ):
+            if env.get(var):
+                try:
+                    values[key] = parse(env[var])
+                except ValueError:
+                    raise ValueError(
+                        f"{var}={env[var]!r} is not {'an integer' if parse is int else '0 or 1'}"
+                    ) from None
         values.update(overrides)
         for key, var in (("coordinator", "ISTHMUS_COORDINATOR"), ("token", "ISTHMUS_TOKEN")):
             if not values.get(key):

@@ -15,7 +15,8 @@ round; the first matching, not-yet-fired fault acts:
 Points used by isthmus: ``step`` (start of a training step), ``collective`` (a round's reduction
 was issued and is in flight), ``commit`` (about to report the round's outcome), ``checkpoint``
 (a checkpoint part of revision ``round`` is written but not yet reported; fired on the writer's
-thread, so a ``kill`` there is a peer dying in the middle of a save).
+thread, so a ``kill`` there is a peer dying in the middle of a save), ``probe`` (a link probe
+measured its ``step``-th pair, counting from 0, in round ``round``: :mod:`isthmus.comm.probe`).
 Spec strings (CLI, scenarios) follow the grammar of :mod:`isthmus.spec`, the ``@`` part carrying
 the point: ``ACTION@POINT:step=N`` or ``ACTION@POINT:round=N`` (or both), e.g.
 ``kill@collective:step=20``; the short form ``kill@20`` means ``kill@step:step=20``.
@@ -41,7 +42,7 @@ from isthmus.spec import Registry, SpecError, coerce, parse
 __all__ = ["FAULT_ACTIONS", "Fault", "FaultInjector", "FaultWhen", "InjectedFailure"]
 
 ACTIONS = ("kill", "stop", "fail", "corrupt")
-Point = Literal["step", "collective", "commit", "checkpoint"]
+Point = Literal["step", "collective", "commit", "checkpoint", "probe"]
 POINTS: tuple[str, ...] = get_args(Point)
 _USAGE = (
     "fault specs look like ACTION@POINT:step=N, ACTION@POINT:round=N, ACTION@N (step N), "

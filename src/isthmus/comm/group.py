@@ -551,10 +551,19 @@ class Group:
             self._reverse = box[0]
             return self._reverse
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0, *, async_op: bool = False) -> Any:
-        """Send ``t`` to rank ``dst`` (matched by a :meth:`recv` with the same tag)."""
+    def send(
+        self,
+        t: torch.Tensor,
+        dst: int,
+        tag: int = 0,
+        *,
+        async_op: bool = False,
+        label: str = "send",
+    ) -> Any:
+        """Send ``t`` to rank ``dst`` (matched by a :meth:`recv` with the same tag). Its bytes
+        count under ``label`` in :attr:`stats` (``by_op``)."""
         work = self._issue("send", lambda: self.pg.send([t], dst, tag))
-        self.stats.record("send", _nbytes(t))
+        self.stats.record(label, _nbytes(t))
         h = Handle(self, work, t, "send")
         return h if async_op else h.wait()
 

@@ -41,16 +41,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from isthmus.comm.config import RoundFailed, RoundTimeout, RunFinished, SessionConfig, StateMismatch
-from isthmus.comm.connect import Connecting, Graveyard, Rendezvous, connect_gloo, rendezvous
+from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
+from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
-from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
+from isthmus.comm.group import CollectiveError, CommStats, Group
+from isthmus.comm.probe import LinkProber
 from isthmus.comm.state import SharedState
-from isthmus.comm.stripes import connect_stripes, reverse_sets
 from isthmus.comm.transfer import TransferError, apply_transfers
-from isthmus.comm.wires import Wires
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
 from isthmus.coordinator.protocol import RestorePoint, RoundPlan
 
@@ -157,6 +156,10 @@ class Session:
         self.rank = 0  # this peer's rank and the world size in the latest round (for data sharding)
         self.world = 1
         self._commit_hooks: list[Callable[[RoundPlan], None]] = []
+        self.prober = LinkProber(
+            enabled=config.probe_links, cap=config.probe_bytes, owner=self.name
+        )
+        """Measures the links to the other members when membership changes (``probe_links``)."""
         self._tensorboard: Any = None  # a SummaryWriter, made at the first log_scalars
         self._client = CoordinatorClient(
             config.coordinator, config.token, **config.client_options()
@@ -277,73 +280,21 @@ class Session:
         g = self._group
         if g is not None and g.name == name and not g.aborted:
             return g
-        rank, world = plan.rank_of(self.peer_id or 0), len(plan.members)
-        cfg = self.config
-        if world == 1:
-            g = Group(None, 0, 1, timeout_s=cfg.collective_timeout, stats=self.stats, name=name)
-            self._set_group(g)
-            return g
-        wires = Wires(f"{self.name} {name}")
-        backend = self._backend()
-        gloo = functools.partial(
-            connect_gloo,
-            rank=rank,
-            world=world,
-            timeout_s=cfg.collective_timeout,
-            wires=wires,
-            interface=cfg.interface,
-            hostname=cfg.hostname,
-        )
-        deadline = time.monotonic() + cfg.collective_timeout
-
-        def abandon() -> str | None:
-            if plan.epoch in self._aborted_epochs:
-                return f"epoch {plan.epoch} aborted while its group was connecting"
-            if time.monotonic() > deadline:
-                return (
-                    f"could not connect the process group of epoch {plan.epoch} within "
-                    f"{cfg.collective_timeout:.0f}s (a member is unreachable: check the network "
-                    f"interface and that peers can reach each other's Gloo ports)"
-                )
-            return None
-
         assert self._stores is not None
-        store = dist.PrefixStore(
-            f"isthmus/{self.run_id}/{name}/", self._stores.take(wires, abandon)
-        )
-
-        def build() -> Any:
-            if backend == "gloo":  # K groups, K connections per pair (comm/stripes.py)
-                return connect_stripes(gloo, store, cfg.connections)
-            return build_process_group(
-                store,
-                rank,
-                world,
-                timeout_s=cfg.collective_timeout,
-                backend=backend,
-                interface=cfg.interface,
-                hostname=cfg.hostname,
-            ), []
-
-        attempt = Connecting(build, wires, name=f"connect-{name}")
-        try:
-            pg, stripes = attempt.wait(abandon)
-        except CollectiveError:
-            self._graveyard.park(attempt)  # until its thread is out of torch
-            raise
-        # a second connection set (one per stripe), built on first use by Group.exchange
-        reverse = reverse_sets(gloo, store, cfg.connections) if backend == "gloo" else None
-        g = Group(
-            pg,
-            rank,
-            world,
-            timeout_s=cfg.collective_timeout,
+        g, agreed = connect_epoch(
+            plan,
+            peer_id=self.peer_id or 0,
+            owner=self.name,
+            run_id=self.run_id,
+            config=self.config,
+            backend=self._backend(),
             stats=self.stats,
-            name=name,
-            connect_reverse=reverse,
-            wires=wires,
-            stripes=stripes,
+            stores=self._stores,
+            aborted=lambda: plan.epoch in self._aborted_epochs,
+            graveyard=self._graveyard,
+            wishes=self.prober.wishes(plan),
         )
+        self.prober.agree(plan, agreed)
         self._set_group(g)
         if plan.epoch in self._aborted_epochs:
             g.abort(f"epoch {plan.epoch} was aborted")
@@ -369,6 +320,13 @@ class Session:
             t0 = time.monotonic()
             try:
                 group = self._group_for(plan)
+                links = self.prober.run(  # on a new member set (comm/probe.py)
+                    group,
+                    plan,
+                    functools.partial(self._probe_fault, plan.round),
+                )
+                if links is not None:
+                    self.report(probed=links)
                 if plan.transfers:
                     apply_transfers(group, plan, self.state, self.peer_id or 0)
                     if self.peer_id in plan.resynced:
@@ -386,6 +344,9 @@ class Session:
             self.rank, self.world = group.rank, group.world
             return Round(self, plan, group, t0)
         raise RoundFailed(f"round could not be set up in {cfg.max_attempts} attempts")
+
+    def _probe_fault(self, round: int, pair: int) -> None:
+        self.faults.check("probe", step=pair, round=round)
 
     def _ask_for_round(self, deadline: float) -> RoundPlan | None:
         nonce = uuid.uuid4().hex

@@ -119,19 +119,28 @@ def all_gather_flat(pgs: Sequence[Any], flat: torch.Tensor, out: torch.Tensor, w
 
 
 def connect_stripes(
-    connect: Callable[[dist.Store], Any], store: dist.Store, k: int
-) -> tuple[Any, list[Any]]:
+    connect: Callable[[dist.Store], Any],
+    store: dist.Store,
+    k: int,
+    *,
+    wishes: Sequence[int] = (),
+) -> tuple[Any, list[Any], list[int]]:
     """Build an epoch's first group on ``store`` and ``k - 1`` more under ``stripe<i>/``, one
-    after the other (every member builds them in the same order). Raises ValueError when the
-    members were given different ``k``, and what ``connect`` raises (torch's error, or the cut of
-    the epoch's wires, which all of them share)."""
+    after the other (every member builds them in the same order); returns the first group, the
+    others and the members' largest ``wishes``. Raises ValueError when the members were given
+    different ``k``, and what ``connect`` raises (torch's error, or the cut of the epoch's wires,
+    which all of them share).
+
+    ``wishes``: small integers every member contributes to the same handshake (as many on every
+    member); each comes back as its maximum over the members. The session agrees there whether
+    the epoch probes its links (:mod:`isthmus.comm.probe`), at no extra round trip."""
     if k < 1:
         raise ValueError(f"connections must be >= 1, got {k}")
     pg = connect(store)
     # Every member must stripe alike (the bits of a sum depend on the spans) and build as many
     # groups (a member waiting for a group nobody else builds would wait out its timeout): one
     # tiny all-reduce (max of k and of -k) finds a disagreement first.
-    ks = torch.tensor([k, -k], dtype=torch.int64)
+    ks = torch.tensor([k, -k, *wishes], dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     pg.allreduce([ks], opts).wait()
@@ -140,7 +149,8 @@ def connect_stripes(
             f"peers disagree on connections: this peer has {k}, others between {int(-ks[1])} and "
             f"{int(ks[0])}; give every peer the same SessionConfig.connections"
         )
-    return pg, [connect(dist.PrefixStore(f"stripe{i}/", store)) for i in range(1, k)]
+    stripes = [connect(dist.PrefixStore(f"stripe{i}/", store)) for i in range(1, k)]
+    return pg, stripes, [int(x) for x in ks[2:]]
 
 
 def reverse_sets(

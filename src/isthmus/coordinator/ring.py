@@ -12,8 +12,9 @@ Pure functions, no network: :func:`order_ring` takes the measured (or, in the la
 bandwidth between pairs. It is exact for up to :data:`EXACT_MAX` members (every ring is tried)
 and a heuristic beyond (the widest-edge-first tour from every start, then 2-opt moves while they
 improve the ring). :func:`ring_members` is the coordinator's hook: it reads what the peers
-reported (``session.report(links={name: mbit_per_s, ...})``) and orders by it only when every
-pair is known, else keeps the given order.
+reported (``session.report(links={name: mbit_per_s, ...})``, or what their probes measured,
+``info["probed"]``: :mod:`isthmus.comm.probe`) and orders by it only when every pair is known
+and the best ring is materially better than name order, else keeps name order.
 """
 
 from __future__ import annotations
@@ -22,9 +23,26 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["EXACT_MAX", "crossings", "order_ring", "ring_key", "ring_members"]
+__all__ = [
+    "EXACT_MAX",
+    "MATERIAL",
+    "ORDERED_FROM",
+    "crossings",
+    "materially_better",
+    "order_ring",
+    "ring_key",
+    "ring_members",
+]
 
 _orders: dict[Any, list[int]] = {}  # the last orders computed, by members and bandwidths
+
+#: Rings of fewer members are all the same ring: the order only matters from this many.
+ORDERED_FROM = 4
+
+#: The ring leaves name order only for a ring whose edges are this many times faster, compared
+#: from the slowest up (:func:`materially_better`): links alike stay in name order whatever a
+#: probe's noise says, while regions joined by thin links (10x and more) are ordered.
+MATERIAL = 2.0
 
 #: Up to this many members every ring is tried ((n-1)!/2 of them: 2,520 for 8).
 EXACT_MAX = 8
@@ -134,33 +152,72 @@ def crossings(order: Sequence[int], region: Mapping[int, Any]) -> int:
     return sum(region[order[i]] != region[order[(i + 1) % n]] for i in range(n))
 
 
+def _rate(value: Any) -> float | None:
+    """A reported rate, rounded to two significant digits (a measurement's noise must not flip
+    the order, and so open a new epoch, from one round to the next); None when malformed."""
+    if isinstance(value, Mapping):  # a probe's {"mbit": ..., "rtt_ms": ...}
+        value = value.get("mbit")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return None
+    return float(f"{float(value):.2g}")
+
+
+def _reported(
+    ids: Sequence[int], names: Mapping[int, str], infos: Mapping[int, Any]
+) -> dict[tuple[int, int], float]:
+    """Every pair's rate the members reported: ``info["links"]`` (handed in: the lab's scenario
+    or the user's ``session.report(links=...)``, by peer name or address) and ``info["probed"]``
+    (measured by the peers, :mod:`isthmus.comm.probe`, by peer id). A pair that either end
+    reported in ``links`` takes no probed rate: a table someone handed in states the network as
+    they know it (the lab's, exactly as configured), where a probe is a short estimate."""
+    # ``links`` names the others by peer name or by the address they report (``info["addr"]``:
+    # stable across a slot's restarts, where names are not)
+    by_name = {str(a): p for p in ids if (a := infos[p].get("addr"))} | {names[p]: p for p in ids}
+    by_id = {str(p): p for p in ids}
+    given: dict[tuple[int, int], float] = {}
+    probed: dict[tuple[int, int], float] = {}
+    for p in ids:
+        for field, lookup, out in (("links", by_name, given), ("probed", by_id, probed)):
+            table = infos[p].get(field)
+            if not isinstance(table, Mapping):
+                continue
+            for other, value in table.items():
+                q, rate = lookup.get(str(other)), _rate(value)
+                if q is not None and q != p and rate is not None:
+                    # a probe measures what p receives from q; a table states p's rate to q
+                    out[(q, p) if field == "probed" else (p, q)] = rate
+    stated = {frozenset(pair) for pair in given}
+    return given | {pair: rate for pair, rate in probed.items() if frozenset(pair) not in stated}
+
+
+def materially_better(a: Sequence[float], b: Sequence[float], factor: float = MATERIAL) -> bool:
+    """Whether ring key ``a`` beats ``b`` (:func:`ring_key`) when edges within ``factor`` of each
+    other count as equal: from the slowest edge up, the first pair of edges that differ by more
+    than ``factor`` decides."""
+    for x, y in zip(a, b, strict=True):
+        if x > y * factor:
+            return True
+        if y > x * factor:
+            return False
+    return False
+
+
 def ring_members(ready: Iterable[int], peers: Mapping[int, Any]) -> tuple[int, ...]:
     """The coordinator's hook: the ``ready`` peer ids in name order (then id; ``peers[id]`` has
     ``name`` and ``info``), reordered around the ring when every pair's bandwidth is known from
-    the peers' reports (``info["links"]``: peer name -> Mbit/s, from either end), else left in
-    name order. Ring order is then also rank order, so it decides a peer's data shard and
-    local-state slot, as name order does otherwise. A malformed report is ignored (the order
-    stays by name) rather than failing the round."""
+    the peers' reports (:func:`_reported`: ``info["links"]``, peer name -> Mbit/s, or
+    ``info["probed"]``, peer id -> a probe's link; from either end) and the best ring is
+    :func:`materially_better` than name order, else left in name order. Ring order is then also
+    rank order, so it decides a peer's data shard and local-state slot, as name order does
+    otherwise. A malformed report is ignored (the order stays by name) rather than failing the
+    round."""
     members = sorted(ready, key=lambda pid: (peers[pid].name, pid))
     names = {p: peers[p].name for p in members}
     infos = {p: peers[p].info for p in members}
     ids = list(members)
-    if len(ids) < 4:
+    if len(ids) < ORDERED_FROM:
         return tuple(ids)  # three or fewer: every order is the same ring
-    # a report names the others by peer name or by the address they report (``info["addr"]``:
-    # stable across a slot's restarts, where names are not)
-    by_name = {str(a): p for p in ids if (a := infos[p].get("addr"))} | {names[p]: p for p in ids}
-    bandwidth: dict[tuple[int, int], float] = {}
-    for p in ids:
-        links = infos.get(p, {}).get("links")
-        if not isinstance(links, Mapping):
-            continue
-        for other, rate in links.items():
-            q = by_name.get(str(other))
-            if q is not None and q != p and isinstance(rate, (int, float)) and rate > 0:
-                # two significant digits: a measurement's noise must not flip the order (and so
-                # open a new epoch) from one round to the next
-                bandwidth[(p, q)] = float(f"{float(rate):.2g}")
+    bandwidth = _reported(ids, names, infos)
     key = (tuple(ids), tuple(sorted(bandwidth.items())))
     ring = _orders.get(key)
     if ring is None:
@@ -168,6 +225,9 @@ def ring_members(ready: Iterable[int], peers: Mapping[int, Any]) -> tuple[int, .
             ring = order_ring(ids, bandwidth)
         except KeyError:
             return tuple(ids)  # a pair not measured yet
+        if not materially_better(ring_key(ring, bandwidth), ring_key(ids, bandwidth)):
+            # links alike (within MATERIAL): a probe's noise must not reshuffle the ranks
+            ring = ids
         if len(_orders) >= 64:  # rounds form often; memberships change rarely
             _orders.clear()
         _orders[key] = ring

@@ -129,9 +129,18 @@ class StrategySpec:
     """Compressor spec, e.g. ``"int8"`` or ``"topk:0.01+ef21"``; ``None``: uncompressed."""
     aggregator: str | None = None
     """Aggregator spec, e.g. ``"krum"`` or ``"nnm+multi_krum:m=3"``; ``None``: plain mean."""
+    connections: int = 1
+    """TCP connections per peer pair each collective is striped over (``SessionConfig``)."""
+    probe_links: bool = False
+    """Peers measure their links when the membership changes (``SessionConfig``)."""
 
     def __post_init__(self) -> None:
         check_str(self.name, "name")
+        check_int(self.connections, "connections", minimum=1)
+        if not isinstance(self.probe_links, bool):
+            raise ScenarioError(
+                f"must be true or false, got {self.probe_links!r}", key="probe_links"
+            )
         one_of(self.name, STRATEGIES, "strategy", "name")
         object.__setattr__(self, "options", check_options(self.options, "options"))
         if self.compression is not None:
@@ -416,7 +425,7 @@ def _section_run(raw: Any) -> RunSpec:
 
 
 def _section_strategy(raw: Any) -> StrategySpec:
-    t = table_keys(raw, "strategy", ["name", "options", "compression", "aggregator"], ["name"])
+    t = table_keys(raw, "strategy", [f.name for f in fields(StrategySpec)], ["name"])
     return construct(StrategySpec, "strategy", **t)
 
 

@@ -168,6 +168,9 @@ class StrategyConfig:
     connections: int = 1
     """TCP connections per peer pair that each collective is striped over (every peer the same;
     more help on long fat links, see docs/LAB.md)."""
+    probe_links: bool = False
+    """Peers measure the round trip and rate between them when the membership changes (4 or
+    more peers) and the coordinator orders the ring by them (docs/LAB.md, ring order)."""
 
     def __post_init__(self) -> None:
         _at_least("strategy", 0, byzantine_f=self.byzantine_f)

@@ -2,7 +2,8 @@
 
 Every leaf of the config becomes ``--<flat-name>`` (``data.batch_size`` is ``--batch-size``), with
 the field's docstring as its help and its default shown; a bool that defaults to true gets its
-``negate`` name (``--no-progress``); list and dict leaves repeat (``--kill 1@20 --kill 2@30``)
+``negate`` name (``--no-progress``), one that defaults to false is a switch
+(``--probe-links``); list and dict leaves repeat (``--kill 1@20 --kill 2@30``)
 through the parser in their metadata. Every flag's value is a string that
 :func:`~isthmus.run.config.apply_overrides` coerces through the field's type, so a flag, a
 ``--set data.batch_size=8`` and a scenario key are checked by the same code. Only flags the user
@@ -105,6 +106,16 @@ def add_config_flags(
                 const="false",
                 default=argparse.SUPPRESS,
                 help=f"do not: {doc[0].lower() + doc[1:]}" if doc else None,
+            )
+            continue
+        if leaf.hint is bool and leaf.field.default is False:  # a switch: --probe-links
+            group.add_argument(
+                "--" + flat.replace("_", "-"),
+                dest=dest,
+                action="store_const",
+                const="true",
+                default=argparse.SUPPRESS,
+                help=doc or None,
             )
             continue
         repeat = "parse" in meta

@@ -127,8 +127,9 @@ def model_config(preset: str) -> GPTConfig:
 def _report_links(session: Session, addr: str | None) -> None:
     """Report the bandwidth to the other peers (``ISTHMUS_LINKS``: JSON, peer address -> Mbit/s,
     which the lab sets from its scenario) and this peer's address, for the coordinator's ring
-    order (:mod:`isthmus.coordinator.ring`). A malformed value is logged and ignored: the ring
-    then stays in name order."""
+    order (:mod:`isthmus.coordinator.ring`). These win over what the peers probe themselves
+    (``strategy.probe_links``), pair by pair: they are the network as configured. A malformed
+    value is logged and ignored: the ring then uses the probes, or stays in name order."""
     raw = os.environ.get("ISTHMUS_LINKS")
     if not raw or not addr:
         return
@@ -230,6 +231,7 @@ def run_job(job: PeerJob) -> PeerResult:
             connect_timeout=t.connect_timeout,
             round_timeout=t.round_timeout,
             connections=run.strategy.connections,
+            probe_links=run.strategy.probe_links,
             checkpoint_dir=run.checkpoint.checkpoint_dir,
             checkpoint_every=run.checkpoint.checkpoint_every,
             checkpoint_keep=run.checkpoint.checkpoint_keep,

@@ -160,6 +160,8 @@ def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -
             ),
             "compression": st.compression,
             "aggregator": st.aggregator,
+            "connections": st.connections,
+            "probe_links": st.probe_links,
             "byzantine_f": len(scenario.byzantine) if st.aggregator else 0,
             "byzantine": [
                 ByzantinePeer(peer=b.peer, attack=b.spec, from_step=b.from_step)

@@ -4,10 +4,10 @@ A :class:`Launcher` starts (or joins) a coordinator, starts one process per peer
 them until they all exit, and tears everything down on every way out. What differs between the
 three commands plugs in:
 
-* the :class:`Program` each peer runs: the built-in job (:class:`BuiltinJob`, the demo and the
-  lab) or the user's own script (:class:`Script`, ``isthmus run``, like ``torchrun``: it reads
-  ``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN`` and ``ISTHMUS_NAME`` with
-  :meth:`isthmus.SessionConfig.from_env`);
+* the :class:`Program` each peer runs (:mod:`isthmus.run.programs`): the built-in job
+  (:class:`BuiltinJob`, the demo and the lab) or the user's own script (:class:`Script`,
+  ``isthmus run``, like ``torchrun``: it reads ``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN`` and
+  ``ISTHMUS_NAME`` with :meth:`isthmus.SessionConfig.from_env`);
 * the :class:`Spawner` that makes the processes: plain local ones here, one per network namespace
   in the lab (:class:`isthmus.run.lab.NamespaceSpawner`);
 * :class:`Hook` objects called at the start, on every tick and at the end: planned churn (the
@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +42,9 @@ from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.stragglers import StragglerConfig
 from isthmus.lab.churn import SlotState
 from isthmus.run import forkserver
-from isthmus.run.config import RunConfig, TimeoutConfig
+from isthmus.run.config import TimeoutConfig
 from isthmus.run.forkserver import PeerProcess
-from isthmus.run.job import PeerJob, PeerSpec
+from isthmus.run.programs import BuiltinJob, PeerLaunch, Program, Script
 from isthmus.run.record import RunDir
 from isthmus.run.secure import embedded_tls
 
@@ -66,100 +65,6 @@ log = logging.getLogger("isthmus.launch")
 
 TERM_GRACE_S = 3.0
 """How long children get to exit after SIGTERM before SIGKILL."""
-
-
-# ---------------------------------------------------------------------------- programs
-
-
-@dataclass(frozen=True)
-class PeerLaunch:
-    """What the launcher tells a program about one process it starts."""
-
-    slot: int
-    name: str
-    coordinator: str
-    token: str
-    faults: tuple[str, ...]
-    hostname: str | None
-    run_dir: RunDir
-    coordinator_fingerprint: str | None = None  # the TLS certificate to pin (None: plain HTTP)
-
-
-class Program(ABC):
-    """What each peer process runs."""
-
-    label: str
-
-    @abstractmethod
-    def command(self, peer: PeerLaunch) -> list[str]:
-        """The argv of peer ``peer``'s process."""
-
-    def env(self, peer: PeerLaunch) -> dict[str, str]:
-        """Extra environment of the process."""
-        return {}
-
-
-class BuiltinJob(Program):
-    """The built-in training job (:mod:`isthmus.run.job`) configured by ``run``."""
-
-    label = "isthmus.run.job"
-
-    def __init__(self, run: RunConfig) -> None:
-        self.run = run
-        self.attacks = {b.peer: b for b in run.faults.byzantine}
-
-    def command(self, peer: PeerLaunch) -> list[str]:
-        attack = self.attacks.get(peer.slot)
-        job = PeerJob(
-            run=self.run,
-            peer=PeerSpec(
-                name=peer.name,
-                coordinator=peer.coordinator,
-                token=peer.token,
-                coordinator_fingerprint=peer.coordinator_fingerprint,
-                out_dir=str(peer.run_dir),
-                faults=list(peer.faults),
-                attack=attack.attack if attack else None,
-                attack_from_step=attack.from_step if attack else 0,
-                hostname=peer.hostname,
-            ),
-        )
-        path = peer.run_dir.job(peer.name)
-        path.write_text(job.to_json())
-        return [sys.executable, "-m", "isthmus.run.job", str(path)]
-
-
-class Script(Program):
-    """The user's own training script, run with this Python: ``python script.py args...``.
-
-    It finds the run through the environment (``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN``,
-    ``ISTHMUS_NAME``, ``ISTHMUS_PEER``, ``ISTHMUS_RUN_DIR``, ``ISTHMUS_HOSTNAME`` in the lab).
-    Raises FileNotFoundError at once if the script does not exist.
-    """
-
-    def __init__(self, path: str | Path, args: list[str] | tuple[str, ...] = ()) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no such script: {self.path}")
-        self.args = list(args)
-        self.label = str(self.path)
-
-    def command(self, peer: PeerLaunch) -> list[str]:
-        return [sys.executable, str(self.path), *self.args]
-
-    def env(self, peer: PeerLaunch) -> dict[str, str]:
-        env = {
-            "ISTHMUS_COORDINATOR": peer.coordinator,
-            "ISTHMUS_TOKEN": peer.token,
-            "ISTHMUS_NAME": peer.name,
-            "ISTHMUS_PEER": str(peer.slot),
-            "ISTHMUS_RUN_DIR": str(peer.run_dir),
-        }
-        if peer.hostname:
-            env["ISTHMUS_HOSTNAME"] = peer.hostname
-        if peer.coordinator_fingerprint:
-            env["ISTHMUS_COORDINATOR_FINGERPRINT"] = peer.coordinator_fingerprint
-        return env
 
 
 # ---------------------------------------------------------------------------- processes

@@ -2,7 +2,8 @@
 
 ``isthmus run --peers 3 train.py --lr 3e-4`` starts an embedded coordinator and three processes of
 ``python train.py --lr 3e-4``; each finds the run through ``ISTHMUS_COORDINATOR``,
-``ISTHMUS_TOKEN`` and ``ISTHMUS_NAME`` (``isthmus.SessionConfig.from_env()`` reads them). With
+``ISTHMUS_TOKEN`` and ``ISTHMUS_NAME``, and the run's ``ISTHMUS_CONNECTIONS`` and
+``ISTHMUS_PROBE_LINKS`` (``isthmus.SessionConfig.from_env()`` reads them). With
 ``coordinator=`` the peers join a coordinator elsewhere instead (``isthmus coordinator`` on some
 host, the token from a file), so the same command starts this machine's share of a run across
 machines. With GPUs, each peer gets one device through ``CUDA_VISIBLE_DEVICES`` (round robin over
@@ -44,8 +45,15 @@ def visible_devices() -> list[str]:
 class DeviceScript(Script):
     """A :class:`Script` whose peer ``i`` sees one device: ``devices[i % len(devices)]``."""
 
-    def __init__(self, path: str | Path, args: list[str], devices: list[str]) -> None:
-        super().__init__(path, args)
+    def __init__(
+        self,
+        path: str | Path,
+        args: list[str],
+        devices: list[str],
+        *,
+        settings: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(path, args, settings=settings)
         self.devices = devices
 
     def env(self, peer: PeerLaunch) -> dict[str, str]:
@@ -69,16 +77,26 @@ def run_script(
     steps: int | None = None,
     progress: bool = True,
     summary_json: str | None = None,
+    connections: int = 1,
+    probe_links: bool = False,
 ) -> tuple[Summary, RunDir]:
     """Run ``script`` on ``peers`` local processes until they all exit; returns the summary
     (also in ``summary.json``) and the run directory.
+
+    ``connections`` and ``probe_links`` (``--connections``, ``--probe-links``) reach every peer
+    as ``ISTHMUS_CONNECTIONS`` and ``ISTHMUS_PROBE_LINKS``, which
+    :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins).
 
     Raises FileNotFoundError if the script does not exist, ValueError for bad settings, and
     re-raises KeyboardInterrupt after stopping every child.
     """
     if peers < 1:
         raise ValueError(f"--peers must be at least 1, got {peers}")
-    program = DeviceScript(script, args, visible_devices())
+    settings = {
+        "ISTHMUS_CONNECTIONS": str(connections),
+        "ISTHMUS_PROBE_LINKS": "1" if probe_links else "0",
+    }
+    program = DeviceScript(script, args, visible_devices(), settings=settings)
     rd = RunDir.create(run_dir, Path(script).stem)
     timeouts = timeouts or TimeoutConfig()
     rd.write_json(
@@ -89,6 +107,8 @@ def run_script(
             "peers": peers,
             "max_restarts": max_restarts,
             "coordinator": coordinator,
+            "connections": connections,
+            "probe_links": probe_links,
             "timeouts": dataclasses.asdict(timeouts),
         },
     )
