@@ -40,6 +40,8 @@ def load(paths: list[str], extra: list[str]) -> list[dict[str, Any]]:
 
 
 def family(label: str) -> str:
+    """The strategy a row's label names: its first word, less a variant's suffix
+    (``"diloco (H 20) + e3m0"``, ``"co2-penalty2"`` -> diloco, co2)."""
     return label.split(" ")[0].split("-")[0]
 
 
@@ -77,16 +79,35 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    # one colour per strategy, its points joined along its frontier (the points no row of fewer
+    # bytes beats), each point named by its settings only
+    by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        ax.scatter(r["bytes"], r["loss"], s=30)
-        ax.annotate(
-            r["label"],
-            (r["bytes"], r["loss"]),
-            fontsize=7,
-            xytext=(4, 3),
-            textcoords="offset points",
+        by.setdefault(family(r["label"]), []).append(r)
+    for i, (name, rs) in enumerate(sorted(by.items())):
+        colour = f"C{i % 10}"
+        ax.scatter(
+            [r["bytes"] for r in rs], [r["loss"] for r in rs], s=30, color=colour, label=name
         )
+        front, best = [], float("inf")
+        for r in sorted(rs, key=lambda r: (r["bytes"], r["loss"])):
+            if r["loss"] < best:
+                best = r["loss"]
+                front.append(r)
+        if len(front) > 1:
+            ax.plot([r["bytes"] for r in front], [r["loss"] for r in front], color=colour, lw=0.8)
+        for r in rs:
+            settings = r["label"].split(" ", 1)[1] if " " in r["label"] else ""
+            if settings:
+                ax.annotate(
+                    settings,
+                    (r["bytes"], r["loss"]),
+                    fontsize=6.5,
+                    color=colour,
+                    xytext=(4, 3),
+                    textcoords="offset points",
+                )
     ddp = next(r for r in rows if r["label"] == "ddp")
     for tol, style in ((0.01, ":"), (0.02, "--")):
         ax.axhline(

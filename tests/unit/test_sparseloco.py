@@ -194,7 +194,7 @@ def test_options_and_refusals():
     with pytest.raises(ValueError, match="alpha must be 0"):
         SparseLoCoConfig(fragments=2, alpha=0.5)
     with pytest.raises(ValueError, match=r"overlap \(tau=10\) must be in 0\.\.9"):
-        SparseLoCoConfig(fragments=2, overlap=10)
+        SparseLoCoConfig(sync_every=20, fragments=2, overlap=10)
     with pytest.raises(ValueError, match="multiple of fragments"):
         SparseLoCoConfig(fragments=3)
     st = make_strategy("sparseloco", None, model, opt, fragments="2", overlap="1")

@@ -61,11 +61,11 @@ def test_options_are_validated_without_a_model() -> None:
         STRATEGIES.lookup("streaming").config({"outer_momentum": 1})
     # SparseLoCo on Streaming's fragments and overlap: Streaming's options, checked alike
     cfg = STRATEGIES.lookup("sparseloco").config({"fragments": "2", "overlap": "1"})
-    assert cfg == SparseLoCoConfig(fragments=2, overlap=1) and cfg.interval == 10
+    assert cfg == SparseLoCoConfig(fragments=2, overlap=1) and cfg.interval == 5  # H = 10
     with pytest.raises(ValueError, match=r"sparseloco restarts each synced fragment.*alpha"):
         STRATEGIES.lookup("sparseloco").config({"fragments": 2, "alpha": 0.5})
     with pytest.raises(ValueError, match=r"overlap \(tau=10\) must be in 0\.\.9"):
-        STRATEGIES.lookup("sparseloco").config({"fragments": 2, "overlap": 10})
+        STRATEGIES.lookup("sparseloco").config({"sync_every": 20, "fragments": 2, "overlap": 10})
     with pytest.raises(ValueError, match=r"start: .*\(did you mean 'paper'\?\)"):
         STRATEGIES.lookup("eager").config({"start": "papr"})
     # LocalSGD is DiLoCo with the outer step fixed to plain averaging: those are not options

@@ -62,8 +62,11 @@ log = logging.getLogger("isthmus.diloco")
 
 @dataclass(kw_only=True)
 class DiLoCoConfig:
-    sync_every: int = 50
-    """H: inner steps between outer rounds (the paper uses 500 at scale; 50 suits tiny runs)."""
+    sync_every: int = 20
+    """H: inner steps between outer rounds. 20 is the best measured on the tiny GPT (4 peers, 3000
+    steps, 4-bit outer gradients: H = 10 / 20 / 40 / 100 ended -1.0% / -1.4% / +1.4% / +6.9%
+    against DDP); the paper uses 500 on models 10,000 times larger, where each inner step costs
+    that much more and fewer rounds save that many more bytes."""
     outer_lr: float = 0.7
     """Outer learning rate (paper: 0.7)."""
     outer_momentum: float = 0.9

@@ -101,8 +101,10 @@ class EagerConfig(DiLoCoConfig):
 
     time_budget: ClassVar[bool] = False  # inner_budget="time" is DiLoCo's and local SGD's
 
-    sync_every: int = 50
-    """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase."""
+    sync_every: int = 20
+    """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase. 20
+    is the best measured on the tiny GPT (4 peers, 3000 steps: H = 10 / 20 / 40 ended -0.4% /
+    -0.5% / +1.3% against DDP)."""
     start: Start = "predicted"
     """Where each phase starts: ``"predicted"`` (the outer step on this peer's own fresh outer
     gradient), ``"paper"`` (theta plus the fresh own share, the paper's eager update) or

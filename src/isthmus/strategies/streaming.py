@@ -195,8 +195,9 @@ class StreamingConfig(DiLoCoConfig):
 
     time_budget: ClassVar[bool] = False  # inner_budget="time" is DiLoCo's and local SGD's
 
-    sync_every: int = 50
-    """H: each fragment is synced once every H inner steps."""
+    sync_every: int = 20
+    """H: each fragment is synced once every H inner steps (20: DiLoCo's measured best, at which
+    Streaming with alpha 0 ended 0.9% below DDP on the tiny GPT)."""
     fragments: int = 2
     """P: number of fragments; one is synced every H/P steps. H must be a multiple of P."""
     pattern: Pattern = "strided"
