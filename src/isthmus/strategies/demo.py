@@ -14,13 +14,14 @@ Every step is one round. Each peer, per parameter, with its local momentum ``m``
    and applies ``theta <- theta - lr * sign(sum)`` (``sign=False``: ``lr * sum / R`` over the
    ``R`` peers present).
 
-The reference's defaults are this config's (``decay`` 0.999, ``chunk`` 64, sign on) but for
-``top_k``: 16 instead of 32, which ended as close to DDP's eval loss at half the bytes on the
-tiny GPT (4 peers, 3000 steps: -0.9% and -0.9% at lr 2e-3, -1.9% and -2.4% at 3e-3; 8 per tile
-+1.0% / -0.5%, 4 per tile +2.5% / +0.9%; docs/BENCHMARKS.md, "Defaults from a search").
-The learning rate is the optimizer's: the sign step wanted more than AdamW there (1e-3: +3.8%,
-2e-3: -0.9%, 3e-3: -2.4%, 4e-3: -2.5%, 5e-4: +12.8%), but on the default GPT's 200-step demo
-3e-3 ended higher (2.50) than 1e-3 (2.17), so tune it per model. One departure: the reference averages each coefficient over the peers that *sent* it, so a
+The reference's defaults are this config's: ``decay`` 0.999, ``chunk`` 64, ``top_k`` 32, sign
+on, kept after a search (docs/BENCHMARKS.md, "Defaults from a search"): on the tiny GPT (4 peers,
+3000 steps) 16 per tile matched 32 at half the bytes (-0.9% and -0.9% of DDP's eval loss at lr
+2e-3, -1.9% and -2.4% at 3e-3; 8 per tile -0.5% at 35x fewer bytes than DDP, 4 per tile +0.9% at
+70x), but on the default GPT's 200-step demo 16 ended at 2.55 where 32 ended at 2.21. The
+learning rate is the optimizer's: the sign step wanted more than AdamW on the tiny GPT (1e-3:
++3.8%, 2e-3: -0.9%, 3e-3: -2.4%, 4e-3: -2.5%, 5e-4: +12.8%), not on the demo's default GPT
+over 200 steps (3e-3: 2.50 against 2.21), so tune it per model and run length. One departure: the reference averages each coefficient over the peers that *sent* it, so a
 coefficient one peer picked weighs as much as one every peer picked; isthmus sums them (the mean
 over the peers present, times their count, which the sign ignores), so each coefficient weighs
 by how many peers picked it. The two updates differ where the peers' selections differ.
@@ -70,16 +71,15 @@ log = logging.getLogger("isthmus.demo")
 
 @dataclass(kw_only=True)
 class DeMoConfig:
-    """Options of :class:`DeMo`; the defaults are the reference optimizer's but ``top_k`` (see the
-    module docstring)."""
+    """Options of :class:`DeMo`; the defaults are the reference optimizer's."""
 
     decay: float = 0.999
     """Momentum decay (the reference's ``compression_decay``)."""
     chunk: int = 64
     """Largest tile side of the DCT (the reference's ``compression_chunk``), at most 181."""
-    top_k: int = 16
-    """Coefficients kept per tile (the reference's ``compression_topk``, 32 there; 16 measured as
-    good at half the bytes)."""
+    top_k: int = 32
+    """Coefficients kept per tile (the reference's ``compression_topk``). Fewer cut the bytes in
+    proportion: 8 ended within 1% of DDP on the tiny GPT's 3000 steps, but short runs lose more."""
     sign: bool = True
     """Step along the sign of the summed components (the reference); False: their mean."""
 
