@@ -32,7 +32,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-
 from peers_common import Recorder, Trainer, barrier, connect_store, run_worker
 
 REPLICA_STORE_PORT = 29600
@@ -199,7 +198,7 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
                         manager_step=manager.current_step(),
                         participants=manager.num_participants(),
                         participating=manager.is_participating(),
-                                sync_s=round(time.time() - synced, 4),
+                        sync_s=round(time.time() - synced, 4),
                     )
                 step += 1
                 if job["step_delay"]:
