@@ -12,6 +12,7 @@ isthmus-ddp         ``isthmus lab run`` with strategy ddp
 isthmus-diloco      diloco, H = ``--sync-every``, outer SGD Nesterov lr 0.7 momentum 0.9
 isthmus-streaming   streaming, H, ``--fragments`` P, overlap tau, alpha
 torchft-ddp         torchft's Manager + DistributedDataParallel, lighthouse in the lab
+torchft-allreduce   the same data parallel with the gradients through manager.allreduce
 torchft-diloco      torchft.local_sgd.DiLoCo, one fragment, the same outer SGD
 torchft-streaming   the same class with P fragments, fragment_sync_delay tau, alpha
 hivemind-dp         hivemind.Optimizer, gradient averaging at a target batch of
@@ -59,6 +60,7 @@ SYSTEMS = (
     "isthmus-diloco",
     "isthmus-streaming",
     "torchft-ddp",
+    "torchft-allreduce",
     "torchft-diloco",
     "torchft-streaming",
     "hivemind-dp",
@@ -106,7 +108,7 @@ def table(result: dict[str, Any]) -> str:
     head = " | ".join(f"to {g:g} (s @ step)" for g in goals)
     lines = [
         f"| system | {head} | final eval | train wall (s) | tx per peer (MB) | "
-        "kill -> commit (s) | join -> first contribution (s) (from ready) | broke |",
+        "kill -> commit without it (s) | join -> first contribution (s) (from ready) | broke |",
         "|---|" + "---|" * (len(goals) + 6),
     ]
     for r in rows:

@@ -6,9 +6,11 @@ hivemind run as worker processes of the peers' virtual environment inside a ``Wa
 from the same scenario's ``[network]``: one worker per peer namespace, torchft's lighthouse and
 the start barrier's TCPStore in the coordinator's namespace, link counters read before and after.
 
-Each namespace of a foreign run gets ``/etc/netns/<ns>/hosts`` mapping this machine's host name to
-the namespace's address (``ip netns exec`` mounts it over ``/etc/hosts``): torchft's Gloo groups and
-checkpoint server find their address from the host name, and would otherwise bind 127.0.0.1. The
+Each worker of a foreign run runs as a host of its own: a UTS namespace with the name of its network
+namespace as host name, and ``/etc/netns/<ns>/hosts`` in every namespace naming every node (``ip
+netns exec`` mounts it over ``/etc/hosts``), as machines on a real network would have. torchft
+needs it: its Gloo groups take their address from the host name (else they bind 127.0.0.1), and
+its checkpoint server advertises ``http://<host name>:port`` to the peer that heals from it. The
 files are removed with the network.
 
 Every wait is bounded: the start by ``Setup.start_timeout``, the run by ``Setup.run_timeout``; a
@@ -24,7 +26,6 @@ import datetime
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from peers_measure import (
     eval_curve,
     first_after,
     hivemind_commits,
+    isthmus_commits,
     isthmus_join_commit,
     start_time,
     torchft_commits,
@@ -109,7 +111,7 @@ class Setup:
         are slower per step, so they get fewer)."""
         if not fault:
             return self.steps
-        ddp_like = name.endswith(("-ddp", "-dp", "-sync"))
+        ddp_like = name.endswith(("-ddp", "-allreduce", "-dp", "-sync"))
         return self.fault_steps[0] if ddp_like else self.fault_steps[1]
 
 
@@ -210,9 +212,10 @@ def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, A
     applied = summary.lab.churn_applied if summary.lab is not None else []
     kill = next((c for c in applied if c["action"] == "kill"), None)
     join = next((c for c in applied if c["action"] == "join"), None)
-    commits = [float(e["ts"]) for e in events if e["kind"] == "commit"]
     if kill is not None:
-        row["kill_to_commit_s"] = first_after(float(kill["ts"]), commits)
+        row["kill_to_any_commit_s"] = first_after(float(kill["ts"]), isthmus_commits(events))
+        without = isthmus_commits(events, fewer_than=setup.peers)
+        row["kill_to_commit_s"] = first_after(float(kill["ts"]), without)
         row["kill_t_s"] = round(float(kill["ts"]) - t0, 3)
     else:
         errors.append("the kill was not applied")
@@ -236,18 +239,28 @@ def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, A
 
 @contextlib.contextmanager
 def _hosts_files(namespaces: list[str], ips: list[str]) -> Iterator[None]:
-    host = socket.gethostname()
+    """``/etc/netns/<ns>/hosts`` in every namespace, naming every node by its namespace (each
+    worker runs with that as its host name, see :func:`_as_host`)."""
+    table = "127.0.0.1 localhost\n" + "".join(
+        f"{ip} {ns}\n" for ns, ip in zip(namespaces, ips, strict=True)
+    )
     made = []
     try:
-        for ns, ip in zip(namespaces, ips, strict=True):
+        for ns in namespaces:
             d = Path("/etc/netns") / ns
             d.mkdir(parents=True, exist_ok=False)
             made.append(d)
-            (d / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {host}\n")
+            (d / "hosts").write_text(table)
         yield
     finally:
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _as_host(name: str, argv: list[str]) -> list[str]:
+    """``argv`` run with host name ``name``, in a UTS namespace of its own. ``unshare`` and the
+    shell exec, so the process the driver holds (and SIGKILLs) is the worker itself."""
+    return ["unshare", "--uts", "--", "sh", "-c", f'hostname {name} && exec "$@"', "sh", *argv]
 
 
 def _job(name: str, setup: Setup, run_dir: Path, fault: bool, net: Any, store_port: int) -> dict:
@@ -327,6 +340,7 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
                 f = (run_dir / f"{log}.log").open("wb")
                 logs.append(f)
                 env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                argv = _as_host(net.node(where).netns, argv)
                 return net.popen(where, argv, env=env, stdout=f, stderr=subprocess.STDOUT)
 
             before = net.counters()
@@ -353,6 +367,8 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
             joiner = f"peer{victim}.1"
             deadline = time.monotonic() + setup.run_timeout
             survivors_done: float | None = None
+            contributed_at: float | None = None
+            check_at = 0.0
             while time.monotonic() < deadline:
                 now = time.time() - t_start
                 if fault and "kill" not in applied and now >= setup.kill_at:
@@ -362,6 +378,12 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
                     argv = [python, script, job_path, str(victim), joiner, "--join"]
                     procs[joiner] = spawn(victim, argv, joiner)
                     applied["join"] = time.time()
+                if contributed_at is None and "join" in applied and time.monotonic() > check_at:
+                    check_at = time.monotonic() + 1.0  # the records grow: read them once a second
+                    if _contributed(system, job["mode"], run_dir):
+                        contributed_at = time.monotonic()
+                if contributed_at is not None and time.monotonic() - contributed_at > 5:
+                    break  # both measurements are in, with a few seconds of records after
                 others = [p for k, p in procs.items() if k != joiner]
                 if all(p.poll() is not None for p in others):
                     if joiner not in procs or procs[joiner].poll() is not None:
@@ -410,9 +432,12 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
         return row
     survivors = [k for k in starting if k != f"peer{victim}"]
     after_kill = [ts for k in survivors for ts in commits.get(k, [])]
+    smaller = _foreign_commits(system, job["mode"], records, fewer_than=n)[0]
+    without = [ts for k in survivors for ts in smaller.get(k, [])]
     if "kill" in applied:
         row["kill_t_s"] = round(applied["kill"] - t0, 3)
-        row["kill_to_commit_s"] = first_after(applied["kill"], after_kill)
+        row["kill_to_any_commit_s"] = first_after(applied["kill"], after_kill)
+        row["kill_to_commit_s"] = first_after(applied["kill"], without)
     if "join" in applied:
         row["join_t_s"] = round(applied["join"] - t0, 3)
         mine = contributed.get(joiner, [])
@@ -428,17 +453,34 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
     return row
 
 
+def _contributed(system: str, mode: str, run_dir: Path) -> bool:
+    """Whether the joiner's records already hold a committed synchronization it took part in."""
+    from isthmus.run.record import read_jsonl
+
+    path = next(run_dir.glob("peer*.1.jsonl"), None)
+    if path is None:
+        return False
+    _, mine = _foreign_commits(system, mode, {"joiner": read_jsonl(path)})
+    return bool(mine["joiner"])
+
+
 def _foreign_commits(
-    system: str, mode: str, records: dict[str, list[dict[str, Any]]]
+    system: str,
+    mode: str,
+    records: dict[str, list[dict[str, Any]]],
+    fewer_than: int | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per process: the times of its committed synchronizations, and of those it contributed
-    to (see ``peers_measure``)."""
+    to (see ``peers_measure``); with ``fewer_than``, only those of a smaller group."""
     if system == "torchft":
-        commits = {k: torchft_commits(r) for k, r in records.items()}
-        mine = {k: torchft_commits(r, participating=True) for k, r in records.items()}
+        commits = {k: torchft_commits(r, fewer_than=fewer_than) for k, r in records.items()}
+        mine = {
+            k: torchft_commits(r, participating=True, fewer_than=fewer_than)
+            for k, r in records.items()
+        }
         return commits, mine
     what = "parameters" if mode == "local" else "gradients"
-    commits = {k: hivemind_commits(r, what) for k, r in records.items()}
+    commits = {k: hivemind_commits(r, what, fewer_than=fewer_than) for k, r in records.items()}
     return commits, commits
 
 

@@ -10,7 +10,9 @@ serves all of them:
   survivors after it (:func:`first_after`), where "committed" is each system's own notion:
   isthmus's ``commit`` event, torchft's ``should_commit() == True``, hivemind's successful
   averaging round (:func:`hivemind_events`; an epoch that proceeded with local gradients is not
-  one).
+  one). Counted twice: the first commit of any kind (torchft can still commit a step whose
+  all-reduce finished before the kill), and the first one **without** the killed peer (a group
+  smaller than before: ``fewer_than``), the time the survivors took to go on without it.
 * **join -> first contribution**: from starting the joiner's process to the first committed
   synchronization that holds its update: isthmus's first commit in an epoch whose members include
   it (:func:`isthmus_join_commit`), torchft's first commit in which it was participating, hivemind's
@@ -59,27 +61,49 @@ def hivemind_events(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def hivemind_commits(records: Iterable[Mapping[str, Any]], what: str) -> list[float]:
+def hivemind_commits(
+    records: Iterable[Mapping[str, Any]], what: str, *, fewer_than: int | None = None
+) -> list[float]:
     """Times of the successful averaging rounds (``what``: ``gradients`` or ``parameters``)
-    with at least one other peer."""
+    with at least one other peer; with ``fewer_than``, only rounds of a smaller group."""
     return [
         e["ts"]
         for e in hivemind_events(records)
-        if e["kind"] == "averaged" and e["what"] == what and (e["n"] or 0) >= 2
+        if e["kind"] == "averaged"
+        and e["what"] == what
+        and (e["n"] or 0) >= 2
+        and (fewer_than is None or e["n"] < fewer_than)
     ]
 
 
 def torchft_commits(
-    records: Iterable[Mapping[str, Any]], *, participating: bool = False
+    records: Iterable[Mapping[str, Any]],
+    *,
+    participating: bool = False,
+    fewer_than: int | None = None,
 ) -> list[float]:
     """Times of torchft's committed synchronizations (``should_commit`` returned True); with
-    ``participating``, only those in which this replica contributed."""
+    ``participating``, only those in which this replica contributed; with ``fewer_than``, only
+    those of a quorum with fewer participants."""
     return [
         float(r["ts"])
         for r in records
         if r.get("kind") == "commit"
         and r.get("ok")
         and (r.get("participating") or not participating)
+        and (fewer_than is None or int(r.get("participants", 0)) < fewer_than)
+    ]
+
+
+def isthmus_commits(
+    events: Iterable[Mapping[str, Any]], *, fewer_than: int | None = None
+) -> list[float]:
+    """Times of isthmus's ``commit`` events; with ``fewer_than``, only those of a round with
+    fewer members."""
+    return [
+        float(e["ts"])
+        for e in events
+        if e.get("kind") == "commit" and (fewer_than is None or int(e["world"]) < fewer_than)
     ]
 
 

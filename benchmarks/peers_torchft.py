@@ -12,6 +12,10 @@ Modes (``job["mode"]``):
   (asynchronous quorum) and the optimizer stepped only when ``manager.should_commit()`` says so
   (what ``torchft.optim.OptimizerWrapper`` does; called directly here so that each commit
   decision is recorded).
+* ``allreduce``: the same loop without the DDP wrapper: the gradients, flattened, go through
+  ``manager.allreduce`` (torchft's fault-tolerant all-reduce, an average over the participants).
+  A peer killed mid-step makes the wrapper's comm hook fail an assertion on the survivors
+  (``torchft/ddp.py``: ``assert fut._fut``); this mode is the same data parallel without it.
 * ``diloco``: ``torchft.local_sgd.DiLoCo`` with the whole model as one fragment, outer SGD with
   Nesterov momentum, synchronous quorum (DiLoCo requires it).
 * ``streaming``: the same class with ``fragments`` fragments (layers strided as isthmus's
@@ -142,16 +146,27 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
     per_sync = 1 if mode == "ddp" else job["sync_every"] // len(frags)
     goal = job["steps"] // per_sync
     step = 0
-    if mode == "ddp":
-        ddp = DistributedDataParallel(manager, t.model)
+    if mode in ("ddp", "allreduce"):
+        ddp = DistributedDataParallel(manager, t.model) if mode == "ddp" else t.model
+        params = [p for p in t.model.parameters() if p.requires_grad]
         while manager.current_step() < goal:
             manager.start_quorum()
             inner.zero_grad()
             # the run's step counter is the committed step (a healed joiner jumps to it)
             loss = t.loss(ddp, step)
             loss.backward()
+            if mode == "allreduce":
+                # the gradients as one flat tensor through the manager's fault-tolerant
+                # all-reduce (an average over the participants), then back into .grad
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                manager.allreduce(flat).wait()
+                offset = 0
+                for p in params:
+                    n = p.numel()
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                    offset += n
             participating = manager.is_participating()
-            n = manager.num_participants()
+            members = manager.num_participants()
             ok = manager.should_commit()
             if ok:
                 inner.step()
@@ -163,7 +178,7 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
                 "commit",
                 ok=ok,
                 manager_step=manager.current_step(),
-                participants=n,
+                participants=members,
                 participating=participating,
             )
             step = manager.current_step()

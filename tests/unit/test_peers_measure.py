@@ -50,21 +50,34 @@ def test_hivemind_commits_need_another_peer() -> None:
     recs = [
         _log(1.0, "Averaged gradients with 1 peers"),
         _log(2.0, "Averaged gradients with 2 peers"),
+        _log(2.5, "Averaged gradients with 4 peers"),
         _log(3.0, "Averaged parameters with 4 peers"),
     ]
-    assert pm.hivemind_commits(recs, "gradients") == [2.0]
+    assert pm.hivemind_commits(recs, "gradients") == [2.0, 2.5]
+    assert pm.hivemind_commits(recs, "gradients", fewer_than=4) == [2.0]
     assert pm.hivemind_commits(recs, "parameters") == [3.0]
 
 
 def test_torchft_commits_and_participation() -> None:
     recs = [
-        {"ts": 1.0, "kind": "commit", "ok": False, "participating": True},
-        {"ts": 2.0, "kind": "commit", "ok": True, "participating": False},
-        {"ts": 3.0, "kind": "commit", "ok": True, "participating": True},
+        {"ts": 1.0, "kind": "commit", "ok": False, "participating": True, "participants": 4},
+        {"ts": 2.0, "kind": "commit", "ok": True, "participating": False, "participants": 4},
+        {"ts": 3.0, "kind": "commit", "ok": True, "participating": True, "participants": 3},
         {"ts": 4.0, "kind": "step", "ok": True},
     ]
     assert pm.torchft_commits(recs) == [2.0, 3.0]
     assert pm.torchft_commits(recs, participating=True) == [3.0]
+    assert pm.torchft_commits(recs, fewer_than=4) == [3.0]
+
+
+def test_isthmus_commits() -> None:
+    events = [
+        {"ts": 1.0, "kind": "commit", "world": 4},
+        {"ts": 2.0, "kind": "dead", "peer": 3},
+        {"ts": 2.5, "kind": "commit", "world": 3},
+    ]
+    assert pm.isthmus_commits(events) == [1.0, 2.5]
+    assert pm.isthmus_commits(events, fewer_than=4) == [2.5]
 
 
 def test_first_after() -> None:
