@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--join-at", type=float, default=20.0)
     ap.add_argument("--step-delay", type=float, default=0.1, help="fault runs: s between steps")
     ap.add_argument(
-        "--fault-steps", default="150,500", help="fault runs: steps of DDP-like, of the others"
+        "--fault-steps", default="150,500", help="isthmus's fault runs: steps of DDP, of the others"
+    )
+    ap.add_argument(
+        "--fault-limit", type=float, default=150.0, help="torchft/hivemind fault runs: at most"
     )
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--out", default="runs/bench-peers")
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         join_at=a.join_at,
         step_delay=a.step_delay,
         fault_steps=tuple(int(x) for x in a.fault_steps.split(",")),  # type: ignore[arg-type]
+        fault_limit=a.fault_limit,
         targets=[float(x) for x in a.targets.split(",") if x],
     )
     out = Path(a.out) / time.strftime("%Y%m%d-%H%M%S")

@@ -4,8 +4,9 @@
     python benchmarks/peers_hivemind.py JOB.json SLOT NAME [--join]
 
 The DHT bootstraps inside the lab only: peer 0 starts first and publishes its multiaddresses on
-the driver's store; every other peer (and a joiner) takes them as ``initial_peers``. No public
-bootstrap peer is contacted.
+the driver's store; every other peer takes them as ``initial_peers`` (a joiner takes every starting
+peer's that were published, and tries three times: ``dht_retry`` records). No public bootstrap
+peer is contacted.
 
 Modes (``job["mode"]``):
 
@@ -64,13 +65,28 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
     t = Trainer(job, slot)
     me = job["hosts"][slot]
     store = connect_store(job)
-    maddrs_key = "hivemind/maddrs"
     if slot == 0 and not joiner:
         dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{me}/tcp/0"])
-        store.set(maddrs_key, json.dumps([str(a) for a in dht.get_visible_maddrs()]))
     else:
-        initial = json.loads(store.get(maddrs_key))  # waits (bounded) for peer 0
-        dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=[f"/ip4/{me}/tcp/0"])
+        # peer 0's addresses (waits, bounded, until it published them), and those of every
+        # other peer that already did: a joiner needs only one of them to answer
+        initial = json.loads(store.get("hivemind/maddrs/0"))
+        for other in range(1, job["peers"]):
+            if other != slot and store.check([f"hivemind/maddrs/{other}"]):
+                initial += json.loads(store.get(f"hivemind/maddrs/{other}"))
+        dht = None
+        for attempt in range(3):  # the daemon gives up on its bootstrap peers after ~1 s
+            try:
+                dht = hivemind.DHT(
+                    start=True, initial_peers=initial, host_maddrs=[f"/ip4/{me}/tcp/0"]
+                )
+                break
+            except Exception as e:  # recorded: what failed, and that it was tried again
+                rec.write("dht_retry", attempt=attempt, error=f"{type(e).__name__}: {e}")
+        if dht is None:
+            raise RuntimeError(f"no DHT after 3 attempts to bootstrap from {initial}")
+    if not joiner:
+        store.set(f"hivemind/maddrs/{slot}", json.dumps([str(a) for a in dht.get_visible_maddrs()]))
     logging.getLogger("hivemind").addHandler(_Capture(rec))
     mode = job["mode"]
     per_epoch = job["target_batch"]

@@ -85,6 +85,7 @@ class Setup:
     join_at: float = 20.0
     step_delay: float = 0.1
     fault_steps: tuple[int, int] = (150, 500)
+    fault_limit: float = 150.0
     targets: list[float] = dataclasses.field(default_factory=lambda: [3.0, 2.8, 2.6])
 
     def as_dict(self) -> dict[str, Any]:
@@ -107,8 +108,10 @@ class Setup:
         return text
 
     def steps_for(self, name: str, fault: bool) -> int:
-        """The fault runs' budget is long enough for the joiner to come back (DDP-like systems
-        are slower per step, so they get fewer)."""
+        """isthmus's budget. A fault run's is long enough for the joiner to come back (DDP is
+        slower per step, so it gets fewer). The other systems' fault runs have no budget: the
+        driver stops them 5 s after the joiner contributed, or ``fault_limit`` seconds after the
+        start."""
         if not fault:
             return self.steps
         ddp_like = name.endswith(("-ddp", "-allreduce", "-dp", "-sync"))
@@ -275,7 +278,8 @@ def _job(name: str, setup: Setup, run_dir: Path, fault: bool, net: Any, store_po
         "hosts": [p.ip for p in net.peers],
         "store_host": net.coordinator.ip,
         "store_port": store_port,
-        "steps": setup.steps_for(name, fault),
+        # a fault run goes on until the joiner contributed (the driver stops it then)
+        "steps": 10**6 if fault else setup.steps,
         "batch_size": setup.batch_size,
         "lr": setup.lr,
         "weight_decay": setup.weight_decay,
@@ -365,7 +369,7 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
                 time.sleep(0.05)
             t_start = time.time()
             joiner = f"peer{victim}.1"
-            deadline = time.monotonic() + setup.run_timeout
+            deadline = time.monotonic() + (setup.fault_limit if fault else setup.run_timeout)
             survivors_done: float | None = None
             contributed_at: float | None = None
             check_at = 0.0

@@ -78,6 +78,7 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
 
     t = Trainer(job, slot)
     mode = job["mode"]
+    data_parallel = mode in ("ddp", "allreduce")
     me = job["hosts"][slot]
     inner = t.inner_optimizer()
     # the replica group's own store (a group of one process here); torchft's peers meet on the
@@ -92,7 +93,7 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
     )
     outer: list[torch.optim.Optimizer] = []
     frags: list[torch.nn.Module] = []
-    if mode != "ddp":
+    if not data_parallel:
         frags = fragments_of(t.model, job["fragments"] if mode == "streaming" else 1)
         outer = [
             torch.optim.SGD(
@@ -120,7 +121,7 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=job["min_replicas"],
-        use_async_quorum=(mode == "ddp"),
+        use_async_quorum=data_parallel,
         timeout=timeout,
         quorum_timeout=timedelta(seconds=job["quorum_timeout"]),
         connect_timeout=timedelta(seconds=job["start_timeout"]),
@@ -143,10 +144,10 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
     rec.write("start")
     # the run ends when the replicas have committed as many synchronizations as the budget
     # holds: every step for DDP, one per H/P inner steps for the DiLoCo family
-    per_sync = 1 if mode == "ddp" else job["sync_every"] // len(frags)
+    per_sync = 1 if data_parallel else job["sync_every"] // len(frags)
     goal = job["steps"] // per_sync
     step = 0
-    if mode in ("ddp", "allreduce"):
+    if data_parallel:
         ddp = DistributedDataParallel(manager, t.model) if mode == "ddp" else t.model
         params = [p for p in t.model.parameters() if p.requires_grad]
         while manager.current_step() < goal:
