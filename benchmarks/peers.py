@@ -7,19 +7,19 @@ model on the same 8 fixed eval batches every ``--eval-every`` steps; the mean ov
 same emulated WAN (``--peers`` peers, ``--rate`` links with a ``--rtt-ms`` round trip between two
 peers; the coordinator, lighthouse and start barrier half that away):
 
-==================  ========================================================================
-isthmus-ddp         ``isthmus lab run`` with strategy ddp
-isthmus-diloco      diloco, H = ``--sync-every``, outer SGD Nesterov lr 0.7 momentum 0.9
-isthmus-streaming   streaming, H, ``--fragments`` P, overlap tau, alpha
-torchft-ddp         torchft's Manager + DistributedDataParallel, lighthouse in the lab
-torchft-allreduce   the same data parallel with the gradients through manager.allreduce
-torchft-diloco      torchft.local_sgd.DiLoCo, one fragment, the same outer SGD
-torchft-streaming   the same class with P fragments, fragment_sync_delay tau, alpha
-hivemind-dp         hivemind.Optimizer, gradient averaging at a target batch of
-                    ``--target-batch`` samples (default peers x batch x H)
-hivemind-local      the same with use_local_updates=True: parameter averaging
-hivemind-sync       gradient averaging at peers x batch: DDP's global batch
-==================  ========================================================================
+* isthmus-ddp: ``isthmus lab run`` with strategy ddp
+* isthmus-diloco: diloco, H = ``--sync-every``, outer SGD Nesterov lr 0.7 momentum 0.9
+* isthmus-streaming: streaming, H, ``--fragments`` P, overlap tau, alpha
+* torchft-ddp: torchft's Manager + DistributedDataParallel, lighthouse in the lab
+* torchft-allreduce: the same data parallel with the gradients through manager.allreduce
+* torchft-diloco: torchft.local_sgd.DiLoCo, one fragment, the same outer SGD
+* torchft-streaming: the same class with P fragments, fragment_sync_delay tau, alpha
+* torchft-diloco-bucketized, torchft-streaming-bucketized: the two above with
+  use_bucketization=True (one flat all-reduce per sync instead of one per parameter tensor)
+* hivemind-dp: hivemind.Optimizer, gradient averaging at a target batch of ``--target-batch``
+  samples (default peers x batch x H)
+* hivemind-local: the same with use_local_updates=True: parameter averaging
+* hivemind-sync: gradient averaging at peers x batch: DDP's global batch
 
 For each, a run without faults gives the eval curve, the wall-clock to each target loss (from the
 moment every starting peer is ready: isthmus's first round, the others' start barrier), the final
@@ -33,7 +33,7 @@ peers' virtual environment (``make bench-peers-env``), their workers written aga
 APIs (``peers_torchft.py``, ``peers_hivemind.py``). Needs root (network namespaces).
 
     sudo .venv/bin/python benchmarks/peers.py [--systems a,b,...] [--no-faults] [--json FILE]
-    .venv/bin/python benchmarks/peers.py --report FILE     # the table again from a --json file
+    .venv/bin/python benchmarks/peers.py --report FILE...  # the table again from --json files
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ SYSTEMS = (
     "torchft-allreduce",
     "torchft-diloco",
     "torchft-streaming",
+    "torchft-diloco-bucketized",
+    "torchft-streaming-bucketized",
     "hivemind-dp",
     "hivemind-local",
     "hivemind-sync",
@@ -87,8 +89,11 @@ def versions(python: str) -> dict[str, str]:
 
 
 def targets_for(rows: list[dict[str, Any]], given: list[float]) -> list[float]:
-    """The targets of the table: those given, and the tightest every finished curve reaches."""
+    """The targets of the table: those given, and the tightest that every curve reaching all of
+    them also reaches (a system that never gets near the given ones does not loosen it)."""
     curves = [r["curve"] for r in rows if r.get("curve")]
+    if given:
+        curves = [c for c in curves if time_to_target(c, min(given)) is not None]
     loose = loosest_best(curves)
     out = list(given)
     if loose is not None and all(abs(loose - g) > 1e-9 for g in out):
@@ -160,10 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--json", default=None, help="also write the result here")
-    ap.add_argument("--report", default=None, help="print the table of an earlier --json file")
+    ap.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        help="print the table of earlier --json files (their rows together, in order)",
+    )
     a = ap.parse_args(argv)
     if a.report:
-        print(table(json.loads(Path(a.report).read_text())))
+        parts = [json.loads(Path(f).read_text()) for f in a.report]
+        merged = {**parts[0], "main": [], "faults": []}
+        for part in parts:
+            merged["main"] += part["main"]
+            merged["faults"] += part["faults"]
+        print(table(merged))
         return 0
     if os.geteuid() != 0:
         print("benchmarks/peers.py needs root: it builds network namespaces", file=sys.stderr)

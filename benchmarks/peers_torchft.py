@@ -18,6 +18,9 @@ Modes (``job["mode"]``):
   (``torchft/ddp.py``: ``assert fut._fut``); this mode is the same data parallel without it.
 * ``diloco``: ``torchft.local_sgd.DiLoCo`` with the whole model as one fragment, outer SGD with
   Nesterov momentum, synchronous quorum (DiLoCo requires it).
+* ``diloco-bucketized``, ``streaming-bucketized``: the same with ``use_bucketization=True``:
+  torchft's default all-reduces the pseudo-gradient one parameter tensor at a time (26 rounds of
+  the ring for the tiny GPT, each paying the link's latency); bucketized, it sends one flat buffer.
 * ``streaming``: the same class with ``fragments`` fragments (layers strided as isthmus's
   Streaming DiLoCo cuts them: block j goes to fragment j mod P, the embeddings and the final norm
   to fragment 0), ``fragment_sync_delay`` = overlap and ``fragment_update_alpha`` = alpha.
@@ -77,7 +80,9 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
     from torchft.local_sgd import DiLoCo
 
     t = Trainer(job, slot)
-    mode = job["mode"]
+    # "diloco-bucketized": DiLoCo with use_bucketization=True (one flat all-reduce per sync
+    # instead of one per parameter tensor)
+    mode, _, variant = job["mode"].partition("-")
     data_parallel = mode in ("ddp", "allreduce")
     me = job["hosts"][slot]
     inner = t.inner_optimizer()
@@ -193,6 +198,7 @@ def worker(job: dict[str, Any], slot: int, name: str, joiner: bool, rec: Recorde
             outer if len(outer) > 1 else outer[0],
             sync_every=job["sync_every"],
             pin_memory=False,
+            use_bucketization=(variant == "bucketized"),
             fragment_sync_delay=job["overlap"] if mode == "streaming" else 0,
             fragment_update_alpha=job["alpha"] if mode == "streaming" else 0.0,
         ):
