@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -96,8 +97,10 @@ def targets_for(rows: list[dict[str, Any]], given: list[float]) -> list[float]:
         curves = [c for c in curves if time_to_target(c, min(given)) is not None]
     loose = loosest_best(curves)
     out = list(given)
-    if loose is not None and all(abs(loose - g) > 1e-9 for g in out):
-        out.append(round(loose, 4))
+    if loose is not None:
+        loose = math.ceil(loose * 1e4) / 1e4  # rounded up: the curve that set it reaches it
+        if all(abs(loose - g) > 1e-9 for g in out):
+            out.append(loose)
     return out
 
 

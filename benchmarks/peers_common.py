@@ -173,7 +173,9 @@ def run_worker(main: Callable[[dict[str, Any], int, str, bool, Recorder], None])
         main(job, int(args[1]), args[2], len(args) == 4, rec)
         rec.write("done")
     except BaseException as e:  # everything is reported; the driver reads the record
-        rec.write("error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        at = f" ({Path(where.filename).name}:{where.lineno} in {where.name})" if where else ""
+        rec.write("error", error=f"{type(e).__name__}: {e}{at}", traceback=traceback.format_exc())
         traceback.print_exc()
         code = 1
     rec.close()
