@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -138,6 +139,10 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -214,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         fault_limit=a.fault_limit,
         targets=[float(x) for x in a.targets.split(",") if x],
     )
+    # SIGTERM unwinds like Ctrl-C (the lab's network is torn down first by its own handler,
+    # which then calls this one), so that the hosts files and workers are cleaned up too
+    signal.signal(signal.SIGTERM, _interrupt)
     out = Path(a.out) / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {

@@ -88,6 +88,33 @@ class Setup:
     fault_limit: float = 150.0
     targets: list[float] = dataclasses.field(default_factory=lambda: [3.0, 2.8, 2.6])
 
+    def __post_init__(self) -> None:
+        """Refuses a setup that cannot run, naming the setting (the command line's flag)."""
+        for name in ("peers", "steps", "batch_size", "eval_every", "sync_every", "fragments"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be an int >= 1, got {v!r}")
+        if self.peers < 2:
+            raise ValueError(f"--peers: at least 2 peers to compare anything, got {self.peers}")
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"--sync-every ({self.sync_every}) must be a multiple of --fragments "
+                f"({self.fragments})"
+            )
+        if not 0 <= self.overlap < self.sync_every // self.fragments:
+            raise ValueError(f"--overlap: must be in 0..{self.sync_every // self.fragments - 1}")
+        if not 0 <= self.victim < self.peers or self.victim == 0:
+            # peer 0 hosts hivemind's bootstrap node: kill another one
+            raise ValueError(f"--victim: a peer in 1..{self.peers - 1}, got {self.victim}")
+        if not 0 < self.kill_at < self.join_at:
+            raise ValueError(
+                f"--kill-at ({self.kill_at}) must be > 0 and before --join-at ({self.join_at})"
+            )
+        if self.rtt_ms < 0 or self.step_delay < 0 or self.fault_limit <= self.join_at:
+            raise ValueError(
+                "--rtt-ms and --step-delay must be >= 0 and --fault-limit after --join-at"
+            )
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -247,6 +274,7 @@ def _hosts_files(namespaces: list[str], ips: list[str]) -> Iterator[None]:
     table = "127.0.0.1 localhost\n" + "".join(
         f"{ip} {ns}\n" for ns, ip in zip(namespaces, ips, strict=True)
     )
+    _remove_stale_hosts_files()
     made = []
     try:
         for ns in namespaces:
@@ -257,6 +285,17 @@ def _hosts_files(namespaces: list[str], ips: list[str]) -> Iterator[None]:
         yield
     finally:
         for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only if nothing else is left in it
+
+
+def _remove_stale_hosts_files() -> None:
+    """Hosts files of earlier runs whose driver died without removing them (SIGKILL): the
+    namespace names hold the driver's pid (``isthp-<pid>-...``)."""
+    for d in Path("/etc/netns").glob("isthp-*"):
+        pid = d.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(d, ignore_errors=True)
 
 
