@@ -19,7 +19,7 @@ Modes (``job["mode"]``):
 * ``diloco``: ``torchft.local_sgd.DiLoCo`` with the whole model as one fragment, outer SGD with
   Nesterov momentum, synchronous quorum (DiLoCo requires it).
 * ``diloco-bucketized``, ``streaming-bucketized``: the same with ``use_bucketization=True``:
-  torchft's default all-reduces the pseudo-gradient one parameter tensor at a time (26 rounds of
+  torchft's default all-reduces the pseudo-gradient one parameter tensor at a time (28 rounds of
   the ring for the tiny GPT, each paying the link's latency); bucketized, it sends one flat buffer.
 * ``streaming``: the same class with ``fragments`` fragments (layers strided as isthmus's
   Streaming DiLoCo cuts them: block j goes to fragment j mod P, the embeddings and the final norm
