@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k parity -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-slow test-browser lint bench clean
+.PHONY: all demo test test-slow test-browser lint bench bench-peers-env clean
 
 all: test
 
@@ -39,5 +39,23 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
+# benchmarks/peers.py (isthmus beside torchft and hivemind, docs/BENCHMARKS.md): a second venv
+# with the other systems, pinned, and isthmus from this checkout. torch first and pinned, so that
+# neither of them pulls another torch (an unpinned one brings gigabytes of CUDA).
+PEERS_VENV ?= .venv-peers
+PEERS_PKGS ?= torchft==0.2.0 hivemind==1.1.12
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+
+$(PEERS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet "$(TORCH)"
+	$(PEERS_VENV)/bin/python -m pip install --quiet "$(TORCH)" $(PEERS_PKGS)
+	$(PEERS_VENV)/bin/python -m pip install --quiet "$(TORCH)" -e .
+	$(PEERS_VENV)/bin/python -m pip freeze > $(PEERS_VENV)/freeze.txt
+	touch $(PEERS_STAMP)
+
+bench-peers-env: $(PEERS_STAMP)
+
 clean:
-	rm -rf $(VENV) runs build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) runs build *.egg-info src/*.egg-info
