@@ -195,7 +195,11 @@ def test_kill_inflight_and_join_inflight_end_bitwise_equal(cluster, strategy):
     for f in (fa, fc):
         attempts = [r for r in f["rounds"] if r["round"] == killed_round]
         assert attempts[0]["outcome"] == "aborted" and attempts[-1]["outcome"] == "committed"
-        if strategy != "localsgd":
+        in_round = [a for a in attempts if a["outcome"] == "aborted" and a["stage"] == "round"]
+        # an attempt that failed while its epoch's group was connecting (b died then, which a
+        # loaded machine can make happen) is begun again inside Session.begin: the strategy never
+        # saw it, so only an attempt that failed in the round itself makes a retry
+        if strategy != "localsgd" and in_round:
             assert f["strategy"]["round_retries"] >= 1  # the snapshot was reduced again
     assert fa["step"] == fc["step"] == fj["step"] == steps
     # the joiner was admitted into a round (a reduction every member takes part in, and that, for

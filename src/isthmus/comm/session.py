@@ -339,7 +339,7 @@ class Session:
                         )
             except (CollectiveError, TransferError) as e:
                 log.warning("%s: setting up round %d failed: %s", self.name, plan.round, e)
-                self._report_outcome(plan, ok=False, error=str(e), t0=t0)
+                self._report_outcome(plan, ok=False, error=str(e), t0=t0, stage="setup")
                 continue
             self.rank, self.world = group.rank, group.world
             return Round(self, plan, group, t0)
@@ -420,7 +420,12 @@ class Session:
         self.restores += 1
         self._fresh = True  # send hashes with the next begin
 
-    def _report_outcome(self, plan: RoundPlan, *, ok: bool, error: str, t0: float) -> bool:
+    def _report_outcome(
+        self, plan: RoundPlan, *, ok: bool, error: str, t0: float, stage: str = "round"
+    ) -> bool:
+        """Report an attempt's outcome and record it; ``stage`` says where it ended: ``"setup"``
+        (connecting the epoch's group or a state transfer failed inside :meth:`begin`, which
+        begins again by itself, so the strategy never saw the attempt) or ``"round"``."""
         deadline = time.monotonic() + self.config.round_timeout
         body = {
             "peer": self.peer_id,
@@ -456,6 +461,7 @@ class Session:
                 "epoch": plan.epoch,
                 "world": len(plan.members),
                 "outcome": "committed" if committed else "aborted",
+                "stage": stage,
                 "reason": "" if committed else (error or d.get("reason", "")),
                 "resynced": self.peer_id in plan.resynced,
                 "t_start": t0,
