@@ -31,7 +31,10 @@ __all__ = ["SHORTCUTS", "add_config_flags", "field_docs", "overrides_from"]
 _PREFIX = "cfg:"
 
 SHORTCUTS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "sync_every": (int, "H of diloco, localsgd, streaming, eager; tau of co2 (default 20)"),
+    "sync_every": (
+        int,
+        "H of diloco, localsgd, streaming, eager, sparseloco; tau of co2 (the demo: 20)",
+    ),
     "topology": (str, "gossip topology: ring, torus, exponential, ..."),
     "schedule": (str, "gossip schedule: constant, late-heavy, single-merge"),
 }

@@ -32,8 +32,12 @@ class LocalSGDConfig(DiLoCoConfig):
     """DiLoCo's config with the outer step fixed to plain averaging (lr 1, no momentum): only
     ``sync_every`` is an option."""
 
-    sync_every: int = 20
-    """H: local steps between two averagings."""
+    sync_every: int = 80
+    """H: local steps between two averagings. 80 by measurement: on the tiny GPT's 3000-step
+    budget (4 peers, 4-bit averages) local SGD ends 8.1% to 9.0% above DDP for every H from 10 to
+    320, so H buys bytes and nothing else there; 80 sends a quarter of 20's bytes while a peer's
+    death still loses at most 80 steps of its work and a joiner contributes within 80 steps
+    (docs/BENCHMARKS.md, "Defaults from a search")."""
     outer_lr: float = field(default=1.0, init=False)
     outer_momentum: float = field(default=0.0, init=False)
     nesterov: bool = field(default=False, init=False)
