@@ -34,7 +34,7 @@ eval loss was 53.0% above DDP's with 1.0 (the public code's), 21.8% with 1.5, 15
 clip does not bite. The gap is the staleness: CO2's outer step applied at once (DiLoCo with
 beta 0.2, lr 1.0) reached +6.2% (docs/STRATEGIES.md has the ablation and the paper-vs-isthmus
 table). A second search over beta (0 to 0.5, the penalty retuned) and tau (10, 40) found nothing
-within 2% of DDP either: the best of 16 settings was +14.5% (beta 0, penalty 1.4), next to a
+within 2% of DDP either: the best of 18 settings was +14.5% (beta 0, penalty 1.4), next to a
 cliff (an outer step ``outer_lr / (gap_penalty (1 - beta))`` above 0.8 loses 3 to 37 points more),
 so the defaults stay mid-plateau. The paper's penalty is an adaptive, layer-wise measure of the staleness gap; that rule is
 not confirmed and not implemented here. ``clip`` defaults to 1.0 (the public code's threshold;
