@@ -56,6 +56,29 @@ def test_quantizer_by_hand():
     assert codes.tolist() == [2, 2, 2] and table[0] == 2.5 and table[3] == 0.0
 
 
+def test_one_bit_splits_at_the_mean_and_decodes_each_side_to_its_mean():
+    v = torch.tensor([3.0, -1.0, 2.0, -4.0, 0.5, -0.5])
+    codes, table = quantize(v, 1)
+    c = v - v.mean()
+    want = [1 if float(x) >= 0 else 0 for x in c]
+    assert codes.tolist() == want
+    for level in (0, 1):
+        members = [float(x) for x, k in zip(c, want, strict=True) if k == level]
+        assert table[1 + level].item() == pytest.approx(sum(members) / len(members), rel=1e-6)
+    # every value decodes to its own side of the mean
+    decoded = table[1:][codes.long()] + table[0]
+    assert torch.equal(torch.sign(decoded - v.mean()), torch.sign(c).where(c != 0, 1.0))
+
+
+def test_a_parameter_without_elements_sends_only_its_table():
+    shapes = [torch.Size([0]), torch.Size([5])]
+    codec = SparseCodec(shapes, chunk=4, k=2, bits=2, exact=0)
+    msg = codec.encode([torch.zeros(0), torch.arange(5.0)], None)
+    assert msg.numel() == codec.payload_bytes == _expected_bytes(shapes, 4, 2, 2, exact=0)
+    dense = codec.dense(codec.decode(msg))
+    assert dense[0].numel() == 0 and dense[1].count_nonzero() == 3  # top 2 of [0:4], 1 of [4:5]
+
+
 def _expected_bytes(shapes, chunk, k, bits, exact):
     total = 4 * (1 + exact)
     for s in shapes:
@@ -236,6 +259,26 @@ def test_the_accumulators_travel_in_the_local_state():
     bad = {k: v for k, v in saved.items() if k != "error"}
     with pytest.raises(ValueError, match="error"):
         fresh.load_local_state(bad)
+    # a misshapen accumulator is refused before anything is loaded, Streaming's part included
+    other_model = GPT(TINY, seed=5)
+    other = SparseLoCo(None, other_model, torch.optim.AdamW(other_model.parameters(), lr=3e-3))
+    before = copy.deepcopy(other.local_state())
+    misshapen = copy.deepcopy(saved)
+    first = next(iter(misshapen["error"]))
+    misshapen["error"][first] = torch.zeros(3)
+    with pytest.raises(ValueError, match=f"error/{first}"):
+        other.load_local_state(misshapen)
+    assert _same(other.local_state(), before) and not _same(saved, before)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def test_each_fragment_sends_its_own_documented_bytes():

@@ -15,8 +15,10 @@ Each peer compresses its error-feedback accumulator ``e`` (one fp32 tensor per p
    statistical quantizer: ``shift = mean(v)``, ``c = v - shift``, ``scale = 6 * std(c) / L``
    (``L = 2**bits`` levels, unbiased std; 1.0 if that is 0 or not finite), code
    ``clamp(round(c / scale + L // 2), 0, L - 1)``, and each level decodes to the mean of the
-   ``c`` that fell in it (0 for an empty level) plus ``shift``. ``bits=32`` sends the float32
-   values themselves.
+   ``c`` that fell in it (0 for an empty level) plus ``shift``. With one bit that grid would
+   put everything above -1.5 std in one level, so ``bits=1`` splits at the mean instead: code
+   ``c >= 0``, each side decoding to its own mean. ``bits=32`` sends the float32 values
+   themselves.
 
 The message of one peer is a fixed-size byte string (every peer of a run computes the same size
 from the shapes and the config, so it can be all-gathered)::
@@ -82,7 +84,12 @@ def quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale = float(QUANT_RANGE * std / levels)
     if not (scale > 0 and math.isfinite(scale)):
         scale = 1.0
-    codes = torch.clamp(torch.round(c / scale + levels // 2), 0, levels - 1).to(torch.uint8)
+    if bits == 1:
+        # the grid below centres level 1 of {0, 1} on the mean: one level would hold all but the
+        # lowest values, and the code would carry almost nothing; split at the mean instead
+        codes = (c >= 0).to(torch.uint8)
+    else:
+        codes = torch.clamp(torch.round(c / scale + levels // 2), 0, levels - 1).to(torch.uint8)
     sums = torch.zeros(levels).index_add_(0, codes.long(), c)
     counts = torch.zeros(levels).index_add_(0, codes.long(), torch.ones(n))
     means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros(()))
@@ -194,6 +201,8 @@ class SparseCodec:
             idx, v = topk_rows(flat[lay.full * self.chunk :].view(1, lay.tail), lay.k_tail)
             pos.append(idx.reshape(-1))
             vals.append(v.reshape(-1))
+        if not pos:  # a parameter with no elements keeps nothing
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
         return torch.cat(pos), torch.cat(vals)
 
     def _flat_positions(self, local: torch.Tensor, lay: _Layout) -> torch.Tensor:

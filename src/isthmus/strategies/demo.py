@@ -32,7 +32,11 @@ by how many peers picked it. The two updates differ where the peers' selections 
 Like the reference (a subclass of SGD), DeMo replaces the user's optimizer's update: isthmus
 reads each parameter's ``lr`` and ``weight_decay`` from the optimizer's param group at every
 step (so a learning-rate scheduler works), and never calls ``optimizer.step()``; the
-optimizer's own state is not used. CPU only for now: a model on an accelerator is refused.
+optimizer's own state is not used. Those values are the user's, not shared state, so every peer
+must hold the same ones at the same step (a scheduler driven by :attr:`DeMo.step_count`, which
+a joiner receives, does; one counting the peer's own steps does not): peers whose ``lr`` differ
+apply different updates, and the parity check then finds them apart and resyncs them. CPU
+only for now: a model on an accelerator is refused.
 
 Bytes per step per peer: :attr:`DeMo.payload_bytes` (6 bytes per kept coefficient plus the
 header), ``(world - 1)`` times that over a ring all-gather.

@@ -10,7 +10,8 @@ peer keeps an **error-feedback accumulator** ``e_r`` (fp32, local) and, per roun
 1. ``e_r <- error_decay * e_r + delta_r``;
 2. compresses it (:class:`~isthmus.reduce.sparseloco_math.SparseCodec`): in every chunk of
    ``chunk`` elements the ``top_k`` of largest magnitude, quantized to ``bits`` bits;
-3. all-gathers the messages (fixed size, :attr:`SparseLoCo.payload_bytes`): sparse vectors do
+3. all-gathers the messages (a fixed size per fragment, the same on every peer; the largest
+   is :attr:`SparseLoCo.payload_bytes`): sparse vectors do
    not sum in place, so every peer receives every message and sums the present ones **in rank
    order**, which makes the result bit-identical on every peer;
 4. keeps the residual: ``e_r <- e_r - sent_r`` (what its message decodes to);
@@ -43,7 +44,7 @@ at 185x fewer bytes. The values ALGORITHMS.md records for the paper (``outer_lr`
 ``error_decay`` 0.95, H = 20) ended 13.0% above: without outer momentum an outer step of 1.0 is
 plain averaging (local SGD with 4-bit averages: +8.8%), and a larger outer step stands in for the
 momentum DiLoCo's Nesterov step gives (2 to 3 is best; 4 and 6 are worse); a slower decay keeps
-more of the unsent progress (0.99 beats 0.95, 0.995, 0.999 and 1). H = 20 with these gives +3.8%
+more of the unsent progress (0.99 beats 0.95, 0.995, 0.999 and 1). H = 20 with these gives +4.1%
 at 369x. 2 bits beat 1 (+38.8%) and 4 (+2.9% at 127x). DiLoCo with 4-bit outer gradients ends 1.4% below DDP at 147x, so the paper's claim
 that SparseLoCo beats DiLoCo did not hold on this model and budget. Not searched: 2-D tiles. The
 reference tiles matrices into 64 x 64 blocks; isthmus chunks the flattened tensor (see
@@ -280,7 +281,8 @@ class SparseRound:
 
 class SparseLoCo(StreamingDiLoCo):
     """SparseLoCo around the user's inner optimizer. Call :meth:`step` after every backward and
-    :meth:`finish` once at the end (it syncs what is left, each fragment once)."""
+    :meth:`finish` once at the end (it settles the round in flight and syncs each other fragment
+    once; see :meth:`StreamingDiLoCo._finish` for the steps a round in flight leaves out)."""
 
     name = "sparseloco"
     Config = SparseLoCoConfig
@@ -349,10 +351,16 @@ class SparseLoCo(StreamingDiLoCo):
         return {**super()._local_tensors(), "error": dict(zip(self.names, self.error, strict=True))}
 
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
-        if "error" not in state:
+        if not isinstance(state.get("error"), Mapping):
             raise ValueError("local state has no 'error' (SparseLoCo's accumulators)")
+        # checked (and staged) before Streaming loads its part: a misshapen accumulator must
+        # leave everything as it was, not half the state loaded
+        staged = {n: torch.empty_like(e) for n, e in zip(self.names, self.error, strict=True)}
+        load_tensors("error", staged, state["error"])
         super()._load_local_tensors(state)
-        load_tensors("error", dict(zip(self.names, self.error, strict=True)), state["error"])
+        with torch.no_grad():
+            for e, t in zip(self.error, staged.values(), strict=True):
+                e.copy_(t)
 
     def metrics(self) -> dict[str, Any]:
         kept = sum(lay.kept for g in self.groups for lay in g.codec.layouts)

@@ -418,7 +418,10 @@ class StreamingDiLoCo(Strategy):
 
     def _finish(self) -> None:
         """Settle the sync in flight, then sync every fragment that has progress not yet synced
-        (one round each), and end on theta (model included) on every peer."""
+        (one round each), and end on theta (model included) on every peer. The fragment whose
+        round was in flight is treated as every round treats it: the steps taken after its issue
+        are mixed by ``alpha`` when it lands (dropped with alpha 0), not sent again; so with
+        ``overlap`` > 0 a run's last (up to) tau steps of that fragment do not reach theta."""
         if not self.joined:
             return
         self.steady.mark_end()
