@@ -210,3 +210,20 @@ def test_links_alike_keep_name_order_whatever_the_noise():
     assert materially_better([50.0, 1000.0], [50.0, 400.0])
     assert not materially_better([50.0, 1000.0], [50.0, 600.0])
     assert not materially_better([50.0, 1000.0], [101.0, 120.0])  # the slowest edge decides first
+
+
+def test_probes_count_only_once_every_member_has_reported_every_other():
+    names = {10: "a", 11: "b", 12: "c", 13: "d"}
+    region = {10: "eu", 11: "us", 12: "eu", 13: "us"}  # name order crosses four times
+    probed = {
+        (p, q): (940.0 if region[p] == region[q] else 21.0) for p in names for q in names if p != q
+    }
+    peers = _probed_peers(names, probed)
+    report_13 = peers[13].info.pop("probed")
+    # three reports already name every pair from one end, but the fourth is still on its way
+    assert ring_members(list(names), peers) == (10, 11, 12, 13)
+    # a table from an earlier member set (without 11) does not complete it either
+    peers[13].info["probed"] = {k: v for k, v in report_13.items() if k != "11"}
+    assert ring_members(list(names), peers) == (10, 11, 12, 13)
+    peers[13].info["probed"] = report_13
+    assert crossings(ring_members(list(names), peers), region) == 2

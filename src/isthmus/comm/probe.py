@@ -22,9 +22,11 @@ round, or the coordinator reordering the ring by the new rates) does not probe a
 What happens on failure: every wait is bounded by the group's timeout, and a peer that dies or
 is cut off fails the probe as it fails any collective (:class:`~isthmus.comm.group.
 CollectiveError`, the group aborted): the round's set-up fails and the survivors retry in a new
-epoch (which probes again: its member set is new). A probe that fails never changes the links
-reported before it, and the same member set is not probed twice, so a probe that cannot finish
-(a link too slow for ``collective_timeout``) costs one retried round and never fails the run.
+epoch, which probes again when a member died (its member set is new). A probe that fails never
+changes the links reported before it, and the same member set is not probed twice, so a probe
+that cannot finish (a link too slow for ``collective_timeout``, a reset, an injected fault)
+costs one retried round and never fails the run; but the ring of that member set then keeps the
+order it had (the rates reported before, or name order) until the membership changes.
 No probe runs on NCCL groups or on epochs of fewer members than the ring needs.
 """
 
@@ -208,8 +210,11 @@ class LinkProber:
         sent0 = group.stats.by_op.get("probe", 0)
         try:
             measured = probe_links(group, plan.members, cap=self.cap, between=between)
-        except CollectiveError:
+        except CollectiveError as e:
             self.failures += 1
+            # cut this member's connections too (an injected fault, or a timeout on one pair):
+            # partners blocked on it then fail at once, not when the coordinator's abort arrives
+            group.abort(f"probe failed: {e}")
             raise
         except Exception as e:  # not the network's doing: still the round's, never the run's
             self.failures += 1

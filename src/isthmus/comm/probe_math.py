@@ -16,7 +16,13 @@ much to send, how timings become a rate, and how probes are smoothed. No network
   transfers open the connection's congestion window for the one that counts. A link faster than
   the last transfer can tell (:data:`RESOLUTION_S`) reports that ceiling.
 * :func:`rate_mbit` takes one round trip off the transfer's time (the request's way there and the
-  data's way back), so a long link is not taken for a thin one.
+  data's way back), so a long link is not taken for a thin one by that round trip. What it does
+  not undo is the window: on a long fat link the cap ends the ladder while TCP is still opening
+  its window, and a link reads thinner than it is (a 1 Gbit/s link at 100 ms round trip reads
+  about 770 Mbit/s at the default 1 MiB cap even without slow start, 400 at 200 ms; measured in
+  the lab, identical 1 Gbit/s, 50 ms links read 5 to 994 Mbit/s). This is one reason probing is
+  off by default (``SessionConfig.probe_links``). A probe also measures one connection, where
+  the data may be striped over ``connections``.
 * :class:`LinkTable` keeps the last probe's links by peer id, each averaged with the probe
   before it when the same peer was measured then (:func:`smooth`).
 """

@@ -169,15 +169,26 @@ def _reported(
     or the user's ``session.report(links=...)``, by peer name or address) and ``info["probed"]``
     (measured by the peers, :mod:`isthmus.comm.probe`, by peer id). A pair that either end
     reported in ``links`` takes no probed rate: a table someone handed in states the network as
-    they know it (the lab's, exactly as configured), where a probe is a short estimate."""
+    they know it (the lab's, exactly as configured), where a probe is a short estimate. Probed
+    rates are used only when every member's table names every other member (a malformed value
+    in it is skipped, and the other end's report of that pair suffices)."""
     # ``links`` names the others by peer name or by the address they report (``info["addr"]``:
     # stable across a slot's restarts, where names are not)
     by_name = {str(a): p for p in ids if (a := infos[p].get("addr"))} | {names[p]: p for p in ids}
     by_id = {str(p): p for p in ids}
     given: dict[tuple[int, int], float] = {}
     probed: dict[tuple[int, int], float] = {}
+    # Probes count only once every member has reported one naming every other member: the
+    # reports arrive with heartbeats, one member at a time, and ordering on the first ones
+    # (each pair known from one end) could reorder the ring twice, each time a new epoch
+    tables = [infos[p].get("probed") for p in ids]
+    complete = all(
+        isinstance(t, Mapping) and by_id.keys() - {str(p)} <= {str(k) for k in t}
+        for p, t in zip(ids, tables, strict=True)
+    )
     for p in ids:
-        for field, lookup, out in (("links", by_name, given), ("probed", by_id, probed)):
+        fields = (("links", by_name, given), ("probed", by_id, probed))
+        for field, lookup, out in fields if complete else fields[:1]:
             table = infos[p].get(field)
             if not isinstance(table, Mapping):
                 continue
