@@ -91,7 +91,7 @@ def _expected_bytes(shapes, chunk, k, bits, exact):
     return total
 
 
-@pytest.mark.parametrize("bits", [2, 32])
+@pytest.mark.parametrize("bits", [1, 2, 32])
 def test_message_is_exactly_the_documented_bytes(bits):
     model = GPT(TINY, seed=3)
     opt = torch.optim.AdamW(model.parameters())
@@ -103,9 +103,10 @@ def test_message_is_exactly_the_documented_bytes(bits):
         [torch.randn(p.numel()) for p in st.params], torch.tensor([5.0])
     )
     assert msg.dtype == torch.uint8 and msg.numel() == want
-    # the tiny GPT in figures: 34,688 parameters, 2 bits -> 3,736 bytes a round
-    if bits == 2:
-        assert sum(p.numel() for p in st.params) == 34_688 and want == 3_736
+    # the tiny GPT in figures: 34,688 parameters, 2 bits -> 3,736 bytes a round, 1 bit (the
+    # default) -> 3,336
+    assert sum(p.numel() for p in st.params) == 34_688
+    assert want == {1: 3_336, 2: 3_736}.get(bits, want)
 
 
 def test_messages_sum_in_rank_order_and_skip_absent_ones():
@@ -132,8 +133,8 @@ def test_messages_sum_in_rank_order_and_skip_absent_ones():
     assert all(d0[j] == t[j] for j in keep)  # 32 bits: the values themselves
 
 
-def _hand_round(acc: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
-    """What one accumulator sends at 2 bits, written out chunk by chunk."""
+def _hand_round(acc: torch.Tensor, chunk: int, k: int, bits: int = 2) -> torch.Tensor:
+    """What one accumulator sends at 2 bits (or 1), written out chunk by chunk."""
     positions = []
     for lo in range(0, acc.numel(), chunk):
         hi = min(lo + chunk, acc.numel())
@@ -145,9 +146,12 @@ def _hand_round(acc: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     n = c.numel()
     std = float(c.norm()) / math.sqrt(n - 1) if n > 1 else 0.0
     scale = 6.0 * std / 4 if std > 0 else 1.0
-    codes = torch.clamp(torch.round(c / scale + 2), 0, 3).long()
-    means = torch.zeros(4)
-    for level in range(4):
+    if bits == 1:  # each value's side of the mean
+        codes = torch.tensor([1 if float(x) >= 0 else 0 for x in c])
+    else:
+        codes = torch.clamp(torch.round(c / scale + 2), 0, 3).long()
+    means = torch.zeros(2**bits)
+    for level in range(2**bits):
         s, cnt = torch.zeros(()), 0
         for x, q in zip(c, codes, strict=True):  # in order, in fp32, as index_add_ sums
             if int(q) == level:
@@ -158,7 +162,8 @@ def _hand_round(acc: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     return sent
 
 
-def test_one_peer_equals_a_hand_written_sparseloco():
+@pytest.mark.parametrize("bits", [1, 2])
+def test_one_peer_equals_a_hand_written_sparseloco(bits):
     corpus = Corpus.from_stdlib(max_bytes=50_000)
     torch.set_num_threads(1)
     h, rounds, chunk, k, beta, alpha = 3, 3, 64, 4, 0.9, 0.8
@@ -166,7 +171,9 @@ def test_one_peer_equals_a_hand_written_sparseloco():
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    cfg = SparseLoCoConfig(sync_every=h, chunk=chunk, top_k=k, outer_lr=alpha, error_decay=beta)
+    cfg = SparseLoCoConfig(
+        sync_every=h, chunk=chunk, top_k=k, outer_lr=alpha, error_decay=beta, bits=bits
+    )
     st = SparseLoCo(None, model, opt, cfg)
     theta = [p.detach().clone() for p in ref.parameters()]
     error = [torch.zeros(t.numel()) for t in theta]
@@ -182,7 +189,7 @@ def test_one_peer_equals_a_hand_written_sparseloco():
             with torch.no_grad():
                 for i, p in enumerate(ref.parameters()):
                     acc = error[i] * beta + (theta[i] - p).reshape(-1)
-                    sent = _hand_round(acc, chunk, k)
+                    sent = _hand_round(acc, chunk, k, bits)
                     error[i] = acc - sent
                     # theta - alpha * sent as one fused operation (torch's add with alpha), as
                     # any implementation that scales and adds in one pass rounds it
@@ -284,7 +291,7 @@ def _same(a, b) -> bool:
 def test_each_fragment_sends_its_own_documented_bytes():
     model = GPT(TINY, seed=3)
     st = SparseLoCo(
-        None, model, torch.optim.AdamW(model.parameters()), SparseLoCoConfig(fragments=2)
+        None, model, torch.optim.AdamW(model.parameters()), SparseLoCoConfig(fragments=2, bits=2)
     )
     whole = _expected_bytes([p.shape for p in st.params], 4096, 64, 2, exact=1)
     for f, idx in enumerate(st.fragments):
@@ -371,7 +378,14 @@ def test_one_peer_with_fragments_and_overlap_equals_a_hand_written_reference(h, 
     model = GPT(TINY, seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cfg = SparseLoCoConfig(
-        sync_every=h, fragments=p, overlap=tau, chunk=64, top_k=4, outer_lr=0.8, error_decay=0.9
+        sync_every=h,
+        fragments=p,
+        overlap=tau,
+        chunk=64,
+        top_k=4,
+        outer_lr=0.8,
+        error_decay=0.9,
+        bits=2,
     )
     st = SparseLoCo(None, model, opt, cfg)
     for step in range(steps):
