@@ -101,7 +101,9 @@ def test_run_on_shaped_namespaces_with_churn_and_byte_accounting(
     assert s.parity_failures == 0 and s.peers_final >= 2
     assert s.kills == 1 and s.joins == 1
     assert lab.round_latency_s["rounds"] >= 25  # DDP: one round per step, 30 steps
-    assert lab.world_size[0][1] == 3 and min(w for _, w in lab.world_size) == 2
+    # the world shrinks: to 2 while peer2 is dead or peer1 frozen, to 1 (min_peers) when the
+    # freeze (by the clock) lands while peer2 is dead (by step), which a fast start allows
+    assert lab.world_size[0][1] == 3 and min(w for _, w in lab.world_size) in (1, 2)
     assert lab.time_lost_to_recovery_s["windows"], "a kill and a stop must cost some time"
 
     # bytes: every peer put more on the wire than its payload (headers), and once headers and

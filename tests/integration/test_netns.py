@@ -379,9 +379,15 @@ _GLOO = textwrap.dedent(
     print(float(t.min()), float(t.max()), flush=True)
     store.set(f"done{rank}", "1")
     store.wait([f"done{1 - rank}"])  # both have their result before either leaves
-    # leave without destroying the group and the store: rank 0 hosts the store, and tearing them
-    # down at interpreter exit while the other rank is still closing once aborted rank 0
-    # (std::terminate, exit -6) after its result was printed
+    # rank 0 hosts the store: it leaves only after rank 1's last wait has been answered (it
+    # says so with "bye"), else that wait can meet a closed store (connection reset, exit 1)
+    if rank == 1:
+        store.set("bye", "1")
+    else:
+        store.wait(["bye"])
+    # leave without destroying the group and the store: tearing them down at interpreter exit
+    # while the other rank is still closing once aborted rank 0 (std::terminate, exit -6) after
+    # its result was printed
     os._exit(0)
     """
 )
