@@ -169,12 +169,19 @@ def _probed_peers(names: dict[int, str], rate: dict[tuple[int, int], float]):
     }
 
 
-def test_probed_rates_order_the_ring_and_handed_in_links_win_over_them():
+def _two_regions_probed():
+    """Four peers in two regions that name order interleaves (it crosses four times), and the
+    rates their probes would report: 940 Mbit/s inside a region, 21 between."""
     names = {10: "a", 11: "b", 12: "c", 13: "d"}
-    region = {10: "eu", 11: "us", 12: "eu", 13: "us"}  # name order crosses four times
+    region = {10: "eu", 11: "us", 12: "eu", 13: "us"}
     probed = {
         (p, q): (940.0 if region[p] == region[q] else 21.0) for p in names for q in names if p != q
     }
+    return names, region, probed
+
+
+def test_probed_rates_order_the_ring_and_handed_in_links_win_over_them():
+    names, region, probed = _two_regions_probed()
     peers = _probed_peers(names, probed)
     assert crossings(ring_members(list(names), peers), region) == 2
     # a table handed in for every pair (the lab's, by name) says the regions are the other way
@@ -213,11 +220,7 @@ def test_links_alike_keep_name_order_whatever_the_noise():
 
 
 def test_probes_count_only_once_every_member_has_reported_every_other():
-    names = {10: "a", 11: "b", 12: "c", 13: "d"}
-    region = {10: "eu", 11: "us", 12: "eu", 13: "us"}  # name order crosses four times
-    probed = {
-        (p, q): (940.0 if region[p] == region[q] else 21.0) for p in names for q in names if p != q
-    }
+    names, region, probed = _two_regions_probed()
     peers = _probed_peers(names, probed)
     report_13 = peers[13].info.pop("probed")
     # three reports already name every pair from one end, but the fourth is still on its way
