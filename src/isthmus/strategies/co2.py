@@ -26,20 +26,19 @@ Per boundary (every tau local steps), on every peer, with ``x_old`` the shared g
 4. restart locally: ``x_i <- x_old``.
 
 Defaults: ``outer_lr`` 1.0 (the public code's), ``outer_momentum`` (beta) 0.2, the low end of the
-code's 0.2-0.6 ("less for fewer workers": on the tiny GPT with 4 peers, tau = 20, 300 steps,
-beta 0.5 reached an eval loss of 3.32 and 0.2 reached 2.95), and a constant ``gap_penalty`` of
-2.0, the best measured: at 3000 steps (tiny GPT, 4 peers, tau = 20, 4-bit outer gradients) the
-eval loss was 53.0% above DDP's with 1.0 (the public code's), 21.8% with 1.5, 15.9% with 2,
-20.9% with 3 and 24.7% with 4. A constant penalty ``p`` is the same as ``outer_lr / p`` while the
-clip does not bite. The gap is the staleness: CO2's outer step applied at once (DiLoCo with
-beta 0.2, lr 1.0) reached +6.2% (docs/STRATEGIES.md has the ablation and the paper-vs-isthmus
-table). A second search over beta (0 to 0.5, the penalty retuned) and tau (10, 40) found nothing
-within 2% of DDP either: the best of 18 settings was +14.5% (beta 0, penalty 1.4), next to a
-cliff (an outer step ``outer_lr / (gap_penalty (1 - beta))`` above 0.8 loses 3 to 37 points more),
-so the defaults stay mid-plateau. The paper's penalty is an adaptive, layer-wise measure of the staleness gap; that rule is
-not confirmed and not implemented here. ``clip`` defaults to 1.0 (the public code's threshold;
-it never bit on the tiny GPT, whose largest outer-momentum element was 0.046); ``clip=None``
-disables it.
+code's 0.2-0.6 ("less for fewer workers": on the tiny GPT with 4 peers, tau = 20, 300 steps, beta
+0.5 reached an eval loss of 3.32 and 0.2 reached 2.95), and a constant ``gap_penalty`` of 2.0, the
+best measured: at 3000 steps (tiny GPT, 4 peers, tau = 20, 4-bit outer gradients) the eval loss was
+53.0% above DDP's with 1.0 (the public code's), 21.8% with 1.5, 15.9% with 2, 20.9% with 3 and 24.7%
+with 4. A constant penalty ``p`` is the same as ``outer_lr / p`` while the clip does not bite. The
+gap is the staleness: CO2's outer step applied at once (DiLoCo with beta 0.2, lr 1.0) reached +6.2%
+(docs/STRATEGIES.md has the ablation and the paper-vs-isthmus table). A second search over beta (0
+to 0.5, the penalty retuned) and tau (10, 40) found nothing within 2% of DDP either: the best of 18
+settings was +14.5% (beta 0, penalty 1.4), next to a cliff (an outer step ``outer_lr / (gap_penalty
+(1 - beta))`` above 0.8 loses 3 to 37 points more), so the defaults stay mid-plateau. The paper's
+penalty is an adaptive, layer-wise measure of the staleness gap; that rule is not confirmed and not
+implemented here. ``clip`` defaults to 1.0 (the public code's threshold; it never bit on the tiny
+GPT, whose largest outer-momentum element was 0.046); ``clip=None`` disables it.
 
 Shared state: ``x_old`` (registered as ``global/*``), the buffers' global copy, the frozen
 parameters and integer buffers, the outer momentum ``m`` and the step counter (``x_old`` and

@@ -14,19 +14,19 @@ Every step is one round. Each peer, per parameter, with its local momentum ``m``
    and applies ``theta <- theta - lr * sign(sum)`` (``sign=False``: ``lr * sum / R`` over the
    ``R`` peers present).
 
-The reference's defaults are this config's: ``decay`` 0.999, ``chunk`` 64, ``top_k`` 32, sign
-on, kept after a search (docs/BENCHMARKS.md, "Defaults from a search"): on the tiny GPT (4 peers,
-3000 steps) 16 per tile matched 32 at half the bytes (-0.9% and -0.9% of DDP's eval loss at lr
-2e-3, -1.9% and -2.4% at 3e-3; 8 per tile -0.5% at 35x fewer bytes than DDP, 4 per tile +0.9% at
-70x), but on the default GPT's 200-step demo 16 ended at 2.55 where 32 ended at 2.21. The
-learning rate is the optimizer's: the sign step wanted more than AdamW on the tiny GPT (1e-3:
-+3.8%, 2e-3: -0.9%, 3e-3: -2.4%, 4e-3: -2.5%, 5e-4: +12.8%), not on the demo's default GPT
-over 200 steps (3e-3: 2.50 against 2.21), so tune it per model and run length. The chunk is a
-second knob for the same trade: a tile is at most ``chunk`` on a side but no wider than its
-matrix, so on a small model the chunk changes the density, and chunk 32 / top_k 8 and 128 / 128
-landed on the front top_k drew at chunk 64 (-1.7% at 24x, -3.0% at 5x). One departure: the reference averages each coefficient over the peers that *sent* it, so a
-coefficient one peer picked weighs as much as one every peer picked; isthmus sums them (the mean
-over the peers present, times their count, which the sign ignores), so each coefficient weighs
+The reference's defaults are this config's: ``decay`` 0.999, ``chunk`` 64, ``top_k`` 32, sign on,
+kept after a search (docs/BENCHMARKS.md, "Defaults from a search"): on the tiny GPT (4 peers, 3000
+steps) 16 per tile matched 32 at half the bytes (-0.9% and -0.9% of DDP's eval loss at lr 2e-3,
+-1.9% and -2.4% at 3e-3; 8 per tile -0.5% at 35x fewer bytes than DDP, 4 per tile +0.9% at 70x), but
+on the default GPT's 200-step demo 16 ended at 2.55 where 32 ended at 2.21. The learning rate is the
+optimizer's: the sign step wanted more than AdamW on the tiny GPT (1e-3: +3.8%, 2e-3: -0.9%, 3e-3:
+-2.4%, 4e-3: -2.5%, 5e-4: +12.8%), not on the demo's default GPT over 200 steps (3e-3: 2.50 against
+2.21), so tune it per model and run length. The chunk is a second knob for the same trade: a tile is
+at most ``chunk`` on a side but no wider than its matrix, so on a small model the chunk changes the
+density, and chunk 32 / top_k 8 and 128 / 128 landed on the front top_k drew at chunk 64 (-1.7% at
+24x, -3.0% at 5x). One departure: the reference averages each coefficient over the peers that *sent*
+it, so a coefficient one peer picked weighs as much as one every peer picked; isthmus sums them (the
+mean over the peers present, times their count, which the sign ignores), so each coefficient weighs
 by how many peers picked it. The two updates differ where the peers' selections differ.
 
 Like the reference (a subclass of SGD), DeMo replaces the user's optimizer's update: isthmus

@@ -37,23 +37,23 @@ so the tau steps overlapped with its round are dropped for that fragment (Stream
 Eager DiLoCo's whole-phase delay (tau = H) is another skeleton and is not composed here: the
 config refuses tau >= H/P.
 
-Defaults: 64 of every 4096 elements (1.56% density, the paper's denser setting) at 1 bit
-(the paper's is 2: see below), and, the best of a search on the tiny GPT (4 peers, 3000 steps; docs/BENCHMARKS.md, "Defaults
-from a search"), H = 10, ``outer_lr`` 2.5 and ``error_decay`` 0.99: 1.7% above DDP's eval loss
-at 185x fewer bytes. The values ALGORITHMS.md records for the paper (``outer_lr`` 1.0,
-``error_decay`` 0.95, H = 20) ended 13.0% above: without outer momentum an outer step of 1.0 is
-plain averaging (local SGD with 4-bit averages: +8.8%), and a larger outer step stands in for the
-momentum DiLoCo's Nesterov step gives (2 to 3 is best; 4 and 6 are worse); a slower decay keeps
-more of the unsent progress (0.99 beats 0.95, 0.995, 0.999 and 1). H = 20 with these gives +4.1%
-at 369x (all at 2 bits). Then bits: 1 bit (each value's side of the mean, each side decoded to
-its mean; :mod:`isthmus.reduce.sparseloco_math`) ended 1.3% above DDP at 207x (2 bits: 1.7% at
-185x, 4 bits: 2.9% at 127x), and at H = 15 2.9% at 310x against 3.6% at 277x; only at H = 20
-did 2 bits do better (4.1% at 369x against 5.2% at 413x). The index of a kept entry costs 16
-bits, so 1 bit instead of 2 saves 11% of the bytes, not half. DiLoCo with 4-bit outer gradients ends 1.4% below DDP at 147x, so the paper's claim
-that SparseLoCo beats DiLoCo did not hold on this model and budget. Not searched: 2-D tiles. The
-reference tiles matrices into 64 x 64 blocks; isthmus chunks the flattened tensor (see
-:mod:`isthmus.reduce.sparseloco_math`). Bytes per round per peer: one fragment's message (the
-whole model's with P = 1), the all-gather sending ``(world - 1)`` times that over a ring.
+Defaults: 64 of every 4096 elements (1.56% density, the paper's denser setting) at 1 bit (the
+paper's is 2), and, the best of a search on the tiny GPT (4 peers, 3000 steps; docs/BENCHMARKS.md,
+"Defaults from a search"), H = 10, ``outer_lr`` 2.5 and ``error_decay`` 0.99: 1.3% above DDP's eval
+loss at 207x fewer bytes (1.7% at 185x with 2 bits). The values ALGORITHMS.md records for the paper
+(``outer_lr`` 1.0, ``error_decay`` 0.95, H = 20, 2 bits) ended 13.0% above: without outer momentum
+an outer step of 1.0 is plain averaging (local SGD with 4-bit averages: +8.8%), and a larger outer
+step stands in for the momentum DiLoCo's Nesterov step gives (2 to 3 is best; 4 and 6 are worse); a
+slower decay keeps more of the unsent progress (0.99 beats 0.95, 0.995, 0.999 and 1). H = 20 with
+these gives +4.1% at 369x (2 bits). One bit (each value's side of the mean, each side decoded to its
+mean; :mod:`isthmus.reduce.sparseloco_math`) beat 2 at H = 10 and 15 (+2.9% at 310x against +3.6% at
+277x) and lost at H = 20 (+5.2% at 413x); 4 bits ended 2.9% above at 127x. A kept entry's index
+costs 16 bits, so 1 bit instead of 2 saves 11% of the bytes, not half. DiLoCo with 4-bit outer
+gradients ends 1.4% below DDP at 147x, so the paper's claim that SparseLoCo beats DiLoCo did not
+hold on this model and budget. Not searched: 2-D tiles. The reference tiles matrices into 64 x 64
+blocks; isthmus chunks the flattened tensor (see :mod:`isthmus.reduce.sparseloco_math`). Bytes per
+round per peer: one fragment's message (the whole model's with P = 1), the all-gather sending
+``(world - 1)`` times that over a ring.
 
 Shared state (Streaming's and DiLoCo's names): theta (``global/*``), the buffers' global copy,
 the step counter; no outer optimizer state. Local: the inner optimizer, the local parameters,
