@@ -81,7 +81,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     # one colour per strategy, its points joined along its frontier (the points no row of fewer
-    # bytes beats), each point named by its settings only
+    # bytes beats); the frontier's points are named by their settings, the others (beaten by a
+    # point of the same strategy) stay unnamed so that the labels that matter stay legible
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(family(r["label"]), []).append(r)
@@ -97,7 +98,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                 front.append(r)
         if len(front) > 1:
             ax.plot([r["bytes"] for r in front], [r["loss"] for r in front], color=colour, lw=0.8)
-        for r in rs:
+        for j, r in enumerate(front):
             settings = r["label"].split(" ", 1)[1] if " " in r["label"] else ""
             if settings:
                 ax.annotate(
@@ -105,7 +106,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                     (r["bytes"], r["loss"]),
                     fontsize=6.5,
                     color=colour,
-                    xytext=(4, 3),
+                    xytext=(4, 3) if j % 2 == 0 else (-4, -9),  # neighbours on opposite sides
+                    ha="left" if j % 2 == 0 else "right",
                     textcoords="offset points",
                 )
     ddp = next(r for r in rows if r["label"] == "ddp")
