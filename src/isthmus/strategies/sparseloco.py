@@ -1,4 +1,4 @@
-"""SparseLoCo: DiLoCo with sparse, 2-bit outer gradients and error feedback instead of momentum.
+"""SparseLoCo: DiLoCo with sparse, 1- or 2-bit outer gradients and error feedback, no momentum.
 
 Sarfi, Therien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo",
 arXiv:2508.15706 (2025); reference code tplr-ai/SparseLoCo.
