@@ -34,12 +34,14 @@ def test_from_env_reads_the_runs_connections_and_probe_setting(monkeypatch):
     mine = SessionConfig.from_env(connections=2, probe_links=False)
     assert (mine.connections, mine.probe_links) == (2, False)
     monkeypatch.setenv("ISTHMUS_CONNECTIONS", "four")
-    with pytest.raises(ValueError, match="ISTHMUS_CONNECTIONS='four' is not an integer"):
+    with pytest.raises(ValueError, match="ISTHMUS_CONNECTIONS: must be an integer, got 'four'"):
         SessionConfig.from_env()
     monkeypatch.setenv("ISTHMUS_CONNECTIONS", "0")
     with pytest.raises(ValueError, match="connections must be an int from 1 to 64"):
         SessionConfig.from_env()
     monkeypatch.setenv("ISTHMUS_CONNECTIONS", "2")
     monkeypatch.setenv("ISTHMUS_PROBE_LINKS", "maybe")
-    with pytest.raises(ValueError, match="ISTHMUS_PROBE_LINKS='maybe' is not 0 or 1"):
+    with pytest.raises(
+        ValueError, match=r"ISTHMUS_PROBE_LINKS: must be true or false \(or 1/0\), got 'maybe'"
+    ):
         SessionConfig.from_env()

@@ -9,6 +9,7 @@ from typing import Any
 
 from isthmus.coordinator.client import CoordinatorError
 from isthmus.coordinator.tls import normalize_fingerprint
+from isthmus.spec import coerce
 
 __all__ = ["RoundFailed", "RoundTimeout", "RunFinished", "SessionConfig", "StateMismatch"]
 
@@ -27,17 +28,6 @@ class RunFinished(CoordinatorError):
 
 class RoundFailed(RuntimeError):
     """A round could not commit within ``max_attempts`` attempts."""
-
-
-def _flag(text: str) -> bool:
-    """``1``, ``true``, ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case); else
-    ValueError."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
 
 
 @dataclass(kw_only=True)
@@ -183,17 +173,12 @@ class SessionConfig:
                 values["token"] = Path(env["ISTHMUS_TOKEN_FILE"]).read_text().strip()
             except OSError as e:
                 raise ValueError(f"cannot read ISTHMUS_TOKEN_FILE: {e}") from None
-        for key, var, parse in (
+        for key, var, hint in (
             ("connections", "ISTHMUS_CONNECTIONS", int),
-            ("probe_links", "ISTHMUS_PROBE_LINKS", _flag),
+            ("probe_links", "ISTHMUS_PROBE_LINKS", bool),
         ):
             if env.get(var):
-                try:
-                    values[key] = parse(env[var])
-                except ValueError:
-                    raise ValueError(
-                        f"{var}={env[var]!r} is not {'an integer' if parse is int else '0 or 1'}"
-                    ) from None
+                values[key] = coerce(env[var].strip(), hint, key=var)  # SpecError names var
         values.update(overrides)
         for key, var in (("coordinator", "ISTHMUS_COORDINATOR"), ("token", "ISTHMUS_TOKEN")):
             if not values.get(key):
