@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from isthmus.checkpoint import CheckpointStore, read_manifest
+from isthmus.checkpoint.inspect import templates
 from isthmus.checkpoint.load import load_shared
-from isthmus.checkpoint.tools import templates
 from isthmus.run.builtin import demo_config, run_builtin
 from isthmus.run.record import RunDir
 

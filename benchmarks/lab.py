@@ -22,7 +22,7 @@ from typing import Any
 
 from isthmus.lab.bench import BenchConfig, format_bench, run_bench
 from isthmus.lab.scenario import load_scenario, parse_scenario
-from isthmus.run.lab import LabOptions, run_lab
+from isthmus.run.lab_run import LabOptions, run_lab
 from isthmus.run.measure import measure_run, validate_runs
 from isthmus.run.record import LabSummary, RunDir
 

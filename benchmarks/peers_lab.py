@@ -1,6 +1,6 @@
 """Runs one system of ``benchmarks/peers.py`` in the lab and measures it.
 
-isthmus runs through ``isthmus.run.lab.run_lab`` (what ``isthmus lab run`` does) on a scenario
+isthmus runs through ``isthmus.run.lab_run.run_lab`` (what ``isthmus lab run`` does) on a scenario
 written from the :class:`Setup`; its results are read through ``RunDir``/``Summary``. torchft and
 hivemind run as worker processes of the peers' virtual environment inside a ``WanNetwork`` built
 from the same scenario's ``[network]``: one worker per peer namespace, torchft's lighthouse and
@@ -190,7 +190,7 @@ ISTHMUS = {
 
 def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, Any]:
     from isthmus.lab.scenario import parse_scenario
-    from isthmus.run.lab import LabOptions, run_lab
+    from isthmus.run.lab_run import LabOptions, run_lab
     from isthmus.run.record import RunDir
 
     strategy, options = ISTHMUS[name]

@@ -21,11 +21,11 @@ import pytest
 
 from isthmus.cli import main as cli_main
 from isthmus.lab import links as links_mod
-from isthmus.lab.churn import ChurnPlan
+from isthmus.lab.churn_plan import ChurnPlan
 from isthmus.lab.netns import LabUnavailable, list_namespaces, unavailable_reason
 from isthmus.lab.scenario import load_scenario, parse_scenario
-from isthmus.run import lab as lab_mod
-from isthmus.run.lab import LabOptions, NamespaceSpawner, lab_config, run_lab, scenario_steps
+from isthmus.run import lab_run as lab_mod
+from isthmus.run.lab_run import LabOptions, NamespaceSpawner, lab_config, run_lab, scenario_steps
 
 REASON = unavailable_reason()
 FAST = {

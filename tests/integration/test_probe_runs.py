@@ -62,7 +62,7 @@ def test_peers_probe_two_regions_and_the_ring_crosses_the_thin_link_twice(
     from isthmus.lab.scenario import load_scenario
     from isthmus.lab.wan import WanNetwork
     from isthmus.run.config import TimeoutConfig
-    from isthmus.run.lab import NamespaceSpawner
+    from isthmus.run.lab_run import NamespaceSpawner
     from isthmus.run.launch import Launcher, Script
     from isthmus.run.record import RunDir
 

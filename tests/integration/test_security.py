@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from conftest import assert_bitwise_equal
-from isthmus.comm.config import SessionConfig
 from isthmus.comm.session import Session
+from isthmus.comm.session_config import SessionConfig
 from isthmus.coordinator.auth import join_token
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError, TLSRefused
 from isthmus.coordinator.limits import Limits

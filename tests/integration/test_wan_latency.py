@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.lab import probe
+from isthmus.lab import linkprobe as probe
 from isthmus.lab.fidelity import measure_rtt_ms, serve_probe, windowed
 from isthmus.lab.netns import LabError, cleanup_stale, list_namespaces, run_cmd
 from isthmus.lab.netspec import Impairment
 from isthmus.lab.scenario import load_scenario
 from isthmus.lab.wan import WanNetwork
-from isthmus.run.lab import LabOptions, run_lab
+from isthmus.run.lab_run import LabOptions, run_lab
 
 ROOT = Path(__file__).resolve().parents[2]
 TWO_REGION = ROOT / "scenarios" / "two_region.toml"

@@ -9,7 +9,7 @@ import torch
 
 from isthmus import aggregate as agg
 from isthmus.reduce.aggregate import attacks
-from isthmus.reduce.aggregate.base import AggregationError
+from isthmus.reduce.aggregate.aggregator import AggregationError
 
 ALL_RULES = [
     "mean",

@@ -10,7 +10,7 @@ import torch
 from isthmus import aggregate as agg
 from isthmus.comm.group import wire_bytes
 from isthmus.reduce.aggregate import attacks, sharded
-from isthmus.reduce.aggregate.base import AggregationError
+from isthmus.reduce.aggregate.aggregator import AggregationError
 from isthmus.testing import local_groups, run_parallel
 
 # (spec, f) valid for 3 and 4 peers

@@ -1,8 +1,8 @@
-"""The churn schedule as a pure state machine (isthmus.lab.churn): no processes, no clocks."""
+"""The churn schedule as a pure state machine (isthmus.lab.churn_plan): no processes, no clocks."""
 
 from __future__ import annotations
 
-from isthmus.lab.churn import ChurnPlan, Planned, starting_slots
+from isthmus.lab.churn_plan import ChurnPlan, Planned, starting_slots
 
 
 def _p(

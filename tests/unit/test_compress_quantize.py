@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.reduce.compress.base import NonFiniteError
+from isthmus.reduce.compress.compressor import NonFiniteError
 from isthmus.reduce.compress.formats import E3M0, make_format, pack_nibbles, unpack_nibbles
 from isthmus.reduce.compress.quantize import (
     QuantizedAllReduce,

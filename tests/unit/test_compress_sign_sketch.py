@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.reduce.compress.base import derive_seed
+from isthmus.reduce.compress.compressor import derive_seed
 from isthmus.reduce.compress.sign import SignConfig, SignEF, pack_bits, sign_compress, unpack_bits
 from isthmus.reduce.compress.sketch import CountSketch, SketchConfig, SketchReducer
 from isthmus.testing import local_groups, run_parallel

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from isthmus.reduce.compress.base import derive_seed
+from isthmus.reduce.compress.compressor import derive_seed
 from isthmus.reduce.compress.sparse import (
     SparseCompressor,
     SparseConfig,

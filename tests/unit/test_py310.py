@@ -39,7 +39,7 @@ def test_the_package_compiles_and_its_pure_modules_run_on_python_310(tmp_path: P
         env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path)},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    # spec.py, lab/rates.py and lab/churn.py import nothing that needs torch
+    # spec.py, lab/rates.py and lab/churn_plan.py import nothing that needs torch
     script = f"""
 import importlib.util, sys
 def load(name, path):
@@ -57,7 +57,7 @@ c = spec.config_from(C, {{"ratio": "0.5", "mode": "B", "n": "none"}})
 assert (c.ratio, c.mode, c.n) == (0.5, "b", None), c
 rates = load("rates", {str(SRC / "isthmus" / "lab" / "rates.py")!r})
 assert rates.parse_rate("100mbit") == 1e8
-churn = load("churn", {str(SRC / "isthmus" / "lab" / "churn.py")!r})
+churn = load("churn", {str(SRC / "isthmus" / "lab" / "churn_plan.py")!r})
 assert churn.random_schedule(failures_per_minute=6, seed=1, kind="kill", recover_after_seconds=2.0, min_peers=1, peers=3, duration_s=60)
 print("ok")
 """

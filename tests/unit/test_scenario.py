@@ -396,7 +396,7 @@ def test_dataclasses_validate_on_direct_construction() -> None:
 
 
 def test_fault_entries_reach_the_run_config() -> None:
-    from isthmus.run.lab import lab_config
+    from isthmus.run.lab_run import lab_config
 
     s = parse_scenario(_with("", '[[fault]]\npeer = 1\nspec = "slow:3@5-10"\n'))
     assert [(f.peer, f.spec) for f in s.faults] == [(1, "slow:3@5-10")]
@@ -406,7 +406,7 @@ def test_fault_entries_reach_the_run_config() -> None:
 
 
 def test_checkpoint_section_reaches_the_run_config(tmp_path: Path) -> None:
-    from isthmus.run.lab import checkpoint_dir, lab_config
+    from isthmus.run.lab_run import checkpoint_dir, lab_config
 
     s = parse_scenario(_with("", "[checkpoint]\nevery = 50\nkeep = 2\n"))
     assert s.checkpoint is not None
@@ -436,7 +436,7 @@ def test_checkpoint_section_errors() -> None:
 
 
 def test_striping_and_probing_reach_the_run_config() -> None:
-    from isthmus.run.lab import lab_config
+    from isthmus.run.lab_run import lab_config
 
     assert lab_config(parse_scenario(BASE)).strategy.connections == 1
     s = parse_scenario(_with("strategy", "connections = 4\nprobe_links = true"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from isthmus.comm.config import SessionConfig
+from isthmus.comm.session_config import SessionConfig
 
 
 def test_probe_settings_are_validated_by_name():

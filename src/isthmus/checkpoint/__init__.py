@@ -9,6 +9,7 @@ Ideas from Universal Checkpointing (distributed representation for saving, conso
 loading, resume on any configuration).
 """
 
+from isthmus.checkpoint.inspect import export, inspect
 from isthmus.checkpoint.load import (
     CheckpointCorrupt,
     CheckpointMismatch,
@@ -19,7 +20,6 @@ from isthmus.checkpoint.load import (
 from isthmus.checkpoint.manifest import Manifest, assign_parts
 from isthmus.checkpoint.save import Checkpointer, slot_of
 from isthmus.checkpoint.store import CheckpointStore, StorageError
-from isthmus.checkpoint.tools import export, inspect
 
 __all__ = [
     "CheckpointCorrupt",

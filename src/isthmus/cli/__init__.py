@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from isthmus.cli import lab, runs, security, tools
+from isthmus.cli import checkpoint_data, lab, runs, security
 
 __all__ = ["build_parser", "main"]
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     runs.add_parsers(sub)
     lab.add_parsers(sub)
-    tools.add_parsers(sub)
+    checkpoint_data.add_parsers(sub)
     security.add_parsers(sub)
     return p
 

@@ -31,7 +31,7 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
     from isthmus.lab.netns import LabError
     from isthmus.lab.scenario import load_scenario
     from isthmus.run.flags import overrides_from
-    from isthmus.run.lab import LabOptions, run_lab
+    from isthmus.run.lab_run import LabOptions, run_lab
 
     try:
         scenario = load_scenario(args.scenario)
@@ -69,7 +69,7 @@ def _cmd_lab_soak(args: argparse.Namespace) -> int:
     from isthmus.lab.netns import LabError
     from isthmus.lab.scenario import load_scenario
     from isthmus.run.flags import overrides_from
-    from isthmus.run.lab import LabOptions
+    from isthmus.run.lab_run import LabOptions
     from isthmus.run.soak import SoakOptions, run_soak
 
     try:

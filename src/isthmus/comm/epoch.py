@@ -19,9 +19,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from isthmus.comm.config import SessionConfig
 from isthmus.comm.connect import Connecting, Graveyard, Rendezvous, connect_gloo
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
+from isthmus.comm.session_config import SessionConfig
 from isthmus.comm.stripes import connect_stripes, reverse_sets
 from isthmus.comm.wires import Wires
 from isthmus.coordinator.protocol import RoundPlan

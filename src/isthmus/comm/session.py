@@ -42,12 +42,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from isthmus.comm.config import RoundFailed, RoundTimeout, RunFinished, SessionConfig, StateMismatch
 from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group
 from isthmus.comm.probe import LinkProber
+from isthmus.comm.session_config import (
+    RoundFailed,
+    RoundTimeout,
+    RunFinished,
+    SessionConfig,
+    StateMismatch,
+)
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError

@@ -3,10 +3,10 @@
 For every round trip asked for, two peers are joined by links of that rate and round trip (each
 a delay line, :mod:`isthmus.lab.delayline`), and measured from inside their namespaces:
 
-* **ping**: round trips (``ping``; without it, TCP connect times from :mod:`isthmus.lab.probe`),
+* **ping**: round trips (``ping``; without it, TCP connect times from :mod:`isthmus.lab.linkprobe`),
   the first one dropped (it waits for ARP), against the setting;
 * **windowed transfer**: a TCP stream whose application keeps at most ``window`` bytes
-  unacknowledged (:mod:`isthmus.lab.probe`), against ``min(payload rate, window / (RTT + chunk /
+  unacknowledged (:mod:`isthmus.lab.linkprobe`), against ``min(payload rate, window / (RTT + chunk /
   rate))``, the rate such a stream gets on a real link of that round trip;
 * **bulk TCP**: one stream with the kernel's own windows (``iperf3`` when installed, else the
   probe without a window), with what TCP reported (retransmissions, largest congestion window,
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isthmus.lab import probe
+from isthmus.lab import linkprobe as probe
 from isthmus.lab.netns import LabError
 from isthmus.lab.netspec import Impairment
 from isthmus.lab.wan import WanNetwork

@@ -33,7 +33,7 @@ from isthmus.lab.checks import (
     one_of,
     table_keys,
 )
-from isthmus.lab.churn import check_sequences, random_schedule
+from isthmus.lab.churn_plan import check_sequences, random_schedule
 from isthmus.lab.netspec import (
     CONGESTION_CONTROL_NAME,
     MAX_LAB_PEERS,

@@ -51,7 +51,7 @@ from isthmus.comm.group import Handle
 from isthmus.comm.session import Round
 from isthmus.reduce.aggregate import AggregationError, make_aggregator
 from isthmus.reduce.compress import Compressor, NonFiniteError, make_compressor
-from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.compress.compressor import all_finite
 
 __all__ = ["OverlapTiming", "PendingMean", "Reduced", "Reducer"]
 

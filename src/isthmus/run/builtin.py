@@ -16,7 +16,7 @@ import sys
 import urllib.parse
 from typing import Any, TextIO
 
-from isthmus.run.churn import ChurnHook, plan_from_config
+from isthmus.run.churn_hook import ChurnHook, plan_from_config
 from isthmus.run.config import RunConfig, apply_overrides
 from isthmus.run.launch import BuiltinJob, Hook, Launcher, Outcome, Spawner
 from isthmus.run.record import RunDir, Summary

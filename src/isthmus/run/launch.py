@@ -9,9 +9,9 @@ three commands plugs in:
   ``isthmus run``, like ``torchrun``: it reads ``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN`` and
   ``ISTHMUS_NAME`` with :meth:`isthmus.SessionConfig.from_env`);
 * the :class:`Spawner` that makes the processes: plain local ones here, one per network namespace
-  in the lab (:class:`isthmus.run.lab.NamespaceSpawner`);
+  in the lab (:class:`isthmus.run.lab_run.NamespaceSpawner`);
 * :class:`Hook` objects called at the start, on every tick and at the end: planned churn (the
-  demo's ``--kill``/``--join`` and the lab's scenarios, :mod:`isthmus.run.churn`), the lab's link
+  demo's ``--kill``/``--join`` and the lab's scenarios, :mod:`isthmus.run.churn_hook`), the lab's link
   counters.
 
 A crashed peer (non-zero exit the launcher did not cause) is started again as a joiner, up to
@@ -40,7 +40,7 @@ from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.stragglers import StragglerConfig
-from isthmus.lab.churn import SlotState
+from isthmus.lab.churn_plan import SlotState
 from isthmus.run import forkserver
 from isthmus.run.config import TimeoutConfig
 from isthmus.run.forkserver import PeerProcess

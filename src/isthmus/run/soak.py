@@ -1,6 +1,6 @@
 """``isthmus lab soak``: one scenario for a fixed time, judged on progress, parity and hangs.
 
-A soak is a lab run (:func:`~isthmus.run.lab.run_lab`) ended by the clock: ``--minutes`` becomes
+A soak is a lab run (:func:`~isthmus.run.lab_run.run_lab`) ended by the clock: ``--minutes`` becomes
 the run's timeout, so a scenario for soaking sets ``steps`` higher than the time allows (see
 ``scenarios/soak_*.toml``). While it runs, a sampler reads every peer process's RSS, thread count
 and open descriptors from ``/proc`` (``resources.jsonl``) and watches each process's step records
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.lab.scenario import Scenario
-from isthmus.run.lab import LabOptions, run_lab
+from isthmus.run.lab_run import LabOptions, run_lab
 from isthmus.run.record import RunDir, read_jsonl
 
 __all__ = ["SoakOptions", "SoakReport", "analyze", "run_soak"]
@@ -498,7 +498,7 @@ def run_soak(
     overrides: Mapping[str, Any] | None = None,
 ) -> tuple[SoakReport, RunDir]:
     """Run ``scenario`` for ``opts.minutes`` and judge it; writes the lab's run directory plus
-    the soak's files. Raises what :func:`~isthmus.run.lab.run_lab` raises (a bad scenario or
+    the soak's files. Raises what :func:`~isthmus.run.lab_run.run_lab` raises (a bad scenario or
     setting, a network that cannot be built; KeyboardInterrupt after tearing everything down)."""
     over = dict(overrides or {})
     over["timeout"] = opts.minutes * 60.0

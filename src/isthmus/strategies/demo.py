@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.demo_math import DCTCodec
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.model_state import SharedBuffers, load_tensors

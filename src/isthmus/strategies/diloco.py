@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy

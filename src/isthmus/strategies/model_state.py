@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.compress.compressor import all_finite
 
 __all__ = [
     "ModelState",

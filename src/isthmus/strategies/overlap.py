@@ -52,7 +52,7 @@ import torch
 
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import Round, Session
-from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy, load_tensors

@@ -96,7 +96,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round, Session
-from isthmus.reduce.compress.base import all_finite
+from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
 from isthmus.reduce.sparseloco_math import SparseCodec, sum_messages
 from isthmus.strategies.model_state import load_tensors

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from isthmus.coordinator.peers import PeerState
-from isthmus.coordinator.web.auth import TokenCheck
 from isthmus.coordinator.web.metrics import CONTENT_TYPE, RunMetrics
 from isthmus.coordinator.web.view import RunView
+from isthmus.coordinator.web.viewer_auth import TokenCheck
 
 if TYPE_CHECKING:
     from isthmus.coordinator.server import Coordinator

@@ -14,7 +14,7 @@ the mean included. Threat model and costs: docs/ROBUST.md and
 # attacks is loaded with the package so that ``from isthmus import aggregate`` reaches
 # ``aggregate.attacks.make_attack`` without an import of its own
 from isthmus.reduce.aggregate import attacks
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     AggregationError,
     AggregationReport,
     AggregationResult,

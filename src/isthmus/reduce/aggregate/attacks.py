@@ -44,7 +44,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from isthmus.reduce.aggregate.base import as_matrix
+from isthmus.reduce.aggregate.aggregator import as_matrix
 from isthmus.spec import Registry, format_spec
 
 __all__ = [

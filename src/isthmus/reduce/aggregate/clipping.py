@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     GramRule,
     RuleInfo,
     make_stage,
@@ -112,7 +112,7 @@ def centered_clipping(
     """Centered clipping from ``start`` (the previous aggregate; zero when ``None``).
 
     Non-finite vectors are excluded first. Raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` unless ``n > 2f`` or if ``start``
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` unless ``n > 2f`` or if ``start``
     is not a finite vector of the inputs' length; ``ValueError`` for invalid options.
     """
     stage = make_stage(CENTERED_CLIPPING, {"tau": tau, "iterations": iterations})

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     CoordinateRule,
     NoOptions,
     make_stage,
@@ -91,7 +91,7 @@ def mean(vectors: Sequence[torch.Tensor], f: int = 0) -> torch.Tensor:
     """Average of the finite vectors (``f`` is only checked, the mean cannot use it).
 
     Vectors holding NaN/Inf are excluded and logged. Raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` if none is finite.
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` if none is finite.
     """
     return run_reference([make_stage(MEAN, {})], vectors, f).vector
 

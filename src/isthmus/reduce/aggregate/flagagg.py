@@ -37,7 +37,7 @@ from typing import TypeVar
 
 import torch
 
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     GramRule,
     RuleInfo,
     gram_sq_dists,
@@ -213,7 +213,7 @@ def flag(
     """Flag Aggregator (see the module docstring; ``f`` is only checked, the rule does not use it).
 
     Non-finite vectors are excluded first. Raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` if fewer than ``r`` vectors remain;
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` if fewer than ``r`` vectors remain;
     ``ValueError`` for invalid options.
     """
     stage = make_stage(FLAG, {"r": r, "lam": lam, "max_iter": max_iter, "eps": eps})

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     GramRule,
     RuleInfo,
     make_stage,
@@ -122,7 +122,7 @@ def geometric_median(
     """Approximate geometric median by smoothed Weiszfeld (see the module docstring).
 
     Non-finite vectors are excluded first. Raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` unless ``n > 2f``; ``ValueError``
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` unless ``n > 2f``; ``ValueError``
     for invalid options.
     """
     stage = make_stage(GEOMETRIC_MEDIAN, {"nu": nu, "max_iter": max_iter, "tol": tol})

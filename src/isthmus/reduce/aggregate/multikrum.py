@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     GramRule,
     NoOptions,
     RuleInfo,
@@ -129,7 +129,7 @@ def krum(vectors: Sequence[torch.Tensor], f: int) -> torch.Tensor:
     """Return (a copy of) the input vector with the lowest Krum score.
 
     Non-finite vectors are excluded first. Raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` unless ``n >= 2f + 3``.
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` unless ``n >= 2f + 3``.
     """
     return run_reference([make_stage(KRUM, {})], vectors, f).vector
 

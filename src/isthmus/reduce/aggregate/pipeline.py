@@ -27,7 +27,7 @@ import torch
 
 from isthmus.comm.group import Group
 from isthmus.reduce.aggregate import clipping, coordinate, flagagg, geomed, multikrum, preagg
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     AggregationResult,
     CoordinateRule,
     GramRule,
@@ -194,7 +194,7 @@ class Aggregator:
     def aggregate(
         self, vectors: Sequence[torch.Tensor], f: int, *, start: torch.Tensor | None = None
     ) -> AggregationResult:
-        """Reference run in this process; see :func:`~isthmus.reduce.aggregate.base.run_reference`
+        """Reference run in this process; see :func:`~isthmus.reduce.aggregate.aggregator.run_reference`
         for the non-finite policy and errors."""
         return run_reference(self._stages, vectors, f, start=start)
 
@@ -284,7 +284,7 @@ def distributed_aggregate(
     ``options`` replace the final rule's options. Every peer of ``group`` must call this together
     with the same rule, ``f`` and vector length. Returns the aggregate, bit-identical on every
     peer; use :meth:`Aggregator.distributed` to also get the report. Raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` (on every peer alike) for too few
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` (on every peer alike) for too few
     usable vectors or disagreeing peers, :class:`~isthmus.comm.group.CollectiveError` when a peer
     fails.
     """

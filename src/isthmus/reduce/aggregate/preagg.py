@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     NoOptions,
     PreAggregator,
     gram_sq_dists,
@@ -189,7 +189,7 @@ CLIP = PreAggregator(
 def nnm(vectors: Sequence[torch.Tensor], f: int) -> list[torch.Tensor]:
     """Nearest-neighbour mixing: each vector becomes the mean of its ``n - f`` nearest (itself
     included). Non-finite vectors are dropped first (outputs follow the finite inputs in order).
-    Raises :class:`~isthmus.reduce.aggregate.base.AggregationError` unless ``n > 2f``."""
+    Raises :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` unless ``n > 2f``."""
     return run_reference_pre(make_stage(NNM, {}), vectors, f)
 
 

@@ -5,7 +5,7 @@ into ``n`` contiguous shards and peer ``s`` *owns* shard ``s``:
 
 1. **header** (tiny all-gather, 5 integers per peer): vector length, dtype, whether a start
    vector is used, ``f`` and a fingerprint of the pipeline spec. Peers that disagree all raise
-   the same :class:`~isthmus.reduce.aggregate.base.AggregationError` here, before any bulk
+   the same :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` here, before any bulk
    transfer: Gloo's all-to-all with mismatched sizes silently fills buffers with garbage or
    aborts the whole process, so this check is not optional. A peer whose own input is malformed
    announces it in the header, so every peer raises at once instead of waiting for a timeout.
@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import torch
 
 from isthmus.comm.group import Group
-from isthmus.reduce.aggregate.base import (
+from isthmus.reduce.aggregate.aggregator import (
     OVERFLOW_BIT,
     AggregationError,
     AggregationReport,
@@ -189,7 +189,7 @@ def run_sharded(
 
     Every peer must call this with the same ``stages``, ``f``, vector length and dtype, and a
     start vector on all peers or on none (checked: a disagreement raises
-    :class:`~isthmus.reduce.aggregate.base.AggregationError` on every peer). The non-finite
+    :class:`~isthmus.reduce.aggregate.aggregator.AggregationError` on every peer). The non-finite
     policy is the reference one: a peer whose vector holds NaN/Inf anywhere is excluded by every
     peer, and ``f`` shrinks by one per exclusion. Raises ``AggregationError`` on all peers alike
     when too few vectors remain or the aggregate overflows, and

@@ -9,7 +9,7 @@ entries of :data:`COMPRESSORS` (see :mod:`.registry`).
 
 from __future__ import annotations
 
-from .base import (
+from .compressor import (
     Compressor,
     NoCompression,
     NonFiniteError,

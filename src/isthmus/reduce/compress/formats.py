@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import NonFiniteError, all_finite
+from .compressor import NonFiniteError, all_finite
 
 __all__ = [
     "E3M0",

@@ -34,7 +34,7 @@ import torch
 
 from isthmus.comm.group import Group, wire_bytes
 
-from .base import Compressor, NonFiniteError, all_finite, numel_of
+from .compressor import Compressor, NonFiniteError, all_finite, numel_of
 from .formats import QuantFormat
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from isthmus.spec import Entry, Part, Registry, SpecError, parse
 
-from .base import Compressor, NoCompression
+from .compressor import Compressor, NoCompression
 from .formats import make_format
 from .powersgd import PowerSGD, PowerSGDConfig
 from .quantize import QuantConfig, QuantizedAllReduce

@@ -36,7 +36,7 @@ import torch
 
 from isthmus.comm.group import Group, wire_bytes
 
-from .base import Compressor, numel_of
+from .compressor import Compressor, numel_of
 
 __all__ = [
     "SignConfig",

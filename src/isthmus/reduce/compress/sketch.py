@@ -42,7 +42,7 @@ import torch
 
 from isthmus.comm.group import Group, wire_bytes
 
-from .base import Compressor, derive_seed, numel_of
+from .compressor import Compressor, derive_seed, numel_of
 
 __all__ = ["CountSketch", "SketchConfig", "SketchReducer"]
 

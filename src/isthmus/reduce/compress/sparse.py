@@ -30,7 +30,7 @@ Error feedback, per peer ``i`` and tensor (``g_i`` is the tensor handed to ``red
 
 EF21 and EControl return a running aggregate of every peer's estimate, so after a membership
 change the aggregate still holds the estimates of peers that left: every peer of the new epoch
-calls :meth:`~isthmus.reduce.compress.base.Compressor.membership_changed` before its first
+calls :meth:`~isthmus.reduce.compress.compressor.Compressor.membership_changed` before its first
 reduce, which restarts estimates and aggregate from zero (EF14 has no shared aggregate and keeps
 its residuals).
 
@@ -56,7 +56,7 @@ import torch
 
 from isthmus.comm.group import Group, wire_bytes
 
-from .base import Compressor, derive_seed, numel_of
+from .compressor import Compressor, derive_seed, numel_of
 
 __all__ = [
     "FEEDBACKS",

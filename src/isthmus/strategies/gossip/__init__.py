@@ -68,7 +68,7 @@ How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
   the tests compare ``model_digest`` then. Without ``final_merge`` the models stay different.
 """
 
-from isthmus.strategies.gossip.config import GossipConfig
+from isthmus.strategies.gossip.options import GossipConfig
 from isthmus.strategies.gossip.strategy import Gossip
 
 __all__ = ["Gossip", "GossipConfig"]

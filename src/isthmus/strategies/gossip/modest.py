@@ -20,7 +20,7 @@ import torch
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.gossip import modest_aggregate, sample_round
 from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
-from isthmus.strategies.gossip.config import GossipConfig
+from isthmus.strategies.gossip.options import GossipConfig
 
 __all__ = ["Modest"]
 

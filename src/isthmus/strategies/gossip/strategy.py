@@ -33,8 +33,8 @@ from isthmus.reduce.gossip import (
 from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
 from isthmus.reduce.gossip.topology import TIME_VARYING_TOPOLOGIES
 from isthmus.strategies.base import Strategy
-from isthmus.strategies.gossip.config import COPY_SLOT, GossipConfig
 from isthmus.strategies.gossip.modest import Modest
+from isthmus.strategies.gossip.options import COPY_SLOT, GossipConfig
 
 __all__ = ["Gossip"]
 

@@ -1,5 +1,5 @@
 """Measuring an emulated link from inside its namespaces: round-trip times and windowed TCP
-transfers, with nothing but the standard library (run as ``python -I probe.py ...`` inside a
+transfers, with nothing but the standard library (run as ``python -I linkprobe.py ...`` inside a
 node's namespace, so it starts in milliseconds without importing isthmus or torch).
 
 Modes (each prints one JSON line on stdout):
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r), flush=True)
         else:
             print(
-                "usage: probe.py serve PORT | connect HOST PORT COUNT INTERVAL_S | "
+                "usage: linkprobe.py serve PORT | connect HOST PORT COUNT INTERVAL_S | "
                 "send HOST PORT SECONDS WINDOW WARMUP_S",
                 file=sys.stderr,
             )

@@ -15,7 +15,7 @@ is tested in one process with made-up observations:
   whose slot's kill fault has not fired yet), or skip it with the reason (kill a peer that already
   exited).
 
-The executor (:mod:`isthmus.run.churn`) observes processes and applies what this module decides.
+The executor (:mod:`isthmus.run.churn_hook`) observes processes and applies what this module decides.
 """
 
 from __future__ import annotations

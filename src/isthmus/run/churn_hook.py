@@ -1,4 +1,4 @@
-"""Planned churn, applied: the launcher hook that carries out a :class:`~isthmus.lab.churn.ChurnPlan`.
+"""Planned churn, applied: the launcher hook that carries out a :class:`~isthmus.lab.churn_plan.ChurnPlan`.
 
 Step-clock kills and stops travel with the peer as injected faults (it fires them on itself at
 exactly that step); this hook notices them happen and records them. Everything else (joins,
@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from isthmus.lab.churn import ChurnPlan, Planned, starting_slots
+from isthmus.lab.churn_plan import ChurnPlan, Planned, starting_slots
 from isthmus.run.config import RunConfig
 from isthmus.run.launch import Hook, Launcher
 

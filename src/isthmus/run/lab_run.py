@@ -16,7 +16,7 @@ What happens, in order:
 4. **Peers** run the built-in job inside their namespaces, Gloo bound to the namespace's address,
    through :func:`~isthmus.run.builtin.run_builtin`, the demo's own path.
 5. **Churn.** The scenario's ``[[churn]]`` and ``[random_churn]`` become a
-   :class:`~isthmus.lab.churn.ChurnPlan` applied by :class:`~isthmus.run.churn.ChurnHook`
+   :class:`~isthmus.lab.churn_plan.ChurnPlan` applied by :class:`~isthmus.run.churn_hook.ChurnHook`
    (``kill``/``stop`` at a step are faults the peer fires on itself; the rest is applied when due;
    timed events count from the first round).
 6. **Measurements.** :class:`~isthmus.lab.links.LinkSampler` records every link's counters; the
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isthmus.lab.churn import Planned
+from isthmus.lab.churn_plan import Planned
 from isthmus.lab.links import NETWORK_MODES, LinkSampler, open_network
 from isthmus.lab.netns import inside_namespace
 from isthmus.lab.rates import format_rate
@@ -48,7 +48,7 @@ from isthmus.lab.scenario import Scenario
 from isthmus.lab.wan import WanNetwork
 from isthmus.run import measure
 from isthmus.run.builtin import publish, run_builtin, with_short_h
-from isthmus.run.churn import ChurnHook
+from isthmus.run.churn_hook import ChurnHook
 from isthmus.run.config import ByzantinePeer, RunConfig, apply_overrides
 from isthmus.run.launch import Hook, Launcher, Outcome, Spawner
 from isthmus.run.record import LabSummary, RunDir, Summary
@@ -105,7 +105,7 @@ def _events(scenario: Scenario, duration_s: float) -> list[Planned]:
 
 
 def _starting(scenario: Scenario) -> list[int]:
-    from isthmus.lab.churn import starting_slots
+    from isthmus.lab.churn_plan import starting_slots
 
     return starting_slots(scenario.peers, _events(scenario, 0.0))
 
