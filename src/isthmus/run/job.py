@@ -422,11 +422,9 @@ def main(argv: list[str] | None = None) -> int:
 def _leave(code: int) -> NoReturn:
     """End the process without the interpreter's shutdown. A group or connection attempt that a
     silent member left inside Gloo (see :mod:`isthmus.comm.connect`) is parked until Gloo's own
-    timeout, and destroying it at interpreter exit would block until then. (Seen once in five
-    runs of tests/integration/test_silent_peer.py: the resumed peer had written its results and
-    was still alive 240 s later, with a 600 s ``collective_timeout``; the parked attempt is the
-    likely cause, not a proven one.) Everything the job writes is closed when :func:`main`
-    returns."""
+    timeout, and destroying it at interpreter exit could block until then: a peer that has
+    written its results would stay alive for up to its ``collective_timeout``. Everything the
+    job writes is closed when :func:`main` returns."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
