@@ -29,7 +29,7 @@ import torch
 from isthmus.checkpoint import CheckpointStore, read_manifest
 from isthmus.checkpoint.inspect import templates
 from isthmus.checkpoint.load import load_shared
-from isthmus.run.builtin import demo_config, run_builtin
+from isthmus.run.builtin_run import demo_config, run_builtin
 from isthmus.run.record import RunDir
 
 

@@ -190,7 +190,7 @@ def run_allreduce(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- training sweep -----------------------------------------------------------------------------------
 def run_train(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from isthmus.run.builtin import run_demo
+    from isthmus.run.builtin_run import run_demo
 
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)

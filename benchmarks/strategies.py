@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isthmus.run.builtin import run_demo
+from isthmus.run.builtin_run import run_demo
 from isthmus.run.record import Summary
 
 

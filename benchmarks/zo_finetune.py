@@ -68,7 +68,7 @@ def main() -> None:
     if args.report:
         dirs = {k: Path(v) for k, v in (x.split("=", 1) for x in args.report)}
     else:
-        from isthmus.run.builtin import demo_config, run_demo
+        from isthmus.run.builtin_run import demo_config, run_demo
         from isthmus.run.pretrain import pretrained_start
 
         base = {"model": args.model, "peers": args.peers, "steps": args.steps}

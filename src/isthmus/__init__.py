@@ -4,6 +4,10 @@ The pieces a training script needs::
 
     from isthmus import Session, SessionConfig, DDP, DiLoCo, StreamingDiLoCo
 
+This module is the public API: it re-exports names from every layer, and it is the one module
+exempt from the layers of docs/ARCHITECTURE.md. No module inside the package imports it; each
+imports a name from the module that defines it. The layers, lowest first: spec, data and models
+(the floor), coordinator, comm, reduce (and testing), checkpoint, strategies, lab, run, cli.
 See the README for a quickstart and docs/ for the protocol.
 """
 

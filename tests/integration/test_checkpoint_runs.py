@@ -11,7 +11,7 @@ import torch
 
 from isthmus.checkpoint import CheckpointStore, inspect, load_latest
 from isthmus.cli import main as cli_main
-from isthmus.run.builtin import demo_config, run_builtin
+from isthmus.run.builtin_run import demo_config, run_builtin
 from isthmus.run.record import Summary
 
 BASE: dict[str, Any] = {

@@ -167,7 +167,7 @@ def test_a_timed_out_demo_does_not_count_the_peers_it_stops_as_kills(tmp_path):
     """Peer 1 is frozen (SIGSTOP) for good: peer 0 evicts it and finishes, the demo's bound
     runs out, and the teardown SIGKILLs the frozen process. That is the demo stopping a peer,
     not a kill the user asked for: the summary's ``kills`` stays 0."""
-    from isthmus.run.builtin import demo_config, run_builtin
+    from isthmus.run.builtin_run import demo_config, run_builtin
 
     cfg = demo_config(
         {

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from isthmus.run.builtin import publish, run_builtin
+from isthmus.run.builtin_run import publish, run_builtin
 from isthmus.run.config import from_flat
 from isthmus.run.launch import Hook, Launcher
 from isthmus.run.record import RunDir

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from isthmus.run.builtin import DEMO_SYNC_EVERY, demo_config
+from isthmus.run.builtin_run import DEMO_SYNC_EVERY, demo_config
 from isthmus.run.config import apply_overrides, from_dict, from_flat, leaves
 from isthmus.run.flags import add_config_flags, field_docs, overrides_from
 from isthmus.run.job import PeerJob

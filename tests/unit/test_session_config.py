@@ -1,5 +1,6 @@
-"""SessionConfig (comm/config.py): the probe's settings are checked by name, and from_env reads
-what `isthmus run` hands every peer (connections, probe_links) without overriding the script."""
+"""SessionConfig (comm/session_config.py): the probe's settings are checked by name, and from_env
+reads what `isthmus run` hands every peer (connections, probe_links) without overriding the
+script."""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ run of any size; a corrupted checkpoint falls back to the previous one. Tools: :
 :func:`export` (a plain safetensors state dict). Storage: a directory or any fsspec URL.
 Ideas from Universal Checkpointing (distributed representation for saving, consolidated for
 loading, resume on any configuration).
+
+checkpoint may import reduce, comm (a round's members and their group), the coordinator and the
+floor. Never imports strategies, lab, run or cli: a strategy hands it the shared state
+(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 
 from isthmus.checkpoint.inspect import export, inspect

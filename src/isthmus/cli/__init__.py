@@ -1,8 +1,15 @@
-"""The ``isthmus`` command line: coordinator, run, demo, lab (run, compare, sim, cleanup), bench,
-token.
+"""The ``isthmus`` command line, one module per group of subcommands.
+
+* :mod:`.runs`: ``coordinator``, ``demo`` and ``run``;
+* :mod:`.lab`: ``lab run|soak|report|compare|sim|cleanup`` and ``bench allreduce|link``;
+* :mod:`.checkpoint_data`: ``checkpoint inspect|export`` and ``data prepare``;
+* :mod:`.security`: ``token new|revoke`` and the coordinator's TLS and rendezvous flags;
+* :mod:`.common`: what they share (reading the token, printing a run's summary).
 
 Run settings' flags are generated from :class:`isthmus.run.config.RunConfig`
-(:mod:`isthmus.run.flags`); each subcommand lives in a module of this package.
+(:mod:`isthmus.run.flags`), not written here. cli is the top of the layers: it may import every
+package, and no other package imports it (docs/ARCHITECTURE.md, "Layers"; tools/structure.py
+checks it).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from isthmus.run.builtin import DashboardLink, demo_config, publish, run_builtin
+    from isthmus.run.builtin_run import DashboardLink, demo_config, publish, run_builtin
     from isthmus.run.flags import overrides_from
 
     try:
@@ -111,7 +111,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from isthmus.run.config import from_flat
     from isthmus.run.flags import overrides_from
-    from isthmus.run.script import run_script
+    from isthmus.run.script_run import run_script
 
     token = read_token(args, required=args.coordinator is not None)
     try:

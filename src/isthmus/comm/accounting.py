@@ -24,10 +24,10 @@ def _broadcast_sends(vrank: int, world: int) -> int:
 def wire_bytes(op: str, nbytes: int, world: int, rank: int = 0, root: int = 0) -> int:
     """Bytes this rank sends for one collective over ``nbytes`` of payload per rank.
 
-    The volumes were measured with ``/proc/self/io`` on Gloo (torch 2.13): ring all-reduce sends
-    2(n-1)/n of the buffer, ring all-gather (n-1) times the input, all-to-all (n-1)/n of the input,
-    broadcast is a binomial tree rooted at ``root``. TCP/IP headers are not included (a few
-    percent on the wire).
+    The volumes are those of Gloo's algorithms, as the kernel counts a Gloo process's writes
+    (``/proc/self/io``): ring all-reduce sends 2(n-1)/n of the buffer, ring all-gather (n-1)
+    times the input, all-to-all (n-1)/n of the input, broadcast is a binomial tree rooted at
+    ``root``. TCP/IP headers are not included (a few percent on the wire).
     """
     if world <= 1:
         return 0

@@ -10,8 +10,8 @@ torch does not give us:
 * an abandoned group's connections are shut down (see :mod:`isthmus.comm.wires`), so that work
   Gloo would leave waiting on a silent peer fails at once; a group with work still in flight is
   never destroyed (Gloo's destructor would block until that work ends): the session parks it;
-* every call records the bytes this peer puts on the wire, using the volumes measured for Gloo's
-  algorithms (see :func:`wire_bytes`).
+* every call records the bytes this peer puts on the wire, using the volumes of Gloo's
+  algorithms (see :func:`~isthmus.comm.accounting.wire_bytes`).
 
 A buffer handed to an operation that was abandoned may still be written by Gloo's worker thread
 later. Callers must not reuse such buffers; the strategies always reduce into fresh or private
@@ -463,8 +463,9 @@ class Group:
         moves data when the group has a reverse connection set (Gloo groups the session builds).
 
         Why: Gloo's all_to_all sends to every peer at once over connections that then carry data
-        both ways, and on shaped links (the lab's tbf at 100 Mbit/s) that moves about 62 Mbit/s
-        where a ring reaches about 90. Here the ``world - 1`` shifts run one after the other
+        both ways, and on shaped links (the lab's tbf) that moves the bytes markedly slower than a
+        ring does (docs/BENCHMARKS.md, "All-reduce time on a quiet machine, before the
+        exchange"). Here the ``world - 1`` shifts run one after the other
         (step ``k``: send to ``rank + k``, receive from ``rank - k``), and each direction of a
         pair has its own connection (see :func:`forward`), so every connection carries one flow
         one way, as in a ring.

@@ -18,10 +18,10 @@ much to send, how timings become a rate, and how probes are smoothed. No network
 * :func:`rate_mbit` takes one round trip off the transfer's time (the request's way there and the
   data's way back), so a long link is not taken for a thin one by that round trip. What it does
   not undo is the window: on a long fat link the cap ends the ladder while TCP is still opening
-  its window, and a link reads thinner than it is (a 1 Gbit/s link at 100 ms round trip reads
-  about 770 Mbit/s at the default 1 MiB cap even without slow start, 400 at 200 ms; measured in
-  the lab, identical 1 Gbit/s, 50 ms links read 5 to 994 Mbit/s). This is one reason probing is
-  off by default (``SessionConfig.probe_links``). A probe also measures one connection, where
+  its window, and a link reads thinner than it is, the more so the longer its round trip (in
+  the lab, identical long fat links read anywhere from a few Mbit/s to their full rate:
+  docs/BENCHMARKS.md, "Issue 19: the default K from measurement, and what a link probe
+  costs"). This is one reason probing is off by default (``SessionConfig.probe_links``). A probe also measures one connection, where
   the data may be striped over ``connections``.
 * :class:`LinkTable` keeps the last probe's links by peer id, each averaged with the probe
   before it when the same peer was measured then (:func:`smooth`).

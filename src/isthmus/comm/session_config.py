@@ -56,12 +56,11 @@ class SessionConfig:
     connections: int = 1
     """TCP connections per peer pair (Gloo only): each epoch builds this many process groups and
     all-reduce, all-gather and the exchange of the quantized all-reduce split their bytes over
-    them (:mod:`isthmus.comm.stripes`). More help over long fat links, where one connection is
-    held back by its window (4-peer all-reduce at 1 Gbit/s, 50 ms: 2.5x with 4); they gain
-    nothing where the bandwidth-delay product is small (100 Mbit/s up to 50 ms, 1 Gbit/s up to
-    10 ms: docs/BENCHMARKS.md, issue 19's default K). 1 by default: more only cost connections
-    there, and K decides how a plain sum is cut, so its last bits (every run's results) would
-    change with the default."""
+    them (:mod:`isthmus.comm.stripes`). More help over long fat links (a bandwidth-delay product
+    of several MB), where one connection is held back by its window; they gain nothing where
+    that product is small (docs/BENCHMARKS.md, "Issue 19: the default K from measurement, and
+    what a link probe costs"). 1 by default: more only cost connections there, and K decides how
+    a plain sum is cut, so its last bits (every run's results) would change with the default."""
     probe_links: bool = False
     """Measure the round trip and sending rate to every other member when the membership changes
     (Gloo, epochs of 4 or more: :mod:`isthmus.comm.probe`) and report them, so that the

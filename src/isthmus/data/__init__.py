@@ -6,6 +6,10 @@
 * :class:`ElasticSampler`: splits each global batch among the current peers so that every
   sample of an epoch is used exactly once by a committed round, across kills, joins and aborts.
 * :class:`Corpus`: byte corpora (the Python stdlib by default) with deterministic sharding.
+
+data is part of the floor: it imports numpy and torch, and nothing of isthmus outside data. Never
+imports coordinator, comm, testing, reduce, checkpoint, strategies, lab, run or cli
+(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 
 from isthmus.data.corpus import SHARD_MODES, Corpus, evaluate, stdlib_files

@@ -1,8 +1,8 @@
 """A fixed global batch, whoever is in the round: which samples a step uses and who takes which.
 
-ElasWave (in ../shared/seeds) keeps an elastic run's computation the same whatever the
-membership: the global batch size, the gradient's scale and the random state stay put when peers
-come and go. These are the pure functions behind :class:`~isthmus.strategies.ddp.DDP`'s
+ElasWave ("ElasWave: An Elastic-Native System for Scalable Hybrid-Parallel Training", 2025)
+keeps an elastic run's computation the same whatever the membership: the global batch size, the
+gradient's scale and the random state stay put when peers come and go. These are the pure functions behind :class:`~isthmus.strategies.ddp.DDP`'s
 ``global_batch``:
 
 * **Positions.** Step ``t`` consumes the global-stream positions ``[t B, (t + 1) B)``. A

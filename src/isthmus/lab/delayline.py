@@ -26,7 +26,7 @@ does not wait behind a peer's training step for its turn on a CPU (hosts and net
 machine's cores; on a real WAN they do not).
 
 This module imports only the standard library and runs as a file (``python -I delayline.py``):
-a line starts in about 50 ms instead of the seconds ``import isthmus`` (torch) takes.
+a line starts in a small fraction of the time ``import isthmus`` (torch) takes.
 
 The process ends when its lifeline (a pipe whose write end only the process that built the network
 holds) reaches end of file, so a SIGKILLed owner takes its lines with it; SIGTERM and SIGINT end it

@@ -91,12 +91,12 @@ def tbf_parameters(rate_bps: float) -> tuple[int, int]:
       hold 64 KiB.)
     * limit (queue): 100 ms of traffic on top of the burst, at least 64 KiB; this is tc's
       ``latency 100ms``, with a floor so that slow links still queue a few packets. It is the
-      only queueing delay the emulation adds. Shorter queues made TCP lose packets and fall
+      only queueing delay the emulation adds. Shorter queues make TCP lose packets and fall
       short at 10 Mbit/s; longer ones only add delay.
 
-    Measured here with one bulk TCP flow between two namespaces (payload rate; TCP/IP headers
-    take about 4.4% of a 1514-byte frame), two runs each: 1 -> 1.0, 10 -> 9.4-9.6,
-    50 -> 47.7-48.1, 100 -> 94.8-96.1, 1000 -> 957-961 Mbit/s (unshaped: 6-8.6 Gbit/s).
+    One bulk TCP flow gets close to the shaped rate less the TCP/IP headers at every rate from
+    1 Mbit/s to 1 Gbit/s (docs/BENCHMARKS.md, "0. The shaping itself: one TCP flow per tbf
+    rate").
 
     Raises ``ValueError`` for a rate that is not a finite positive number.
     """

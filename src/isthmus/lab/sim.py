@@ -192,8 +192,10 @@ class NetworkModel:
     algorithm: str = "ring"
     """``ring``, ``tree``, ``hierarchical`` or ``gossip`` (see the module docstring)."""
     efficiency: float = 0.95
-    """Payload share of the link rate. 0.95: Gloo's ring over 100 Mbit/s tbf links gave 95 Mbit/s
-    bus bandwidth on our machines (TCP/IP headers on 1500-byte frames and ACKs)."""
+    """Payload share of the link rate (TCP/IP headers on 1500-byte frames, and ACKs). The
+    default, 0.95, is what Gloo's ring reaches over the lab's tbf links on a quiet machine
+    (docs/BENCHMARKS.md, "1. isthmus all-reduce vs raw Gloo: 4 peers, 100 Mbit/s links,
+    32 MB")."""
     group_size: int | None = None
     """Hierarchical: peers per group (a machine, a site); default ``round(sqrt(n))``."""
     intra_bandwidth_bps: float | None = None

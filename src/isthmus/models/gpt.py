@@ -18,8 +18,8 @@ Why it is built the way it is:
 * Attention uses :func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal=True``,
   so no mask buffer is stored (nothing but parameters ends up in the state dict).
 
-The default size (:meth:`GPTConfig.default`) was picked by timing one training step
-single-threaded on the project's 2-core CPU machines; the figures are in its docstring.
+The default size (:meth:`GPTConfig.default`) is sized for one thread per peer on a small CPU
+machine (docs/BENCHMARKS.md, "The demo's model: one training step on one thread").
 """
 
 from __future__ import annotations
@@ -79,11 +79,10 @@ class GPTConfig:
     def default(cls) -> GPTConfig:
         """The demo's model: 1,288,640 parameters, block 64, 4 layers, 4 heads, width 160.
 
-        Chosen by measurement (torch 2.13 CPU, ``torch.set_num_threads(1)``, because the demo
-        runs three peers on two cores): one forward + backward + AdamW step at batch 16 x block 64
-        takes about 105 ms. At block 128 the same model takes about 210 ms, and the largest
-        model that fits 150 ms there (4 x 128) has only 0.84M parameters, so the context was
-        halved rather than the model."""
+        Sized for ``torch.set_num_threads(1)``, because the demo runs three peers on two cores:
+        a context of 64 rather than 128 halves the time of a training step at batch 16 while
+        keeping the model's width and depth (docs/BENCHMARKS.md, "The demo's model: one
+        training step on one thread")."""
         return cls(block_size=64, n_layer=4, n_head=4, d_model=160)
 
     @classmethod

@@ -1,16 +1,16 @@
 """Peer processes forked from a warm server instead of started from a fresh interpreter.
 
-A fresh peer process spends about 5 s of CPU before it trains: importing torch (2.6 s here)
-and, on its optimizer's first call, torch._dynamo (1.8 s; torch's optimizers import it
-unconditionally). A run that restarts or adds peers pays that on every start, and on a small
+A fresh peer process spends seconds of CPU before it trains: importing torch and, on its
+optimizer's first call, torch._dynamo (torch's optimizers import it unconditionally). A run that restarts or adds peers pays that on every start, and on a small
 machine that hosts several peers the starts compete with the peers that are training.
 
 So peers start the way a zygote starts apps: Python's ``multiprocessing`` fork server imports
-torch, torch._dynamo and isthmus's job once, and forks every peer from that warm state (about
-0.05 s). The server never runs a tensor operation, starts no thread pool and never touches CUDA,
+torch, torch._dynamo and isthmus's job once, and forks every peer from that warm state, a small
+fraction of a fresh start (docs/BENCHMARKS.md, "Peer start-up: forked from the warm server
+against fresh interpreters"). The server never runs a tensor operation, starts no thread pool and never touches CUDA,
 which is what makes forking it safe (the state a fork must not copy is created lazily, in the
 peer). Each peer is a real, separate process: its own pid, its own session (signals go to its
-process group as before), its environment and working directory set from the request, its
+process group, as a fresh process's do), its environment and working directory set from the request, its
 output to its log. Its exit status comes back through the server.
 
 What differs from ``python script.py``: modules the server preloaded were imported with the

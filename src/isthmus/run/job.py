@@ -1,10 +1,14 @@
-"""The built-in job one peer runs: the tiny GPT on the stdlib corpus with the run's strategy.
+"""The built-in job: the code inside each peer process of ``isthmus demo`` and ``isthmus lab run``.
 
-The launcher starts it as ``python -m isthmus.run.job <name>.job.json``. A :class:`PeerJob` is the
-run's :class:`~isthmus.run.config.RunConfig` plus what differs per peer (:class:`PeerSpec`: its
-name, the coordinator, its injected faults and attack, where Gloo binds). The job trains until the
-run's step counter reaches ``run.steps``, appends one JSON line per step to ``<name>.jsonl``, and
-at the end writes ``<name>.final.json`` (a :class:`~isthmus.run.record.PeerResult`) and
+It trains the tiny GPT on the stdlib corpus with the run's strategy. It runs in the peer, never in
+the launcher: the launching side is :class:`~isthmus.run.programs.BuiltinJob` and
+:mod:`isthmus.run.builtin_run`.
+
+The launcher starts it as ``python -m isthmus.run.job <name>.job.json``. A :class:`PeerJob` is
+the run's :class:`~isthmus.run.config.RunConfig` plus what differs per peer (:class:`PeerSpec`:
+its name, the coordinator, its injected faults and attack, where Gloo binds). The job trains
+until the run's step counter reaches ``run.steps``, appends one JSON line per step to
+``<name>.jsonl``, and at the end writes ``<name>.final.json`` (a :class:`~isthmus.run.record.PeerResult`) and
 ``<name>.state.pt`` (the shared state, for bitwise comparisons).
 
 Exit codes (:data:`EXIT_CODES`): 0 finished; 2 refused by the coordinator (shared state mismatch),
@@ -418,11 +422,9 @@ def main(argv: list[str] | None = None) -> int:
 def _leave(code: int) -> NoReturn:
     """End the process without the interpreter's shutdown. A group or connection attempt that a
     silent member left inside Gloo (see :mod:`isthmus.comm.connect`) is parked until Gloo's own
-    timeout, and destroying it at interpreter exit would block until then. (Seen once in five
-    runs of tests/integration/test_silent_peer.py: the resumed peer had written its results and
-    was still alive 240 s later, with a 600 s ``collective_timeout``; the parked attempt is the
-    likely cause, not a proven one.) Everything the job writes is closed when :func:`main`
-    returns."""
+    timeout, and destroying it at interpreter exit could block until then: a peer that has
+    written its results would stay alive for up to its ``collective_timeout``. Everything the
+    job writes is closed when :func:`main` returns."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

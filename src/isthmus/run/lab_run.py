@@ -14,7 +14,7 @@ What happens, in order:
    namespace to run ``ip``/``tc``, read counters and own the teardown (one process owns the
    network, so :class:`~isthmus.lab.wan.WanNetwork`'s teardown covers every exit path).
 4. **Peers** run the built-in job inside their namespaces, Gloo bound to the namespace's address,
-   through :func:`~isthmus.run.builtin.run_builtin`, the demo's own path.
+   through :func:`~isthmus.run.builtin_run.run_builtin`, the demo's own path.
 5. **Churn.** The scenario's ``[[churn]]`` and ``[random_churn]`` become a
    :class:`~isthmus.lab.churn_plan.ChurnPlan` applied by :class:`~isthmus.run.churn_hook.ChurnHook`
    (``kill``/``stop`` at a step are faults the peer fires on itself; the rest is applied when due;
@@ -47,7 +47,7 @@ from isthmus.lab.rates import format_rate
 from isthmus.lab.scenario import Scenario
 from isthmus.lab.wan import WanNetwork
 from isthmus.run import measure
-from isthmus.run.builtin import publish, run_builtin, with_short_h
+from isthmus.run.builtin_run import publish, run_builtin, with_short_h
 from isthmus.run.churn_hook import ChurnHook
 from isthmus.run.config import ByzantinePeer, RunConfig, apply_overrides
 from isthmus.run.launch import Hook, Launcher, Outcome, Spawner

@@ -2,17 +2,20 @@
 
 A :class:`Launcher` starts (or joins) a coordinator, starts one process per peer *slot*, watches
 them until they all exit, and tears everything down on every way out. What differs between the
-three commands plugs in:
+three commands plugs in, and one driver per command puts it together
+(:mod:`isthmus.run.builtin_run` for ``isthmus demo``, :mod:`isthmus.run.script_run` for
+``isthmus run``, :mod:`isthmus.run.lab_run` for ``isthmus lab run``):
 
 * the :class:`Program` each peer runs (:mod:`isthmus.run.programs`): the built-in job
-  (:class:`BuiltinJob`, the demo and the lab) or the user's own script (:class:`Script`,
-  ``isthmus run``, like ``torchrun``: it reads ``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN`` and
-  ``ISTHMUS_NAME`` with :meth:`isthmus.SessionConfig.from_env`);
+  (:class:`BuiltinJob`, whose code is :mod:`isthmus.run.job`: the demo and the lab) or the
+  user's own script (:class:`Script`, ``isthmus run``, like ``torchrun``: it reads
+  ``ISTHMUS_COORDINATOR``, ``ISTHMUS_TOKEN`` and ``ISTHMUS_NAME`` with
+  :meth:`isthmus.SessionConfig.from_env`);
 * the :class:`Spawner` that makes the processes: plain local ones here, one per network namespace
   in the lab (:class:`isthmus.run.lab_run.NamespaceSpawner`);
 * :class:`Hook` objects called at the start, on every tick and at the end: planned churn (the
-  demo's ``--kill``/``--join`` and the lab's scenarios, :mod:`isthmus.run.churn_hook`), the lab's link
-  counters.
+  demo's ``--kill``/``--join`` and the lab's scenarios, :mod:`isthmus.run.churn_hook`), the lab's
+  link counters.
 
 A crashed peer (non-zero exit the launcher did not cause) is started again as a joiner, up to
 ``max_restarts`` times per slot (torchrun's elastic agent does the same). Every wait is bounded:

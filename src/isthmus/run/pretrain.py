@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 PRETRAIN_STEPS = 300
-"""Steps of the demo's pre-training (about 40 s for the default model on one core)."""
+"""Steps of the demo's pre-training (made once per model and data, then cached)."""
 PRETRAIN_BYTES = 2_000_000
 """Bytes of the pre-training slice."""
 

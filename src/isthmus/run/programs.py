@@ -1,7 +1,11 @@
-"""What each peer process of a launch runs (:class:`Program`): the built-in training job
-(:class:`BuiltinJob`: the demo and the lab) or the user's own script (:class:`Script`:
-``isthmus run``), and what the launcher tells it about the process it starts
-(:class:`PeerLaunch`). :class:`~isthmus.run.launch.Launcher` starts them."""
+"""What the launcher starts in each peer slot: a :class:`Program` gives one process's argv and
+environment, from what the launcher tells it about that process (:class:`PeerLaunch`).
+
+Two programs: :class:`BuiltinJob` writes the peer's ``<name>.job.json`` and starts
+``python -m isthmus.run.job`` on it (the demo and the lab; the job's code is
+:mod:`isthmus.run.job`), and :class:`Script` starts the user's own script with the run in its
+environment (``isthmus run``). :class:`~isthmus.run.launch.Launcher` starts them; nothing here
+trains or launches anything itself."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ membership events), ``config.json``, ``summary.json`` (:class:`Summary`), the pl
 ``report.md``, and in lab runs ``links.jsonl``, ``churn.jsonl`` and ``scenario.json``.
 
 The CLI, the lab, reports and benchmarks read these through this module, never by key.
-``Summary.to_json()`` writes the same keys ``summary.json`` always had (lab runs add theirs at
-the top level), and ``Summary.from_json`` reads files written before this module existed.
+``Summary.to_json()`` writes ``summary.json``'s flat layout (lab runs add their keys at the top
+level), and ``Summary.from_json`` reads any ``summary.json`` of that layout, ignoring keys it
+does not know.
 """
 
 from __future__ import annotations

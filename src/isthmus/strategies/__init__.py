@@ -30,6 +30,10 @@ To add a strategy: subclass :class:`Strategy`, declare its ``name`` and ``Config
 dataclass, validated in ``__post_init__``), create its state in ``setup`` (registering the model
 through :meth:`Strategy.share_model`) and implement ``step``, then add the class to the loop that
 fills :data:`STRATEGIES` below.
+
+strategies may import checkpoint, reduce, comm (the session), the coordinator and the floor, and
+never see a socket. Never imports lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+tools/structure.py checks it).
 """
 
 from __future__ import annotations

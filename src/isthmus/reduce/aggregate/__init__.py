@@ -9,6 +9,10 @@ Rules (``f`` = number of byzantine vectors tolerated): :func:`mean`, :func:`medi
 :meth:`Aggregator.distributed`. Vectors holding NaN/Inf are excluded (and reported) by every rule,
 the mean included. Threat model and costs: docs/ROBUST.md and
 :mod:`isthmus.reduce.aggregate.sharded`. Attacks for experiments: :mod:`.attacks`.
+
+aggregate belongs to reduce's layer: it may import comm (its ``Group``) and the floor. Never
+imports checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+tools/structure.py checks it).
 """
 
 # attacks is loaded with the package so that ``from isthmus import aggregate`` reaches

@@ -19,10 +19,10 @@ docs/ROBUST.md, "What the lab's attackers know") and feeds the estimates to the 
   Empires: Breaking Byzantine-tolerant SGD by Inner Product Manipulation", UAI 2019
   (arXiv 1903.03936).
 * a little is enough (ALIE): ``mu + tau * sigma`` per coordinate, ``mu`` and ``sigma`` the mean and
-  (unbiased) standard deviation of the honest vectors, ``tau = 1.5`` by default as in
-  ALGORITHMS.md and ByzFL. With ``tau=None``, ``tau`` is the paper's ``z_max``:
-  ``s = floor(n/2 + 1) - f``, ``z_max = Phi^-1((n - s) / n)``. Baruch, Baruch, Goldberg, "A Little
-  Is Enough: Circumventing Defenses for Distributed Learning", NeurIPS 2019 (arXiv 1902.06156).
+  (unbiased) standard deviation of the honest vectors, ``tau = 1.5`` by default as in ByzFL.
+  With ``tau=None``, ``tau`` is the paper's ``z_max``: ``s = floor(n/2 + 1) - f``,
+  ``z_max = Phi^-1((n - s) / n)``. Baruch, Baruch, Goldberg, "A Little Is Enough: Circumventing
+  Defenses for Distributed Learning", NeurIPS 2019 (arXiv 1902.06156).
   Some re-implementations subtract (``mu - z sigma``); pass a negative ``tau`` for that.
 * gaussian: i.i.d. ``N(mu, sigma^2)`` coordinates, seeded.
 * non-finite: vectors holding NaN (or +-Inf) at every coordinate, or at ``coordinates`` seeded

@@ -1,10 +1,14 @@
 """Compressors: reduce a tensor's sum over a :class:`~isthmus.comm.group.Group` in fewer bytes.
 
-Every compressor implements :class:`Compressor` (see :mod:`.base`): ``reduce_sum`` returns the
-sum over peers with identical bits everywhere, ``commit``/``rollback`` make or discard the state
-changes of a round, ``predict_bytes`` tells what one reduce sends. Build one from a spec string
-with :func:`make_compressor` (the CLI's ``--compression``); the families and their options are the
-entries of :data:`COMPRESSORS` (see :mod:`.registry`).
+Every compressor implements :class:`Compressor` (see :mod:`.compressor`): ``reduce_sum``
+returns the sum over peers with identical bits everywhere, ``commit``/``rollback`` make or
+discard the state changes of a round, ``predict_bytes`` tells what one reduce sends. Build one
+from a spec string with :func:`make_compressor` (the CLI's ``--compression``); the families and
+their options are the entries of :data:`COMPRESSORS` (see :mod:`.registry`).
+
+compress belongs to reduce's layer: it may import comm (its ``Group``) and the floor. Never
+imports checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+tools/structure.py checks it).
 """
 
 from __future__ import annotations

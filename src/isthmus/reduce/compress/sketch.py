@@ -22,8 +22,8 @@ Per round and tensor, identically on every peer (everything after the all-reduce
 ``E`` (and ``U``) are shared state. Differences from the paper: FetchSGD multiplies the learning
 rate into ``E`` (``E += lr U``); here the optimizer applies the learning rate to ``delta``,
 which is the same for a constant rate. FetchSGD optionally spends a second round to fetch exact
-values of the top-k coordinates and zeroes momentum/error at them; we do neither (whether the
-paper's main algorithm zeroes them is unconfirmed in our notes).
+values of the top-k coordinates and zeroes momentum/error at them; this does neither (whether
+the paper's main algorithm zeroes them is not checked against the paper).
 
 Index arithmetic uses ``index_add_``, which is deterministic on CPU. On CUDA, float
 ``index_add_`` with repeated indices uses atomics and is not bitwise reproducible; there

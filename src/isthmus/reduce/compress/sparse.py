@@ -22,11 +22,10 @@ Error feedback, per peer ``i`` and tensor (``g_i`` is the tensor handed to ``red
 * ``econtrol`` (Gao, Islamov, Stich, "EControl: Fast Distributed Optimization with Compression
   and Error Control", ICLR 2024): ``delta_i = C(eta e_i + g_i - h_i); e_i <- e_i + g_i - h_i -
   delta_i; h_i <- h_i + delta_i``; result ``H <- H + sum_i delta_i`` (shared, ``H = sum_i h_i``),
-  i.e. ``sum h_old + sum delta``. This update rule is taken from our notes and was NOT checked
-  against the paper's pseudocode (unconfirmed); ``eta = 0`` reduces it to EF21, which the tests
-  check. By default ``eta`` equals the ratio ``k/d`` (the contraction constant of top-k); that
-  order of magnitude is what our notes suggest and what worked on the test quadratic, where
-  ``eta`` above about twice the ratio diverged. Unconfirmed against the paper.
+  i.e. ``sum h_old + sum delta``. This update rule is NOT checked against the paper's
+  pseudocode; ``eta = 0`` reduces it to EF21, which the tests check. By default ``eta`` equals
+  the ratio ``k/d`` (the contraction constant of top-k), an order of magnitude that converges on
+  the test quadratic, where ``eta`` above about twice the ratio diverges.
 
 EF21 and EControl return a running aggregate of every peer's estimate, so after a membership
 change the aggregate still holds the estimates of peers that left: every peer of the new epoch

@@ -13,6 +13,10 @@
 * :mod:`.sam`: DFedSAM's sharpness-aware local step (with a closure, or in two phases).
 * :mod:`.peergraph`: the run's graph over peer ids, regenerated or repaired as membership changes.
 * :mod:`.codec`: quantizers as per-message codecs for compressed gossip.
+
+gossip's math belongs to reduce's layer: it may import comm (its ``Group``), the compressors and
+the floor. Never imports checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md,
+"Layers"; tools/structure.py checks it).
 """
 
 from isthmus.reduce.gossip.codec import codec_for, quantizer_codec

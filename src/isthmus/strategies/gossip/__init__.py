@@ -66,6 +66,10 @@ How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
 * **Parity.** Only after the final merge (an exact all-reduce average, bitwise identical on
   every rank, copied into the parameters) do peers hold the same model; the demo's summary and
   the tests compare ``model_digest`` then. Without ``final_merge`` the models stay different.
+
+This package belongs to the strategies' layer: it may import reduce (:mod:`isthmus.reduce.gossip`
+holds its math), comm and the floor. Never imports lab, run or cli (docs/ARCHITECTURE.md,
+"Layers"; tools/structure.py checks it).
 """
 
 from isthmus.strategies.gossip.options import GossipConfig

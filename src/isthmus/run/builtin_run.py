@@ -1,11 +1,16 @@
-"""The built-in job on local peers: what ``isthmus demo`` runs, and what the lab runs in namespaces.
+"""A run of the built-in job, end to end: ``isthmus demo``, and ``isthmus lab run`` in namespaces.
+
+This is the launching side: the code inside each peer process is :mod:`isthmus.run.job`, and a
+user's own script is launched by :mod:`isthmus.run.script_run` instead. :func:`run_builtin` puts
+the :class:`~isthmus.run.programs.BuiltinJob` program of a :class:`~isthmus.run.config.RunConfig`
+in every peer slot of the one :class:`~isthmus.run.launch.Launcher`, with its planned kills and
+joins, and writes the run directory: per-peer files, ``metrics.jsonl``, ``events.jsonl``,
+``churn.jsonl`` and ``config.json``; :func:`publish` adds ``summary.json``, plots and
+``report.md``.
 
 :func:`demo_config` is the demo's preset (short runs: 150 steps of DDP or 200 of the others,
 ``sync_every`` 20 for every strategy that has one, so that a 200-step run syncs often enough to
-show kills and joins; the library defaults are 20, local SGD's 80 and SparseLoCo's 10);
-:func:`run_builtin` launches a :class:`~isthmus.run.config.RunConfig` through the one launcher,
-with its planned kills and joins, and writes the run directory: per-peer files, ``metrics.jsonl``,
-``events.jsonl``, ``churn.jsonl``, ``config.json``, ``summary.json``, plots and ``report.md``.
+show kills and joins; the library defaults are 20, local SGD's 80 and SparseLoCo's 10).
 """
 
 from __future__ import annotations
@@ -114,8 +119,9 @@ def run_builtin(
 ) -> tuple[Summary, Outcome, RunDir]:
     """Launch ``run`` end to end and return its summary, the launch's outcome and the run
     directory (holding every peer's files, ``metrics.jsonl``, ``events.jsonl``, ``churn.jsonl``
-    and ``config.json``; :func:`publish` adds the summary and the report). ``churn`` replaces the churn planned by ``run.faults`` (the lab passes
-    its scenario's); ``slots`` the number of peer positions (default: ``run.everyone``).
+    and ``config.json``; :func:`publish` adds the summary and the report). ``churn`` replaces
+    the churn planned by ``run.faults`` (the lab passes its scenario's); ``slots`` the number of
+    peer positions (default: ``run.everyone``).
 
     Raises FileExistsError if the run directory already holds a run; re-raises
     KeyboardInterrupt after tearing everything down.

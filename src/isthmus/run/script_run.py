@@ -9,6 +9,10 @@ host, the token from a file), so the same command starts this machine's share of
 machines. With GPUs, each peer gets one device through ``CUDA_VISIBLE_DEVICES`` (round robin over
 the visible ones). A crashed peer is restarted as a joiner up to ``max_restarts`` times.
 
+This is the launching side: it puts a :class:`~isthmus.run.programs.Script` program
+(:class:`DeviceScript`) in every slot of the one :class:`~isthmus.run.launch.Launcher`; the
+built-in job is launched by :mod:`isthmus.run.builtin_run` instead.
+
 The run directory gets each peer's log, ``events.jsonl`` (the coordinator's view) and
 ``summary.json``; parity at the end comes from the digests the peers' sessions report when they
 leave.
