@@ -39,6 +39,7 @@ from typing import Any
 
 from isthmus.coordinator.parity import canonical, repairs
 from isthmus.coordinator.peers import COUNTERS, MembershipConfig, Peer, PeerState
+from isthmus.coordinator.phase import Phase, RunPhase
 from isthmus.coordinator.protocol import (
     Decision,
     RestorePoint,
@@ -73,10 +74,7 @@ class Membership:
         self.running: RoundPlan | None = None
         self.reports: dict[int, bool] = {}
         self.round_started_at = 0.0
-        self.first_ready_at: float | None = None
-        self.force_new_epoch = True
-        self.started = False  # a first round has formed
-        self.restarting = False  # restarted from a checkpoint: start_peers is not waited for
+        self.phase = RunPhase()
         self.canonical: dict[str, str] | None = None  # hashes at `revision`, when known
         self.outcomes: dict[tuple[int, int], tuple[str, str]] = {}  # (epoch, round) -> (kind, why)
         self.plans: dict[int, tuple[str, RoundPlan]] = {}  # peer -> (nonce, plan) of running round
@@ -87,6 +85,11 @@ class Membership:
         self.restore_point: RestorePoint | None = None
         """The latest complete checkpoint, which the run restarts from when no live peer holds
         its state (None: unknown; such a run waits for a peer that holds it)."""
+
+    @property
+    def started(self) -> bool:
+        """A round has formed since the run started (or restarted from a checkpoint)."""
+        return self.phase.started
 
     # -- helpers --------------------------------------------------------------------------------
     def note(self, now: float, kind: str, **kw: Any) -> None:
@@ -216,8 +219,8 @@ class Membership:
             reason=f"no live peer holds the state of revision {self.revision}: the run continues "
             f"from checkpoint {rp.revision}",
         )
-        self.started, self.members, self.force_new_epoch, self.restarting = False, (), True, True
-        self.first_ready_at, self.canonical = None, None
+        self.phase.to(Phase.RESTARTING)
+        self.members, self.canonical = (), None
 
     def _restore_for(self, p: Peer, ready: list[int]) -> RestorePoint | None:
         """The checkpoint ``p`` must load before the restarting run can form (None: none)."""
@@ -281,8 +284,8 @@ class Membership:
         if p.ready_nonce != nonce:
             p.ready_nonce = nonce
             p.ready_since = now
-        if self.first_ready_at is None and self.running is None:
-            self.first_ready_at = now
+        if not self.phase.running:
+            self.phase.waiting(now)
         self.try_form(now)
         return self.poll_begin(pid, nonce)
 
@@ -388,11 +391,10 @@ class Membership:
             return
         ready = self._ready()
         if not ready:
-            self.first_ready_at = None
+            self.phase.nobody_waiting()
             return
         self._maybe_restart(now)  # lazily: when somebody is there to restart with
-        if self.first_ready_at is None:
-            self.first_ready_at = now
+        waiting_since = self.phase.waiting(now)
         cfg = self.config
         speaking = [p for p in ready if not self._quiet(p, now)]
         if speaking:  # a peer that went quiet while waiting is left out like a quiet member
@@ -420,12 +422,9 @@ class Membership:
             return
         if len(ready) < cfg.min_peers:
             return
-        start = cfg.min_peers if self.restarting else cfg.start_peers or cfg.min_peers
-        if (
-            not self.started
-            and len(ready) < start
-            and now - self.first_ready_at < cfg.start_timeout
-        ):
+        restarting = self.phase.phase is Phase.RESTARTING
+        start = cfg.min_peers if restarting else cfg.start_peers or cfg.min_peers
+        if not self.started and len(ready) < start and now - waiting_since < cfg.start_timeout:
             return
         voters = self._voters(ready)
         if not voters:
@@ -477,10 +476,9 @@ class Membership:
         # ranks follow names, then ids (registration order is a race): a restarted or resumed
         # peer gets its rank, shard and slot back; ring order when peers report links (ring.py)
         members = ring_members(ready, self.peers)
-        new_epoch = self.force_new_epoch or members != self.members
+        new_epoch = self.phase.new_epoch_due or members != self.members
         if new_epoch:
             self.epoch += 1
-            self.force_new_epoch = False
             self._event(now, "epoch", epoch=self.epoch, members=list(members), world=len(members))
         self.members = members
         plan = RoundPlan(
@@ -492,11 +490,10 @@ class Membership:
             new_epoch=new_epoch,
             stale=stale,
         )
+        self.phase.to(Phase.RUNNING)
         self.running = plan
         self.reports = {}
         self.round_started_at = now
-        self.first_ready_at = None
-        self.started, self.restarting = True, False
         self.plans = {}
         for pid in members:
             p = self.peers[pid]
@@ -544,10 +541,10 @@ class Membership:
         if len(self.outcomes) > _HISTORY:
             for k in sorted(self.outcomes)[: len(self.outcomes) - _HISTORY]:
                 del self.outcomes[k]
+        self.phase.to(Phase.COMMITTED if outcome == "committed" else Phase.ABORTED)
         self.running = None
         self.plans = {}
         self.reports = {}
-        self.first_ready_at = None
 
     def _commit(self, now: float) -> None:
         assert self.running is not None
@@ -568,7 +565,6 @@ class Membership:
             return
         plan = self.running
         self.counters["rounds_aborted"] += 1
-        self.force_new_epoch = True
         # A member that did not finish the round still holds the state of the round's start,
         # which is the run's revision: it stays in sync.
         self._finish(now, "aborted", reason)
