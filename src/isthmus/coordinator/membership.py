@@ -102,7 +102,8 @@ class Membership:
         if len(self.events) > 10_000:  # bounded memory; Coordinator.events_since drains them
             del self.events[:1000]
 
-    def _alive(self, pid: int) -> bool:
+    def is_active(self, pid: int) -> bool:
+        """Whether peer ``pid`` is registered and active (not dead, left or refused)."""
         p = self.peers.get(pid)
         return p is not None and p.state is PeerState.ACTIVE
 
@@ -183,7 +184,7 @@ class Membership:
                 self._remove(p.id, now, f"no heartbeat for {now - p.last_seen:.1f}s")
         if self.running is not None and now - self.round_started_at > cfg.commit_timeout:
             for pid in self.running.members:
-                if pid not in self.reports and self._alive(pid):
+                if pid not in self.reports and self.is_active(pid):
                     self._remove(
                         pid,
                         now,
@@ -327,7 +328,7 @@ class Membership:
         )
 
     def _expected(self) -> list[int]:
-        return [pid for pid in self.members if self._alive(pid)]
+        return [pid for pid in self.members if self.is_active(pid)]
 
     def _hash_round(self) -> bool:
         return self.revision % self.config.parity_every == 0
@@ -439,7 +440,7 @@ class Membership:
 
     def _form(self, now: float, ready: list[int], voters: list[int], checked: bool) -> None:
         for pid in self.members:
-            if pid not in ready and self._alive(pid):  # only a quiet member is left out alive
+            if pid not in ready and self.is_active(pid):  # only a quiet member is left out alive
                 p = self.peers[pid]
                 self._event(
                     now,
@@ -583,7 +584,7 @@ class Membership:
             "revision": self.revision,
             "epoch": self.epoch,
             "members": list(self.members),
-            "world": len([m for m in self.members if self._alive(m)]),
+            "world": len([m for m in self.members if self.is_active(m)]),
             "phase": "running" if self.running is not None else "forming",
             "round": self.running.round if self.running else self.revision,
             "peers": peers,
