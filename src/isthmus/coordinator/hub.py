@@ -58,7 +58,7 @@ class Hub:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
         with self.lock:
-            notices, self.membership.notices = self.membership.notices, []
+            notices = self.membership.take_notices()
         for members, msg in notices:
             for pid in members:
                 ws = self.sockets.get(pid)

@@ -13,6 +13,8 @@ A run is always in exactly one :class:`Phase`:
 * ``ABORTED``: between rounds, the last one aborted: the next round opens a new epoch (fresh
   process groups), whoever its members are.
 
+``RUNNING`` carries the :class:`Round` that runs (its plan, when it formed, which begin attempt
+each member was admitted with, and the members' reports so far); no other phase has a round.
 :data:`TRANSITIONS` lists every legal move; :meth:`RunPhase.to` refuses any other with
 :class:`IllegalTransition` (a bug in the caller, never a peer's doing). Pure: no clock, no I/O.
 """
@@ -20,8 +22,11 @@ A run is always in exactly one :class:`Phase`:
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
-__all__ = ["TRANSITIONS", "IllegalTransition", "Phase", "RunPhase"]
+from isthmus.coordinator.protocol import RoundPlan
+
+__all__ = ["TRANSITIONS", "IllegalTransition", "Phase", "Round", "RunPhase"]
 
 
 class Phase(str, enum.Enum):
@@ -47,27 +52,46 @@ class IllegalTransition(RuntimeError):
     """A move :data:`TRANSITIONS` does not allow (names both phases)."""
 
 
+@dataclass
+class Round:
+    """The round that runs: its plan, when it formed, the begin attempt (nonce) each member was
+    admitted with (asking again with it gets the same plan), and the members' reports so far
+    (peer id -> succeeded)."""
+
+    plan: RoundPlan
+    started_at: float
+    nonces: dict[int, str]
+    reports: dict[int, bool] = field(default_factory=dict)
+
+
 class RunPhase:
-    """The run's phase and the clock of the round that is forming.
+    """The run's phase, the round that runs (in ``RUNNING``), and the clock of the round that
+    is forming.
 
     ``waiting_since`` is when the first peer became ready for the round that is forming (None:
     nobody is waiting, or a round is running); the first round's ``start_timeout`` counts from
     it. Every transition clears it: each round that forms has a clock of its own.
     """
 
-    __slots__ = ("phase", "waiting_since")
+    __slots__ = ("phase", "round", "waiting_since")
 
-    def __init__(self, phase: Phase = Phase.STARTING) -> None:
-        self.phase = phase
+    def __init__(self) -> None:
+        self.phase = Phase.STARTING
+        self.round: Round | None = None
         self.waiting_since: float | None = None
 
-    def to(self, new: Phase) -> None:
-        """Move to ``new``. Raises :class:`IllegalTransition` when :data:`TRANSITIONS` does not
-        allow it; the phase is then unchanged."""
+    def to(self, new: Phase, round: Round | None = None) -> None:
+        """Move to ``new``; ``round`` is the round that runs, given exactly when ``new`` is
+        ``RUNNING``. Raises :class:`IllegalTransition` when :data:`TRANSITIONS` does not allow
+        the move, ValueError when ``round`` is missing or not wanted; the phase is then
+        unchanged."""
         if new not in TRANSITIONS[self.phase]:
             raise IllegalTransition(f"a run cannot go from {self.phase.value} to {new.value}")
-        self.phase = new
-        self.waiting_since = None
+        if (new is Phase.RUNNING) != (round is not None):
+            raise ValueError(
+                f"the {new.value} phase {'needs' if round is None else 'has no'} round"
+            )
+        self.phase, self.round, self.waiting_since = new, round, None
 
     def may(self, new: Phase) -> bool:
         """Whether :meth:`to` would accept ``new``."""

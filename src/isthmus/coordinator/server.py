@@ -560,10 +560,5 @@ class Coordinator:
         held, with their Unix time ``ts``, and how many there have been in all. A caller that
         asks again with that count at least every 9,000 events misses none."""
         with self._lock:
-            m = self.membership
-            held = (
-                m.events[max(0, len(m.events) - (m.events_total - n)) :]
-                if n < m.events_total
-                else []
-            )
-            return [{**e, "ts": round(self.started_at + e["t"], 4)} for e in held], m.events_total
+            held, total = self.membership.record.since(n), self.membership.events_total
+        return [{**e, "ts": round(self.started_at + e["t"], 4)} for e in held], total

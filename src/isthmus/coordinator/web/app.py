@@ -234,11 +234,11 @@ class Dashboard:
     def _observe(self) -> None:
         m = self.source.membership
         now = self.now()
-        plan = m.running
+        r = m.phase.round
         running, ready = None, []
-        if plan is not None:
-            running = (plan.epoch, plan.round, m.round_started_at)
-            ready = [(m.peers[p].name, m.peers[p].ready_since) for p in plan.members]
+        if r is not None:
+            running = (r.plan.epoch, r.plan.round, r.started_at)
+            ready = [(m.peers[p].name, m.peers[p].ready_since) for p in r.plan.members]
         world = sum(1 for p in m.members if p in m.peers and m.peers[p].state is PeerState.ACTIVE)
         events = self._new_events(m.events)
         for outcome, seconds in self.view.update(
