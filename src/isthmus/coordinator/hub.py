@@ -21,7 +21,6 @@ from typing import Any
 from aiohttp import web
 
 from isthmus.coordinator.membership import Membership
-from isthmus.coordinator.peers import PeerState
 from isthmus.coordinator.protocol import Decision
 
 __all__ = ["Hub"]
@@ -118,9 +117,8 @@ class Hub:
     def live_peers(self, among: Iterable[int] | None = None) -> int:
         """How many peers (of ``among``, or of all) are active."""
         with self.lock:
-            peers = self.membership.peers
-            ids = peers if among is None else among
-            return sum(1 for p in ids if p in peers and peers[p].state is PeerState.ACTIVE)
+            roster = self.membership.roster
+            return len(roster.alive(roster.peers if among is None else among))
 
     def peer_ids(self) -> set[int]:
         """Every peer id the membership knows (active or not)."""

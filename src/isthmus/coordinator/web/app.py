@@ -77,8 +77,9 @@ def _asset(name: str) -> bytes:
 
 
 class RunSource(Protocol):
-    """What the dashboard reads of its coordinator (:class:`~isthmus.coordinator.Coordinator`
-    is one). ``port`` is read after the coordinator listens (0 may become a picked port)."""
+    """What the dashboard reads of its coordinator
+    (:class:`~isthmus.coordinator.server.Coordinator` is one). ``port`` is read after the
+    coordinator listens (0 may become a picked port)."""
 
     run_id: str
     port: int
@@ -239,7 +240,7 @@ class Dashboard:
         if r is not None:
             running = (r.plan.epoch, r.plan.round, r.started_at)
             ready = [(m.peers[p].name, m.peers[p].ready_since) for p in r.plan.members]
-        world = sum(1 for p in m.members if p in m.peers and m.peers[p].state is PeerState.ACTIVE)
+        world = len(m.expected())
         events = self._new_events(m.events)
         for outcome, seconds in self.view.update(
             now, world=world, running=running, ready_since=ready, events=events
