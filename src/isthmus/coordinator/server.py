@@ -22,10 +22,7 @@ Process groups rendezvous through the coordinator's own API (``POST /v1/store``,
 ``rendezvous="tcpstore"`` serves torch's unauthenticated ``TCPStore`` on ``store_port`` instead
 (for comparison). Tokens, identities, limits and TLS: :mod:`.gate`, :mod:`.auth`, :mod:`.limits`,
 :mod:`.tls` and docs/SECURITY.md; the operator's API: :mod:`.admin`.
-
-The rooms (the handlers here, :mod:`.gate`, :mod:`.admin`, :mod:`.store_service`, :mod:`.web`)
-share one :class:`~.hub.Hub` (the membership under its lock, the clock, the wake-ups, the
-heartbeat sockets) and talk to it, never to each other's internals.
+The handlers here and those rooms share one :class:`~.hub.Hub` (see :mod:`isthmus.coordinator`).
 """
 
 from __future__ import annotations
