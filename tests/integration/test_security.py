@@ -391,7 +391,7 @@ def test_an_attacked_and_fuzzed_run_ends_in_parity_untouched(tmp_path: Path) -> 
         assert status == 200 and len(eves) == 2 and set(reply["evicted"]) <= set(eves)
         assert all(c.membership.peers[p].state.value != "active" for p in eves)
         assert [s for s, _ in answers["eve_after"]] == [401, 401]
-        assert not any("attacker" in k for k in c.gate.store.data), "a store key was written"
+        assert not any("attacker" in k for k in c.store.data), "a store key was written"
 
         # the fuzzer's own peer: registered, then left
         own = asyncio.run(register(base, fp, join_token(ADMIN, "fuzzer")))
@@ -405,8 +405,8 @@ def test_an_attacked_and_fuzzed_run_ends_in_parity_untouched(tmp_path: Path) -> 
         assert {"400", "401", "403", "413"} <= set(tally), tally
         # bounded: the coordinator's tables and this process (the coordinator and the fuzzer)
         assert rss_mb() - rss0 < 64, "the coordinator grew by 64 MB under the fuzzer"
-        assert len(c.gate.store.data) <= c.gate.limits.max_store_keys
-        assert len(c._sockets) <= 4 and len(c.membership.peers) < 10
+        assert len(c.store.data) <= c.gate.limits.max_store_keys
+        assert len(c.hub.sockets) <= 4 and len(c.membership.peers) < 10
         assert c.status(events=0)["revision"] > before, "the run stalled under the fuzzer"
 
         for name, p in run.procs.items():

@@ -1,15 +1,23 @@
-"""The coordinator: the one process that knows who is in a run, and the peers' way to reach it.
+"""The coordinator: one process that keeps a run's membership, and the peer's client of it.
 
-* The membership state machine, pure (no sockets, no clock of its own): who is a member, when a
-  round forms, commits or aborts, which peers must be repaired from whom, which checkpoint is
-  the latest complete one, the ring order and the stragglers.
-* The wire types both sides share, the HTTP server and its heartbeat websocket, and the
-  peer-side client with bounded retries.
-* Access: tokens and join identities, revocation, per-client limits, TLS, and the authenticated
-  rendezvous store through which process groups meet (docs/SECURITY.md).
-* :mod:`.web`: the live dashboard and ``/metrics``.
+What it holds, lowest first:
 
-The coordinator never sees a tensor, only names, shapes and hashes. It sits just above the floor
-and may import spec, data and models. Never imports comm, testing, reduce, checkpoint,
-strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
+* the rules, pure (values in, values out, a clock passed in): :mod:`.peers` (each peer and the
+  run's rules), :mod:`.phase` (the run's phase and its legal moves), :mod:`.record` (events,
+  counters, pushes), :mod:`.parity` (the vote on the state), :mod:`.ring` (ring order),
+  :mod:`.state`, :mod:`.forming` and :mod:`.membership` (the state machine of rounds),
+  :mod:`.checkpoints`, :mod:`.stragglers`, :mod:`.auth` (tokens and identities) and
+  :mod:`.limits`; :mod:`.protocol` holds the wire types;
+* the server's rooms, each talking to the shared :mod:`.hub` through its public methods:
+  :mod:`.gate` (authentication and limits), :mod:`.admin` (the operator's API),
+  :mod:`.store_service` (the rendezvous store), :mod:`.web` (dashboard and ``/metrics``);
+  :mod:`.server` wires them into the :class:`~.server.Coordinator`, configured by
+  :mod:`.settings`; :mod:`.tls` makes and pins certificates;
+* the peer's side: :mod:`.client` and :mod:`.store_client`.
+
+It never sees a tensor, only names, shapes and hashes. It sits just above the floor and may
+import spec, data and models. Never imports comm, testing, reduce, checkpoint, strategies, lab,
+run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it). Inside it, no module
+reaches into another's private members, and no two modules import each other. This file
+imports nothing, so ``import isthmus.coordinator.protocol`` stays light.
 """

@@ -1,8 +1,8 @@
 """Who may do what on a coordinator: the admin credential, per-peer join tokens, revocation.
 
 The run's token (``CoordinatorConfig.token``, ``isthmus coordinator --token``) is the operator's
-**admin credential**: it may do everything, including act as any peer (the single-token mode
-every run had before join tokens, still the default of the embedded coordinator).
+**admin credential**: it may do everything, including act as any peer (a single-token run, the
+embedded coordinator's default, gives it to every peer).
 
 A **join token** names one identity and is derived from the admin credential, so it can be made
 offline, without asking the coordinator (``isthmus token new --name NAME``)::

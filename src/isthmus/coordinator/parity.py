@@ -1,18 +1,49 @@
-"""Parity as pure functions: the canonical state of a round by majority vote, and who must be
-repaired from whom. :class:`~isthmus.coordinator.membership.Membership` calls these when a round
-forms with hashes; they see only the peers' hashes (peer id -> tensor name -> hash)."""
+"""Parity as pure functions: who votes on the state of a round, the canonical state by majority
+vote, and who must be repaired from whom. :class:`~isthmus.coordinator.membership.Membership`
+calls these when a round forms; :func:`canonical` and :func:`repairs` see only the peers' hashes
+(peer id -> tensor name -> hash)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from isthmus.coordinator.peers import Peer
 from isthmus.coordinator.protocol import Transfer
 
-__all__ = ["Hashes", "canonical", "repairs"]
+__all__ = ["Hashes", "canonical", "repairs", "voters"]
 
 Hashes = Mapping[int, Mapping[str, str]]
 """Each peer's per-tensor hashes."""
+
+
+def voters(
+    ready: Sequence[int],
+    peers: Mapping[int, Peer],
+    *,
+    started: bool,
+    revision: int,
+    restore_revision: int | None,
+    expected: Sequence[int],
+) -> list[int]:
+    """The ready peers whose state counts in the majority vote.
+
+    Before the run's first round (``started`` false) everyone holds an initial state, and peers
+    resuming from a checkpoint may be ahead: the highest revision present votes, unless a
+    checkpoint of a later revision (``restore_revision``) is to be loaded first (then nobody
+    votes yet). Afterwards the voters are the peers in sync at the run's ``revision``; when no
+    such peer is ready and none of the ``expected`` members is in sync either (every in-sync peer
+    is gone), the peers holding exactly that revision vote on its state.
+    """
+    if not started:
+        top = max((peers[p].revision or 0) for p in ready)
+        if restore_revision is not None and top < restore_revision:
+            return []
+        return [p for p in ready if (peers[p].revision or 0) == top]
+    chosen = [p for p in ready if peers[p].in_sync and peers[p].revision == revision]
+    if not chosen and not any(peers[m].in_sync for m in expected):
+        chosen = [p for p in ready if peers[p].revision == revision]
+    return chosen
 
 
 def canonical(names: Sequence[str], voters: Sequence[int], hashes: Hashes) -> dict[str, str]:

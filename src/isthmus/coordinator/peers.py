@@ -1,13 +1,15 @@
 """The rules of a run (:class:`MembershipConfig`) and what the coordinator knows of each peer
-(:class:`Peer`, :class:`PeerState`); the state machine that uses them is :mod:`.membership`."""
+(:class:`Peer`, :class:`PeerState`, and the :class:`Roster` of them all); the state machine that
+uses them is :mod:`.membership`. Pure: times are passed in."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MembershipConfig", "Peer", "PeerState"]
+__all__ = ["MembershipConfig", "Peer", "PeerState", "Roster"]
 
 
 @dataclass(kw_only=True)
@@ -58,20 +60,6 @@ class MembershipConfig:
         return self.quiet_after if self.quiet_after is not None else self.heartbeat_timeout / 3
 
 
-COUNTERS = (
-    "registrations",
-    "rounds_committed",
-    "rounds_aborted",
-    "parity_checks",
-    "parity_failures",
-    "resyncs",
-    "evictions",
-    "leaves",
-    "refusals",
-)
-"""The coordinator's counters (``/v1/status``, ``/metrics``)."""
-
-
 class PeerState(str, enum.Enum):
     ACTIVE = "active"  # registered and alive (waiting or member)
     LEFT = "left"
@@ -112,3 +100,48 @@ class Peer:
             "last_heartbeat_s": round(now - self.last_seen, 3),
             "info": self.info,
         }
+
+
+class Roster:
+    """Every peer registered with one coordinator, by id (ids count up from 0 and are never
+    reused), and the questions the membership asks about them. Peers stay listed after they
+    leave or die (their state says so)."""
+
+    def __init__(self) -> None:
+        self.peers: dict[int, Peer] = {}
+        self._next_id = 0
+
+    def add(self, name: str, now: float, info: dict[str, Any], *, uncounted: bool) -> int:
+        """Register a new active peer; returns its id."""
+        pid = self._next_id
+        self._next_id += 1
+        self.peers[pid] = Peer(pid, name, now, now, info=dict(info), uncounted=uncounted)
+        return pid
+
+    def active(self, pid: int) -> Peer | None:
+        """Peer ``pid`` if it is registered and active, else None."""
+        p = self.peers.get(pid)
+        return p if p is not None and p.state is PeerState.ACTIVE else None
+
+    def is_active(self, pid: int) -> bool:
+        return self.active(pid) is not None
+
+    def alive(self, pids: Iterable[int]) -> list[int]:
+        """Those of ``pids`` that are active, in the order given."""
+        return [pid for pid in pids if self.is_active(pid)]
+
+    def ready(self) -> list[int]:
+        """Active peers waiting in a begin, by id."""
+        return sorted(
+            pid for pid, p in self.peers.items() if p.state is PeerState.ACTIVE and p.ready_nonce
+        )
+
+    def describe(self, now: float, members: Iterable[int]) -> list[dict[str, Any]]:
+        """The peers ``/v1/status`` lists: the active ones and those seen in the last 10
+        minutes (``members``: of the current or last epoch)."""
+        of_epoch = set(members)
+        return [
+            p.describe(now, member=p.id in of_epoch)
+            for p in self.peers.values()
+            if p.state is PeerState.ACTIVE or now - p.last_seen <= 600
+        ]

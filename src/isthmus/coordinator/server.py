@@ -21,7 +21,8 @@ Process groups rendezvous through the coordinator's own API (``POST /v1/store``,
 :mod:`isthmus.coordinator.store_service`), behind the same tokens and TLS as everything else;
 ``rendezvous="tcpstore"`` serves torch's unauthenticated ``TCPStore`` on ``store_port`` instead
 (for comparison). Tokens, identities, limits and TLS: :mod:`.gate`, :mod:`.auth`, :mod:`.limits`,
-:mod:`.tls` and docs/SECURITY.md.
+:mod:`.tls` and docs/SECURITY.md; the operator's API: :mod:`.admin`.
+The handlers here and those rooms share one :class:`~.hub.Hub` (see :mod:`isthmus.coordinator`).
 """
 
 from __future__ import annotations
@@ -35,88 +36,29 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 from aiohttp import WSMsgType, web
 
+from isthmus.coordinator.admin import AdminAPI
+from isthmus.coordinator.auth import Identities
+from isthmus.coordinator.bodies import read_json
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 from isthmus.coordinator.gate import BadRequest as _BadRequest
 from isthmus.coordinator.gate import Gate
-from isthmus.coordinator.limits import Limits
-from isthmus.coordinator.membership import Membership, MembershipConfig, PeerState
+from isthmus.coordinator.hub import Hub
+from isthmus.coordinator.membership import Membership, PeerState
 from isthmus.coordinator.protocol import Decision, RestorePoint, TensorSpec
-from isthmus.coordinator.stragglers import StragglerConfig, StragglerDetector
-from isthmus.coordinator.tls import TLSFiles, server_context
+from isthmus.coordinator.settings import CoordinatorConfig
+from isthmus.coordinator.store_service import RendezvousStore, StoreRoute
+from isthmus.coordinator.stragglers import StragglerDetector
+from isthmus.coordinator.tls import server_context
 from isthmus.coordinator.web import Dashboard
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
 log = logging.getLogger("isthmus.coordinator")
-
-
-@dataclass(kw_only=True)
-class CoordinatorConfig:
-    """Where the coordinator listens and the rules of the run."""
-
-    token: str
-    """The admin credential: required; use a long random string. Peers may present it (a
-    single-token run) or a join token derived from it (see :mod:`isthmus.coordinator.auth`)."""
-    tls: TLSFiles | None = None
-    """Serve everything over TLS with this certificate (None: plain HTTP)."""
-    rendezvous: str = "coordinator"
-    """Where process groups meet: ``coordinator`` (the authenticated store of this API) or
-    ``tcpstore`` (torch's TCPStore on ``store_port``: no authentication; for comparison)."""
-    limits: Limits = field(default_factory=Limits)
-    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
-    """When a peer's reported timings make it a straggler, and the policy then."""
-    revoked: tuple[str, ...] = ()
-    """Join token names refused from the start (revocations survive a restart this way)."""
-    host: str = "127.0.0.1"
-    """Address to listen on. Use 0.0.0.0 (and a firewall) to accept peers from other hosts."""
-    port: int = 29400
-    """HTTP port; 0 picks a free one (see :attr:`Coordinator.port`)."""
-    store_port: int = 0
-    """Port of the rendezvous TCPStore; 0 picks a free one."""
-    membership: MembershipConfig = field(default_factory=MembershipConfig)
-    checkpoint_dir: str | None = None
-    """Where the run's checkpoints go (shown in ``/v1/status``; peers write them)."""
-    restore_from: RestorePoint | None = None
-    """A complete checkpoint the run continues from (``isthmus coordinator --resume DIR``):
-    peers without one of their own load it before their first round. Later checkpoints the
-    peers write replace it; whenever no live peer holds the run's state, it restarts from the
-    latest (see :mod:`isthmus.coordinator.membership`)."""
-    heartbeat_interval: float = 1.0
-    """How often peers should send heartbeats (told to them at registration)."""
-    poll_s: float = 2.0
-    """How long a begin/commit request is held before answering ``wait``."""
-    tick_s: float = 0.1
-    """How often timeouts are checked."""
-    metrics_port: int | None = None
-    """Also serve ``/metrics`` on this port *without* the token (0 picks a free one; None: only
-    on the main port, behind the token). Bind it where only your monitoring can reach it."""
-    metrics_host: str | None = None
-    """Address of ``metrics_port`` (default: ``host``)."""
-
-    def __post_init__(self) -> None:
-        if not self.token:
-            raise ValueError("a coordinator needs a non-empty token (peers must present it)")
-        if self.rendezvous not in ("coordinator", "tcpstore"):
-            raise ValueError(
-                f"rendezvous must be 'coordinator' or 'tcpstore', not {self.rendezvous!r}"
-            )
-        if not 0 <= self.port < 65536 or not 0 <= self.store_port < 65536:
-            raise ValueError(f"ports must be in 0..65535, got {self.port} and {self.store_port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
-        if self.heartbeat_interval <= 0 or self.poll_s <= 0 or self.tick_s <= 0:
-            raise ValueError("heartbeat_interval, poll_s and tick_s must be positive")
-        if self.heartbeat_interval * 2 > self.membership.heartbeat_timeout:
-            raise ValueError(
-                f"heartbeat_timeout ({self.membership.heartbeat_timeout}s) must be at least twice "
-                f"heartbeat_interval ({self.heartbeat_interval}s), or live peers get evicted"
-            )
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -139,11 +81,9 @@ class Coordinator:
         if config.restore_from is not None:
             self.membership.set_restore_point(config.restore_from, 0.0)
         self.run_id = secrets.token_hex(4)
-        self.gate = Gate(self, config.limits, tuple(config.revoked))
-        self._lock = threading.Lock()
-        self._changed: asyncio.Event | None = None
-        self._sockets: dict[int, web.WebSocketResponse] = {}
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self.hub = Hub(self.membership, self.run_id)
+        self._lock = self.hub.lock  # the handlers' own names for the hub's lock and sockets
+        self._sockets = self.hub.sockets
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -153,9 +93,23 @@ class Coordinator:
         self._start_error: BaseException | None = None
         self.port = config.port
         self.store_port = config.store_port
-        self.t0 = time.monotonic()
-        self.started_at = time.time()  # wall clock of t0: events' "t" + started_at = Unix time
-        self.web = Dashboard(self)
+        self.t0 = self.hub.t0
+        self.started_at = self.hub.started_at  # events' "t" + started_at = Unix time
+        identities = Identities(config.token, tuple(config.revoked))
+        metrics_at = None
+        if config.metrics_port is not None:
+            metrics_at = (config.metrics_host or config.host, config.metrics_port)
+        self.web = Dashboard(self, identities, metrics_at=metrics_at)
+        self.gate = Gate(
+            identities=identities, limits=config.limits, roster=self.hub, open_path=self.web.handles
+        )
+        self.admin = AdminAPI(identities, self.hub)
+        self.store = RendezvousStore(
+            lambda: f"isthmus/{self.run_id}/",
+            max_keys=config.limits.max_store_keys,
+            max_value_bytes=config.limits.max_store_value_bytes,
+            poll_s=config.poll_s,
+        )
         self.stragglers = StragglerDetector(config.stragglers)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -213,7 +167,7 @@ class Coordinator:
             loop.close()
 
     async def _serve(self) -> None:
-        self._changed = asyncio.Event()
+        self.hub.open()
         self._stop_event = asyncio.Event()
         cfg = self.config
         if cfg.rendezvous == "tcpstore":
@@ -242,7 +196,8 @@ class Coordinator:
             ]
         )
         self.web.install(app)
-        self.gate.install(app)
+        self.admin.install(app)
+        StoreRoute(self.store, self.hub.stale_run).install(app)
         # a stop waits for handlers in flight (a long-poll of a peer that has gone runs to its
         # own timeout) at most 1 s, not aiohttp's 60 s
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
@@ -258,7 +213,7 @@ class Coordinator:
         self.port = sock.getsockname()[1]
         site = web.SockSite(self._runner, sock, ssl_context=ssl_ctx)
         await site.start()
-        ticker = asyncio.ensure_future(self._ticker())
+        ticker = asyncio.ensure_future(self.hub.tick_forever(cfg.tick_s))
         log.info(
             "coordinator listening on %s://%s:%d (rendezvous: %s)",
             "https" if ssl_ctx else "http",
@@ -273,10 +228,7 @@ class Coordinator:
             ticker.cancel()
             # A stopped or vanished peer never answers the closing handshake (aiohttp waits 10 s
             # for it, per socket): close them together, bounded.
-            closing = [ws.close() for ws in list(self._sockets.values())]
-            if closing:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), 1.0)
+            await self.hub.close_sockets()
             await self._runner.cleanup()
             self._store = None
             # handlers of clients that never finished a request (slow or hostile): end them
@@ -286,77 +238,27 @@ class Coordinator:
             if rest:
                 await asyncio.wait(rest, timeout=1.0)
 
-    # -- plumbing -------------------------------------------------------------------------------
-    def _now(self) -> float:
-        return time.monotonic() - self.t0
+    # -- plumbing: the hub's, under the names the handlers use ---------------------------------
+    def now(self) -> float:
+        """Seconds since the coordinator started (the clock of its events)."""
+        return self.hub.now()
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the run's next change, or after ``timeout`` seconds (on the loop)."""
+        await self.hub.changed(timeout)
+
+    _now = now
 
     def _mutated(self) -> None:
-        """Wake every long-poll and deliver queued pushes. Call on the loop after a change."""
-        assert self._changed is not None
-        ev = self._changed
-        self._changed = asyncio.Event()
-        ev.set()
-        with self._lock:
-            notices, self.membership.notices = self.membership.notices, []
-        for members, msg in notices:
-            for pid in members:
-                ws = self._sockets.get(pid)
-                if ws is not None and not ws.closed:
-                    # Keep a reference: the loop holds tasks weakly.
-                    task = asyncio.ensure_future(self._send(ws, msg))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+        self.hub.mutated()
 
-    @staticmethod
-    async def _send(ws: web.WebSocketResponse, msg: dict[str, Any]) -> None:
-        with contextlib.suppress(Exception):
-            await ws.send_json(msg)
-
-    async def _ticker(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.tick_s)
-            with self._lock:
-                before = (
-                    self.membership.revision,
-                    self.membership.epoch,
-                    len(self.membership.events),
-                )
-                self.membership.tick(self._now())
-                after = (
-                    self.membership.revision,
-                    self.membership.epoch,
-                    len(self.membership.events),
-                )
-            if before != after or self.membership.notices:
-                self._mutated()
-
-    _json = staticmethod(Gate.json)
+    _json = staticmethod(read_json)
 
     async def _hold(self, poll: Any) -> Decision:
-        """Re-evaluate ``poll()`` after every change until it is not ``wait`` or poll_s passes."""
-        deadline = asyncio.get_running_loop().time() + self.config.poll_s
-        while True:
-            with self._lock:
-                d = poll()
-            if d.kind != "wait":
-                return d
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                return d
-            assert self._changed is not None
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+        return await self.hub.hold(poll, self.config.poll_s)
 
     def _stale_run(self, run: object) -> str | None:
-        """Why a request that names run ``run`` belongs to another incarnation of this coordinator,
-        or None. Peer ids start again at 0 after a coordinator restart, so an old id alone could
-        name a different, newly registered peer; the run id tells them apart. Requests that name
-        no run (curl) are taken at their word."""
-        if run is None or run == self.run_id:
-            return None
-        return (
-            f"this coordinator runs run {self.run_id}, not {run} (it was restarted); register again"
-        )
+        return self.hub.stale_run(run)
 
     # -- handlers -------------------------------------------------------------------------------
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -591,10 +493,5 @@ class Coordinator:
         held, with their Unix time ``ts``, and how many there have been in all. A caller that
         asks again with that count at least every 9,000 events misses none."""
         with self._lock:
-            m = self.membership
-            held = (
-                m.events[max(0, len(m.events) - (m.events_total - n)) :]
-                if n < m.events_total
-                else []
-            )
-            return [{**e, "ts": round(self.started_at + e["t"], 4)} for e in held], m.events_total
+            held, total = self.membership.record.since(n), self.membership.events_total
+        return [{**e, "ts": round(self.started_at + e["t"], 4)} for e in held], total

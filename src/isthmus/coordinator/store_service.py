@@ -8,7 +8,8 @@ stall group formation). Here the coordinator keeps the rendezvous keys itself an
 sends its ``set/get/add/compare_set/wait/check/delete_key`` there.
 
 A request names the peer it comes from (``peer``): the server's gate checks that the token may
-act for that peer, so only registered, unrevoked identities reach the keys. Keys must lie under
+act for that peer, so only registered, unrevoked identities reach the keys. A request that names
+another run (``run``, from before a coordinator restart) is answered 409. Keys must lie under
 ``isthmus/<run id>/`` (the session's per-epoch prefixes do). Values are base64 in JSON.
 
 Ops (the body's ``op``) and answers:
@@ -36,12 +37,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RendezvousStore", "StoreError"]
+from aiohttp import web
+
+from isthmus.coordinator.bodies import BadRequest, error, read_json
+
+__all__ = ["RendezvousStore", "StoreError", "StoreRoute"]
 
 MAX_KEY_CHARS = 1024
 
 
-class StoreError(ValueError):
+class StoreError(BadRequest, ValueError):
     """A malformed store request (answered 400 with this message)."""
 
 
@@ -177,3 +182,22 @@ class RendezvousStore:
         raise StoreError(
             f"unknown store op {op!r} (set, get, add, compare_set, wait, check, delete, num_keys)"
         )
+
+
+class StoreRoute:
+    """``POST /v1/store`` of one coordinator: a request naming another run (``stale_run(run)``
+    says why) is answered 409, any other goes to ``store``."""
+
+    def __init__(self, store: RendezvousStore, stale_run: Callable[[object], str | None]) -> None:
+        self.store = store
+        self.stale_run = stale_run
+
+    def install(self, app: web.Application) -> None:
+        app.add_routes([web.post("/v1/store", self._handle)])
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        stale = self.stale_run(body.get("run"))
+        if stale is not None:
+            return error(409, stale)
+        return web.json_response(await self.store.handle(body))

@@ -1,8 +1,7 @@
-"""Stragglers and slow links found from the peers' own timings (after C4, in ../shared/seeds).
+"""Stragglers and slow links found from the peers' own timings.
 
-C4 observes that the collectives of a data-parallel job are periodic and homogeneous: every
-member does the same work between two rounds, so a member whose timings stand out is the one
-holding the run back. Here each peer reports, with its heartbeats, the timing of its latest step
+The collectives of a data-parallel job are periodic and homogeneous: every member does the same
+work between two rounds, so a member whose timings stand out is the one holding the run back. Here each peer reports, with its heartbeats, the timing of its latest step
 (``timing = {"step": s, "work_s": w, "sync_s": c, "links": {peer: seconds}}``: seconds of its
 own computation, seconds in the round's synchronization, and optionally the seconds of
 transfers with named peers). The coordinator feeds every new step's timing to a
@@ -54,7 +53,7 @@ class StragglerConfig:
     ValueError naming a bad value."""
 
     factor: float = field(default=2.0, metadata={"flat": "straggler_factor"})
-    """k: a time beyond k times the reference is slow (C4's anomalies are several-fold)."""
+    """k: a time beyond k times the reference is slow."""
     rounds: int = field(default=3, metadata={"flat": "straggler_rounds"})
     """m: this many slow (or normal) observations in a row flag (or clear) a peer."""
     window: int = field(default=32, metadata={"flat": "straggler_window"})

@@ -20,6 +20,9 @@ A watcher task on the coordinator's event loop wakes at each change of the membe
 :class:`~.view.RunView` (world size, round durations, aborts, stragglers) and the round duration
 histogram; it reads the membership without the coordinator's lock because it runs on the loop
 that makes every change (the lock only guards reads from other threads).
+
+The dashboard knows its coordinator only as a :class:`RunSource`: the run id, the port, the
+membership (read only), the clock, the status and a wait for the next change.
 """
 
 from __future__ import annotations
@@ -30,20 +33,18 @@ import importlib.resources
 import json
 import logging
 import socket
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from isthmus.coordinator.auth import Identities
+from isthmus.coordinator.membership import Membership
 from isthmus.coordinator.peers import PeerState
 from isthmus.coordinator.web.metrics import CONTENT_TYPE, RunMetrics
 from isthmus.coordinator.web.view import RunView
 from isthmus.coordinator.web.viewer_auth import TokenCheck
 
-if TYPE_CHECKING:
-    from isthmus.coordinator.server import Coordinator
-
-__all__ = ["Dashboard"]
+__all__ = ["Dashboard", "RunSource"]
 
 log = logging.getLogger("isthmus.coordinator.web")
 
@@ -75,8 +76,33 @@ def _asset(name: str) -> bytes:
     return importlib.resources.files(__package__).joinpath("static", name).read_bytes()
 
 
+class RunSource(Protocol):
+    """What the dashboard reads of its coordinator
+    (:class:`~isthmus.coordinator.server.Coordinator` is one). ``port`` is read after the
+    coordinator listens (0 may become a picked port)."""
+
+    run_id: str
+    port: int
+    membership: Membership
+
+    def now(self) -> float:
+        """Seconds since the coordinator started (the clock of its events)."""
+        ...
+
+    def status(self, events: int = 50) -> dict[str, Any]:
+        """``/v1/status``'s dict."""
+        ...
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the run's next change, or after ``timeout`` seconds."""
+        ...
+
+
 class Dashboard:
-    """The web routes of one :class:`~isthmus.coordinator.server.Coordinator`."""
+    """The web routes of one coordinator (``source``) whose credentials are ``identities``.
+
+    ``metrics_at`` is the ``(host, port)`` where ``/metrics`` is also served without a token
+    (port 0 picks one; None: not served there)."""
 
     PATHS = frozenset(
         {
@@ -91,11 +117,18 @@ class Dashboard:
         }
     )
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.check = TokenCheck(coordinator.gate.identities)
+    def __init__(
+        self,
+        source: RunSource,
+        identities: Identities,
+        *,
+        metrics_at: tuple[str, int] | None = None,
+    ) -> None:
+        self.source = source
+        self.metrics_at = metrics_at
+        self.check = TokenCheck(identities)
         self.view = RunView()
-        self.metrics = RunMetrics(lambda: coordinator.status(events=0), self.view, self.now)
+        self.metrics = RunMetrics(lambda: source.status(events=0), self.view, self.now)
         self.metrics_port: int | None = None
         """Where the token-less ``/metrics`` listens (None: not served)."""
         self._updated: asyncio.Event | None = None
@@ -108,7 +141,7 @@ class Dashboard:
 
     def now(self) -> float:
         """The coordinator's clock (seconds since it started, as in its events)."""
-        return time.monotonic() - self.coordinator.t0
+        return self.source.now()
 
     def handles(self, path: str) -> bool:
         """True for the paths that check access themselves (the coordinator's auth middleware
@@ -138,9 +171,8 @@ class Dashboard:
     async def _on_startup(self, app: web.Application) -> None:
         self._updated = asyncio.Event()
         self._closing = asyncio.Event()
-        cfg = self.coordinator.config
-        if cfg.metrics_port is not None:  # first: if it fails there is nothing to stop
-            await self._serve_metrics(cfg.metrics_host or cfg.host, cfg.metrics_port)
+        if self.metrics_at is not None:  # first: if it fails there is nothing to stop
+            await self._serve_metrics(*self.metrics_at)
         self._watcher = asyncio.ensure_future(self._watch())
 
     async def _serve_metrics(self, host: str, port: int) -> None:
@@ -181,13 +213,7 @@ class Dashboard:
     # -- the watcher ----------------------------------------------------------------------------
     async def _watch(self) -> None:
         while True:
-            # the coordinator replaces this event at every change and sets the old one
-            changed = getattr(self.coordinator, "_changed", None)
-            if isinstance(changed, asyncio.Event):
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(changed.wait(), SAMPLE_EVERY_S)
-            else:
-                await asyncio.sleep(0.05)
+            await self.source.changed(SAMPLE_EVERY_S)
             try:
                 self._observe()
             except Exception:  # a bug here must not stop the dashboard for the rest of the run
@@ -207,14 +233,14 @@ class Dashboard:
         return events[-100:]  # trimmed past it: what is left of the recent ones
 
     def _observe(self) -> None:
-        m = self.coordinator.membership
+        m = self.source.membership
         now = self.now()
-        plan = m.running
+        r = m.phase.round
         running, ready = None, []
-        if plan is not None:
-            running = (plan.epoch, plan.round, m.round_started_at)
-            ready = [(m.peers[p].name, m.peers[p].ready_since) for p in plan.members]
-        world = sum(1 for p in m.members if p in m.peers and m.peers[p].state is PeerState.ACTIVE)
+        if r is not None:
+            running = (r.plan.epoch, r.plan.round, r.started_at)
+            ready = [(m.peers[p].name, m.peers[p].ready_since) for p in r.plan.members]
+        world = len(m.expected())
         events = self._new_events(m.events)
         for outcome, seconds in self.view.update(
             now, world=world, running=running, ready_since=ready, events=events
@@ -222,14 +248,14 @@ class Dashboard:
             self.metrics.observe(outcome, seconds)
         if now - self._sampled_at >= SAMPLE_EVERY_S:
             self._sampled_at = now
-            self.view.sample_peers(now, self.coordinator.status(events=0)["peers"])
+            self.view.sample_peers(now, self.source.status(events=0)["peers"])
         if self._updated is not None:
             ev, self._updated = self._updated, asyncio.Event()
             ev.set()
 
     def _waiting_for(self) -> list[str]:
         """Members of the last epoch the others are waiting for to begin the next round."""
-        m = self.coordinator.membership
+        m = self.source.membership
         if m.running is not None:
             return []
         alive = [m.peers[p] for p in m.members if p in m.peers]
@@ -244,7 +270,7 @@ class Dashboard:
         now = self.now()
         if self._snapshot is not None and now - self._snapshot[0] < MIN_GAP_S:
             return self._snapshot[1]
-        status = self.coordinator.status(events=0)  # the view keeps the events it shows
+        status = self.source.status(events=0)  # the view keeps the events it shows
         self.view.sample_peers(now, status["peers"])
         snap = self.view.snapshot(now, status, waiting_for=self._waiting_for())
         self._snapshot = (now, snap)
@@ -252,7 +278,7 @@ class Dashboard:
 
     # -- handlers -------------------------------------------------------------------------------
     def _allowed(self, request: web.Request) -> bool:
-        return self.check.allowed(request, self.coordinator.port)
+        return self.check.allowed(request, self.source.port)
 
     @staticmethod
     def _denied() -> web.Response:
@@ -296,19 +322,19 @@ class Dashboard:
         if not self.check.token_ok(token.strip()):
             await asyncio.sleep(0.3)  # slows guessing without holding anyone else up
             return web.json_response({"error": "invalid token for this run"}, status=401)
-        resp = web.json_response({"ok": True, "run_id": self.coordinator.run_id})
-        self.check.set_cookie(resp, self.coordinator.port, token.strip())
+        resp = web.json_response({"ok": True, "run_id": self.source.run_id})
+        self.check.set_cookie(resp, self.source.port, token.strip())
         return resp
 
     async def _logout(self, request: web.Request) -> web.Response:
         resp = web.json_response({"ok": True})
-        self.check.clear_cookie(resp, self.coordinator.port)
+        self.check.clear_cookie(resp, self.source.port)
         return resp
 
     async def _session(self, request: web.Request) -> web.Response:
         if not self._allowed(request):
             return self._denied()
-        return web.json_response({"ok": True, "run_id": self.coordinator.run_id})
+        return web.json_response({"ok": True, "run_id": self.source.run_id})
 
     async def _snapshot_json(self, request: web.Request) -> web.Response:
         if not self._allowed(request):

@@ -13,7 +13,7 @@ keeps
 * stragglers: per peer, how many rounds it was the last member to begin and how long the others
   waited for it,
 * the recent events other than commits (joins, evictions, epochs, aborts, resyncs, parity
-  failures, checkpoints): with data parallel a commit every few milliseconds would push them
+  failures, checkpoints): with data parallel, commits come so often that they would push them
   out of any list of recent events; commits are counted instead.
 
 Every series is bounded: past its cap it keeps every other point (the whole run, coarser), so a

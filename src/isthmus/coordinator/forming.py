@@ -1,0 +1,181 @@
+"""When the next round forms, and with whom: the rules the membership applies after every event.
+
+A round forms (:func:`try_form`) when no round runs and
+
+* every live member of the last epoch is ready (a member that has not begun ``begin_timeout``
+  after another member did is evicted; members that went quiet, ``quiet_after``, are not
+  waited for), and at least ``min_peers`` are;
+* for the run's first round, ``start_peers`` are ready or ``start_timeout`` has passed since the
+  first was (after a restart from a checkpoint, ``min_peers`` suffice);
+* some ready peer holds the run's state (:func:`.parity.voters`), and every ready peer sent its
+  hashes when the round needs them (:func:`hashes_needed`).
+
+:func:`form` then plans it: the parity check and repairs, members ranked by name (or ring order,
+:mod:`.ring`), a new epoch when the members changed or the phase asks for one. Functions of a
+:class:`~.state.RunState`; pure like it.
+"""
+
+from __future__ import annotations
+
+from isthmus.coordinator.parity import canonical, repairs
+from isthmus.coordinator.peers import PeerState
+from isthmus.coordinator.phase import Phase, Round
+from isthmus.coordinator.protocol import RoundPlan, Transfer
+from isthmus.coordinator.ring import ring_members
+from isthmus.coordinator.state import RunState
+
+__all__ = ["finished", "form", "hashes_needed", "quiet", "try_form", "waiting_reason"]
+
+
+def quiet(s: RunState, pid: int, now: float) -> bool:
+    """Peer ``pid`` has been silent longer than ``quiet_after``."""
+    return now - s.peers[pid].last_seen > s.config.quiet_after_s
+
+
+def finished(s: RunState, ready: list[int]) -> bool:
+    """Every member of the last epoch left gracefully and nobody ready holds the state."""
+    if not s.started or s.voters(ready) or not s.members:
+        return False
+    return all(s.peers[m].state is PeerState.LEFT for m in s.members)
+
+
+def hashes_needed(s: RunState, ready: list[int]) -> bool:
+    """Whether the next round needs every ready peer's hashes: a scheduled check, or someone
+    who is not in sync (a joiner or stale peer) must be compared and repaired."""
+    if not ready:
+        return False
+    voters = set(s.voters(ready))
+    scheduled = s.revision % s.config.parity_every == 0
+    return not s.started or scheduled or any(p not in voters for p in ready)
+
+
+def waiting_reason(s: RunState) -> str:
+    """Why no round forms now, in words (a waiting begin's answer)."""
+    ready = s.roster.ready()
+    missing = [pid for pid in s.expected() if pid not in ready]
+    if missing:
+        names = ", ".join(f"{pid} ({s.peers[pid].name})" for pid in missing)
+        return f"waiting for members to begin round {s.revision}: {names}"
+    if len(ready) < s.config.min_peers:
+        return f"waiting for peers: {len(ready)} ready, min_peers is {s.config.min_peers}"
+    start = s.config.start_peers or s.config.min_peers
+    if not s.started and len(ready) < start:
+        return f"waiting for the first {start} peers: {len(ready)} ready"
+    rp = s.restore_point
+    if not s.started and rp is not None and ready and not s.voters(ready):
+        return f"waiting for peers to load checkpoint {rp.revision} at {rp.url}"
+    if ready and not s.voters(ready):
+        return f"no ready peer holds the run's state (revision {s.revision}); waiting for one"
+    return "waiting for state hashes"
+
+
+def try_form(s: RunState, now: float) -> None:
+    """Form the next round if its conditions hold (see the module doc); evicts members that
+    did not begin within ``begin_timeout``."""
+    if s.running is not None:
+        return
+    ready = s.roster.ready()
+    if not ready:
+        s.phase.nobody_waiting()
+        return
+    s.restart_if_lost(now)  # lazily: when somebody is there to restart with
+    waiting_since = s.phase.waiting(now)
+    cfg = s.config
+    speaking = [p for p in ready if not quiet(s, p, now)]
+    if speaking:  # a peer that went quiet while waiting is left out like a quiet member
+        ready = speaking
+    expected = s.expected()
+    missing = [pid for pid in expected if pid not in ready]
+    # The clock starts when a member of the last epoch is ready, never because of a joiner:
+    # members are not expected to begin a round just because somebody is waiting to join.
+    member_ready = [
+        now if s.peers[m].ready_since is None else s.peers[m].ready_since
+        for m in expected
+        if m in ready
+    ]
+    if missing and member_ready and now - min(member_ready) > cfg.begin_timeout:
+        for pid in missing:
+            s.drop(pid, now, f"did not begin round {s.revision} within {cfg.begin_timeout:.0f}s")
+        missing = []
+    if missing and member_ready and all(quiet(s, p, now) for p in missing):
+        # Members that went quiet are not waited for (MembershipConfig.quiet_after): a second
+        # silent member must not hold the retry until its own eviction.
+        missing = []
+    if missing:
+        return
+    if len(ready) < cfg.min_peers:
+        return
+    restarting = s.phase.phase is Phase.RESTARTING
+    start = cfg.min_peers if restarting else cfg.start_peers or cfg.min_peers
+    if not s.started and len(ready) < start and now - waiting_since < cfg.start_timeout:
+        return
+    voters = s.voters(ready)
+    if not voters:
+        return  # no peer holds the run's state; wait (bounded by the clients' timeouts)
+    need_hashes = hashes_needed(s, ready)
+    if need_hashes and any(s.peers[p].hashes is None for p in ready):
+        return  # waiting peers are told to send hashes by poll_begin
+    form(s, now, ready, voters, need_hashes)
+
+
+def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: bool) -> None:
+    """Start the round of ``ready`` (``voters`` decide its state; ``checked``: with a parity
+    check of the hashes they sent): the phase becomes ``RUNNING`` with its plan."""
+    for pid in s.members:
+        if pid not in ready and s.is_active(pid):  # only a quiet member is left out alive
+            p = s.peers[pid]
+            s.note(
+                now,
+                "quiet",
+                peer=pid,
+                name=p.name,
+                reason=f"left out of round {s.revision}: silent for {now - p.last_seen:.1f}s",
+            )
+    if not s.started:
+        s.revision = s.peers[voters[0]].revision or 0
+    transfers: list[Transfer] = []
+    expected: dict[str, str] = {}
+    if checked:
+        hashes = {pid: s.peers[pid].hashes or {} for pid in ready}
+        names = [t.name for t in s.schema or []]
+        s.canonical = canonical(names, voters, hashes)
+        s.counters["parity_checks"] += 1
+        transfers, wrong_by_peer = repairs(s.canonical, ready, voters, hashes)
+        for pid, wrong in wrong_by_peer.items():
+            if pid in voters and s.started:
+                s.counters["parity_failures"] += 1
+                s.note(now, "parity_failure", peer=pid, tensors=list(wrong)[:20])
+            s.counters["resyncs"] += 1
+            expected.update({n: s.canonical[n] for n in wrong})
+    # in_sync: holds the canonical state of the run's revision. Repaired peers become in sync
+    # only when the round commits (the transfer might not complete).
+    dsts = {t.dst for t in transfers}
+    stale = tuple(p for p in ready if s.peers[p].uncounted and p not in dsts)
+    for pid in ready:
+        s.peers[pid].in_sync = pid in voters and pid not in dsts
+        if pid in dsts:
+            s.peers[pid].uncounted = True  # until this round commits
+    # ranks follow names, then ids (registration order is a race): a restarted or resumed
+    # peer gets its rank, shard and slot back; ring order when peers report links (ring.py)
+    members = ring_members(ready, s.peers)
+    new_epoch = s.phase.new_epoch_due or members != s.members
+    if new_epoch:
+        s.epoch += 1
+        s.note(now, "epoch", epoch=s.epoch, members=list(members), world=len(members))
+    s.members = members
+    plan = RoundPlan(
+        round=s.revision,
+        epoch=s.epoch,
+        members=members,
+        transfers=tuple(transfers),
+        expected=expected,
+        new_epoch=new_epoch,
+        stale=stale,
+    )
+    nonces = {pid: s.peers[pid].ready_nonce or "" for pid in members}
+    s.phase.to(Phase.RUNNING, Round(plan, now, nonces))
+    for pid in members:
+        s.peers[pid].ready_nonce = None
+        s.peers[pid].hashes = None
+    if transfers:
+        s.note(now, "resync", transfers=[t.to_json() for t in transfers])
