@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "reduce": 3,
     "checkpoint": 4,
     "strategies": 5,
+    "runconfig": 5,
     "lab": 6,
     "run": 7,
     "cli": 8,

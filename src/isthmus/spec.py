@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -33,16 +34,20 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, Union, get_args, get_origin
 
 __all__ = [
+    "Checked",
     "Entry",
     "Part",
     "Registry",
     "SpecError",
+    "check_keys",
+    "check_settings",
     "coerce",
     "config_from",
     "format_spec",
     "option_names",
     "parse",
     "parse_assignment",
+    "setting",
     "suggest",
 ]
 
@@ -51,29 +56,62 @@ C = TypeVar("C")
 
 
 class SpecError(ValueError):
-    """A spec, an option or a config value is wrong. ``key`` is the dotted path of what is wrong
-    (``strategy.options.outer_lr``, ``compression``), ``spec`` the text it came from."""
+    """A spec, an option, a config value or a scenario file is wrong: the one error type of every
+    configuration. ``key`` is the dotted path of what is wrong (``strategy.options.outer_lr``,
+    ``churn[2].peer``), ``spec`` the text it came from, ``source`` the file (empty when the value
+    came from the command line or from code)."""
 
-    def __init__(self, problem: str, *, key: str = "", spec: str = "") -> None:
+    def __init__(self, problem: str, *, key: str = "", spec: str = "", source: str = "") -> None:
         self.problem = problem
         self.key = key
         self.spec = spec
+        self.source = source
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        where = [w for w in (self.key, repr(self.spec) if self.spec else "") if w]
+        where = [w for w in (self.source, self.key, repr(self.spec) if self.spec else "") if w]
         return f"{': '.join(where)}: {self.problem}" if where else self.problem
 
-    def within(self, prefix: str) -> SpecError:
-        """The same error with ``prefix`` put in front of its key."""
-        key = f"{prefix}.{self.key}" if prefix and self.key else prefix or self.key
-        return SpecError(self.problem, key=key, spec=self.spec)
+    def within(self, prefix: str, source: str | None = None) -> SpecError:
+        """The same error with ``prefix`` put in front of its key (``churn`` and ``[2].peer``
+        join without a dot) and, if given, ``source`` as its file."""
+        if not prefix or not self.key:
+            key = prefix or self.key
+        else:
+            key = prefix + self.key if self.key.startswith("[") else f"{prefix}.{self.key}"
+        return SpecError(self.problem, key=key, spec=self.spec, source=source or self.source)
 
 
 def suggest(word: str, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string."""
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string. The one
+    "did you mean" of the project: specs, configs, scenario files and link rates use it."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_keys(
+    table: Any,
+    key: str,
+    allowed: Sequence[str],
+    required: Sequence[str] = (),
+    hints: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """``table`` as a dict, after checking that it is a table with only ``allowed`` keys and every
+    ``required`` one. Raises :class:`SpecError` under ``key``: an unknown key gets ``hints[k]``
+    or the closest allowed key as advice, and the list of allowed keys."""
+    if not isinstance(table, Mapping):
+        raise SpecError(f"must be a table, got {table!r}", key=key)
+    for k in table:
+        if k not in allowed:
+            hint = (hints or {}).get(k) or suggest(k, allowed)
+            raise SpecError(
+                f"unknown key{hint}; known keys: {', '.join(allowed)}",
+                key=f"{key}.{k}" if key else k,
+            )
+    for k in required:
+        if k not in table:
+            raise SpecError(f"missing required key {k!r}", key=f"{key}.{k}" if key else k)
+    return dict(table)
 
 
 def _norm(name: str) -> str:
@@ -171,12 +209,14 @@ def _describe(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def coerce(value: Any, hint: Any, *, key: str = "") -> Any:
+def coerce(value: Any, hint: Any, *, key: str = "", strict: bool = False) -> Any:
     """Convert ``value`` (a string from a spec or a flag, or a TOML/JSON value) to ``hint``.
 
     Understands ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, unions with ``None``
     (``none``/``null`` read as None), and ``tuple[X, ...]``/``list[X]`` of those; anything else
-    passes through for the config to check. Raises :class:`SpecError` naming ``key``.
+    passes through for the config to check. ``strict`` is for typed sources (a TOML file): no
+    text is parsed, a float is no integer, 1 is no boolean, and numbers must be finite. Raises
+    :class:`SpecError` naming ``key``.
     """
     origin = get_origin(hint)
     if hint is Any or hint is object:
@@ -184,13 +224,14 @@ def coerce(value: Any, hint: Any, *, key: str = "") -> Any:
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
         if len(args) < len(get_args(hint)) and (
-            value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+            value is None
+            or (not strict and isinstance(value, str) and value.lower() in ("none", "null"))
         ):
             return None
         errors = []
         for a in args:
             try:
-                return coerce(value, a, key=key)
+                return coerce(value, a, key=key, strict=strict)
             except SpecError as e:
                 errors.append(e.problem)
         raise SpecError(errors[0] if len(errors) == 1 else "; or ".join(errors), key=key)
@@ -207,54 +248,143 @@ def coerce(value: Any, hint: Any, *, key: str = "") -> Any:
     if origin in (tuple, list, Sequence):
         args = get_args(hint)
         inner = args[0] if args else Any
-        if isinstance(value, str):
+        if isinstance(value, str) and not strict:
             items: list[Any] = [v for v in value.split("|") if v] if value else []
         elif isinstance(value, (list, tuple)):
             items = list(value)
         else:
             raise SpecError(f"must be a list, got {value!r}", key=key)
-        out = [coerce(v, inner, key=f"{key}[{i}]") for i, v in enumerate(items)]
+        out = [coerce(v, inner, key=f"{key}[{i}]", strict=strict) for i, v in enumerate(items)]
         return tuple(out) if origin is tuple else out
     if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-        raise SpecError(f"must be true or false (or 1/0), got {value!r}", key=key)
+        return _to_bool(value, key, strict)
     if hint is int:
-        if isinstance(value, bool):
-            raise SpecError(f"must be an integer, got {value!r}", key=key)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise SpecError(f"must be an integer, got {value!r}", key=key)
+        return _to_int(value, key, strict)
     if hint is float:
-        if isinstance(value, bool):
-            raise SpecError(f"must be a number, got {value!r}", key=key)
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                x = float(value)
-            except ValueError:
-                pass
-            else:
-                if math.isfinite(x) or value.strip().lower() in ("inf", "+inf", "-inf"):
-                    return x
-        raise SpecError(f"must be a number, got {value!r}", key=key)
+        return _to_float(value, key, strict)
     if hint is str:
         if isinstance(value, str):
             return value
         raise SpecError(f"must be a string, got {value!r}", key=key)
     return value
+
+
+def _to_bool(value: Any, key: str, strict: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if strict:
+        raise SpecError(f"must be true or false, got {value!r}", key=key)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise SpecError(f"must be true or false (or 1/0), got {value!r}", key=key)
+
+
+def _to_int(value: Any, key: str, strict: bool) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not strict and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not strict and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise SpecError(f"must be an integer, got {value!r}", key=key)
+
+
+def _to_float(value: Any, key: str, strict: bool) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if strict and not math.isfinite(value):
+            raise SpecError(f"must be finite, got {value!r}", key=key)
+        return float(value)
+    if not strict and isinstance(value, str):
+        try:
+            x = float(value)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(x) or value.strip().lower() in ("inf", "+inf", "-inf"):
+                return x
+    raise SpecError(f"must be a number, got {value!r}", key=key)
+
+
+# ---------------------------------------------------------------------------- declared settings
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    default_factory: Any = dataclasses.MISSING,
+    ge: float | None = None,
+    gt: float | None = None,
+    **metadata: Any,
+) -> Any:
+    """A field of a config dataclass that carries its help text and its bounds: the help of its
+    command-line flag (``help``), and ``ge``/``gt`` (at least / above) that
+    :func:`check_settings` enforces with the value's type. Other ``metadata`` (``flat``,
+    ``metavar``, ...) is kept as given."""
+    meta = {"help": " ".join(help.split()), **metadata}
+    meta.update({k: v for k, v in (("ge", ge), ("gt", gt)) if v is not None})
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_settings(obj: Any, section: str = "") -> None:
+    """Check every field of config dataclass ``obj`` that declares bounds (``ge``, ``gt``) or
+    choices (a ``Literal`` type). Raises :class:`SpecError` naming ``section.field``: ``must be
+    an integer >= 1``, ``must be a positive number``, ``must be a number >= 0`` or ``must be one
+    of ...`` with a close match."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint, meta = hints[f.name], f.metadata
+        args = [a for a in get_args(hint) if a is not type(None)]
+        value = getattr(obj, f.name)
+        if get_origin(hint) in (Union, types.UnionType):
+            if value is None:
+                continue
+            hint = args[0] if len(args) == 1 else hint
+        key = f"{section}.{f.name}" if section else f.name
+        if get_origin(hint) is Literal:
+            coerce(value, hint, key=key, strict=True)
+        elif "ge" in meta or "gt" in meta:
+            _check_bound(value, hint, meta, key)
+
+
+def _check_bound(value: Any, hint: Any, meta: Mapping[str, Any], key: str) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= meta["ge"]
+        if not ok:
+            raise SpecError(f"must be an integer >= {meta['ge']}, got {value!r}", key=key)
+        return
+    ok = number and math.isfinite(value)
+    if "gt" in meta:
+        ok = ok and value > meta["gt"]
+        want = "a positive number" if meta["gt"] == 0 else f"a number > {meta['gt']:g}"
+    else:
+        ok = ok and value >= meta["ge"]
+        want = f"a number >= {meta['ge']:g}"
+    if not ok:
+        raise SpecError(f"must be {want}, got {value!r}", key=key)
+
+
+class Checked:
+    """Base of config dataclasses whose fields declare their bounds with :func:`setting`:
+    checked on construction by :func:`check_settings`, errors under the class's ``SECTION``."""
+
+    SECTION = ""
+
+    def __post_init__(self) -> None:
+        check_settings(self, self.SECTION)
 
 
 def option_names(cls: type) -> list[str]:
