@@ -240,11 +240,7 @@ def coerce(value: Any, hint: Any, *, key: str = "", strict: bool = False) -> Any
         for c in choices:
             if value == c or (isinstance(value, str) and isinstance(c, str) and _norm(value) == c):
                 return c
-        raise SpecError(
-            f"must be {_describe(hint)}, got {value!r}"
-            + (suggest(_norm(value), [str(c) for c in choices]) if isinstance(value, str) else ""),
-            key=key,
-        )
+        raise _not_one_of(value, hint, key)
     if origin in (tuple, list, Sequence):
         args = get_args(hint)
         inner = args[0] if args else Any
@@ -267,6 +263,12 @@ def coerce(value: Any, hint: Any, *, key: str = "", strict: bool = False) -> Any
             return value
         raise SpecError(f"must be a string, got {value!r}", key=key)
     return value
+
+
+def _not_one_of(value: Any, hint: Any, key: str) -> SpecError:
+    choices = [str(c) for c in get_args(hint)]
+    close = suggest(_norm(value), choices) if isinstance(value, str) else ""
+    return SpecError(f"must be {_describe(hint)}, got {value!r}{close}", key=key)
 
 
 def _to_bool(value: Any, key: str, strict: bool) -> bool:
@@ -320,14 +322,15 @@ def setting(
     default_factory: Any = dataclasses.MISSING,
     ge: float | None = None,
     gt: float | None = None,
+    choices: Sequence[str] | None = None,
     **metadata: Any,
 ) -> Any:
     """A field of a config dataclass that carries its help text and its bounds: the help of its
-    command-line flag (``help``), and ``ge``/``gt`` (at least / above) that
+    command-line flag (``help``), and ``ge``/``gt`` (at least / above) or ``choices`` that
     :func:`check_settings` enforces with the value's type. Other ``metadata`` (``flat``,
     ``metavar``, ...) is kept as given."""
     meta = {"help": " ".join(help.split()), **metadata}
-    meta.update({k: v for k, v in (("ge", ge), ("gt", gt)) if v is not None})
+    meta.update({k: v for k, v in (("ge", ge), ("gt", gt), ("choices", choices)) if v is not None})
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -340,7 +343,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def check_settings(obj: Any, section: str = "") -> None:
     """Check every field of config dataclass ``obj`` that declares bounds (``ge``, ``gt``) or
-    choices (a ``Literal`` type). Raises :class:`SpecError` naming ``section.field``: ``must be
+    choices (``choices``, or a ``Literal`` type). Raises :class:`SpecError` naming ``section.field``: ``must be
     an integer >= 1``, ``must be a positive number``, ``must be a number >= 0`` or ``must be one
     of ...`` with a close match."""
     hints = _hints(type(obj))
@@ -353,8 +356,11 @@ def check_settings(obj: Any, section: str = "") -> None:
                 continue
             hint = args[0] if len(args) == 1 else hint
         key = f"{section}.{f.name}" if section else f.name
+        if "choices" in meta:
+            hint = Literal[tuple(meta["choices"])]  # type: ignore[valid-type]
         if get_origin(hint) is Literal:
-            coerce(value, hint, key=key, strict=True)
+            if value not in get_args(hint):
+                raise _not_one_of(value, hint, key)
         elif "ge" in meta or "gt" in meta:
             _check_bound(value, hint, meta, key)
 

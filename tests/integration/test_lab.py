@@ -188,7 +188,7 @@ def test_tokens_become_steps_and_bad_options_fail_before_anything_starts(tmp_pat
             overrides={"run_dir": str(tmp_path), "option.sync_evry": 4, **FAST},
         )
     assert not list(tmp_path.iterdir()), "nothing may be written for a bad scenario"
-    with pytest.raises(ValueError, match="network must be one of"):
+    with pytest.raises(ValueError, match="network: must be one of 'auto', 'netns', 'loopback'"):
         LabOptions(network="wan")
 
 

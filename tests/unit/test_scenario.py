@@ -355,7 +355,7 @@ def test_byzantine_errors() -> None:
 
 
 def test_random_churn() -> None:
-    assert "random_churn.failures_per_minute: must be above zero" in _err(
+    assert "random_churn.failures_per_minute: must be a positive number, got 0" in _err(
         BASE + "[random_churn]\nfailures_per_minute = 0\n"
     )
     assert "random_churn.min_peers: min_peers = 5 but network.peers = 4" in _err(
@@ -459,3 +459,69 @@ def test_striping_and_probing_reach_the_run_config() -> None:
     assert lab_config(s, {"connections": 2}).strategy.connections == 2  # the command line wins
     assert "strategy.connections" in _err(_with("strategy", "connections = 0"))
     assert "strategy.probe_links" in _err(_with("strategy", "probe_links = 1"))
+
+
+# ---------------------------------------------------------------- one loader for the run and the lab
+
+
+def test_a_scenario_is_a_run_config_plus_the_lab_sections() -> None:
+    from isthmus.run.config import RunConfig
+    from isthmus.run.lab_run import lab_config
+
+    s = parse_scenario(
+        _with("", "[data]\nbatch_size = 8\n[timeouts]\nheartbeat_timeout = 5.0\n[optim]\nlr = 3e-4")
+    )
+    assert isinstance(s.config, RunConfig)
+    assert (s.config.data.batch_size, s.config.timeouts.heartbeat_timeout) == (8, 5.0)
+    assert (s.config.peers, s.config.steps, s.config.model.preset) == (4, 100, "tiny")
+    run = lab_config(s)
+    assert (run.data.batch_size, run.optim.lr) == (8, 3e-4)
+    assert lab_config(s, {"batch_size": 2}).data.batch_size == 2  # the command line wins
+    # tokens become steps with the file's batch size, and again with the command line's
+    t = parse_scenario(
+        BASE.replace("steps = 100", "tokens = 40_960") + "\n[data]\nbatch_size = 8\n"
+    )
+    assert t.config.steps == 40_960 // (4 * 8 * 32)
+    assert lab_config(t, {"batch_size": 4}).steps == 40_960 // (4 * 4 * 32)
+
+
+def test_loader_errors_name_the_file_and_the_dotted_key(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text(_with("", '[data]\nbatch_size = "8"\n'))
+    with pytest.raises(SpecError) as info:
+        load_scenario(f)
+    e = info.value
+    assert (e.source, e.key) == (str(f), "data.batch_size")
+    assert str(e) == f"{f}: data.batch_size: must be an integer, got '8'"
+    # a wrong type in the lab's spelling of the run names the file's key, not the config's
+    assert "case.toml: run.model: must be one of 'default', 'tiny', got 3" in _err(
+        _with("run", "model = 3")
+    )
+    assert "case.toml: strategy.connections: must be an integer, got '4'" in _err(
+        _with("strategy", 'connections = "4"')
+    )
+    assert "case.toml: run.seed: must be an integer, got 1.5" in _err(_with("run", "seed = 1.5"))
+    assert "case.toml: data.batch_size: must be an integer >= 1, got 0" in _err(
+        _with("", "[data]\nbatch_size = 0\n")
+    )
+
+
+def test_loader_suggests_the_closest_key_everywhere() -> None:
+    assert "case.toml: timeouts.heartbeat: unknown key (did you mean 'heartbeat_timeout'?)" in (
+        _err(_with("", "[timeouts]\nheartbeat = 3.0\n"))
+    )
+    assert "case.toml: dta: unknown key (did you mean 'data'?)" in _err(_with("", "[dta]\nx = 1\n"))
+    assert "strategy.options.sync_evry: unknown option 'sync_evry' for diloco" in _err(
+        _with("", "[strategy.options]\nsync_evry = 5\n")
+    )
+    assert "(did you mean 'sync_every'?)" in _err(_with("", "[strategy.options]\nsync_evry = 5\n"))
+
+
+def test_the_old_error_name_still_works() -> None:
+    import isthmus.lab.scenario as scenario_mod
+
+    with pytest.warns(DeprecationWarning, match="isthmus.spec.SpecError"):
+        old = scenario_mod.ScenarioError
+    assert old is SpecError
+    with pytest.raises(old):
+        parse_scenario("[run\n", source="x.toml")

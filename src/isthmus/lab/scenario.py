@@ -54,7 +54,7 @@ from isthmus.lab.netspec import (
 from isthmus.lab.rates import format_rate, parse_rate
 from isthmus.runconfig import ByzantinePeer, DataConfig, ModelConfig, RunConfig, StrategyConfig
 from isthmus.runconfig import from_dict as _run_from_dict
-from isthmus.spec import SpecError, check_keys, format_spec
+from isthmus.spec import Checked, SpecError, check_keys, format_spec, setting
 from isthmus.strategies import STRATEGIES as _strategy_registry
 
 try:
@@ -157,28 +157,26 @@ class ChurnEvent:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RandomChurn:
+class RandomChurn(Checked):
     """``[random_churn]``: failures arriving at random (a Poisson process), reproducible by seed."""
 
-    failures_per_minute: float
-    """Mean failures per minute over the whole run (not per peer)."""
-    seed: int = 0
-    """Seed of the schedule; the same seed gives the same events."""
-    kind: str = "kill"
-    """``kill`` (the peer rejoins with ``join``) or ``stop`` (it resumes with ``cont``)."""
-    recover_after_seconds: float | None = None
-    """Delay before the failed peer rejoins or resumes; ``None``: it never comes back."""
-    min_peers: int = 1
-    """Never fail a peer if fewer than this many would be left running."""
-
-    def __post_init__(self) -> None:
-        check_float(self.failures_per_minute, "failures_per_minute", positive=True)
-        check_int(self.seed, "seed", minimum=0)
-        check_str(self.kind, "kind")
-        one_of(self.kind, ("kill", "stop"), "failure kind", "kind")
-        if self.recover_after_seconds is not None:
-            check_float(self.recover_after_seconds, "recover_after_seconds", positive=True)
-        check_int(self.min_peers, "min_peers", minimum=1)
+    failures_per_minute: float = setting(
+        gt=0, help="Mean failures per minute over the whole run (not per peer)."
+    )
+    seed: int = setting(0, ge=0, help="Seed of the schedule; the same seed gives the same events.")
+    kind: str = setting(
+        "kill",
+        choices=("kill", "stop"),
+        help="kill (the peer rejoins with join) or stop (it resumes with cont).",
+    )
+    recover_after_seconds: float | None = setting(
+        None,
+        gt=0,
+        help="Delay before the failed peer rejoins or resumes; None: it never comes back.",
+    )
+    min_peers: int = setting(
+        1, ge=1, help="Never fail a peer if fewer than this many would be left running."
+    )
 
     def schedule(self, *, peers: int, duration_s: float) -> list[ChurnEvent]:
         """The concrete events for a run of ``duration_s`` seconds with ``peers`` peers.

@@ -33,7 +33,6 @@ before anything starts; a network that cannot be built raises :class:`~isthmus.l
 from __future__ import annotations
 
 import contextlib
-import math
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,31 +51,28 @@ from isthmus.run.churn_hook import ChurnHook
 from isthmus.run.config import RunConfig, apply_overrides
 from isthmus.run.launch import Hook, Launcher, Outcome, Spawner
 from isthmus.run.record import LabSummary, RunDir, Summary
+from isthmus.spec import Checked, setting
 
 __all__ = ["LabOptions", "NamespaceSpawner", "lab_config", "run_lab", "scenario_steps"]
 
 
 @dataclass(kw_only=True)
-class LabOptions:
+class LabOptions(Checked):
     """How to run a scenario where the scenario file and the run config say nothing."""
 
-    network: str = "auto"
-    """``auto``: namespaces if possible, else loopback (with a message); ``netns``: namespaces or
-    fail (``LabUnavailable``); ``loopback``: never build namespaces (no shaping, no per-peer
-    counters)."""
-    prefix: str = "isth"
-    """Prefix of the namespace names (1-12 lowercase letters/digits)."""
-    sample_interval_s: float = 0.5
-    """How often link counters are sampled into ``links.jsonl``."""
-
-    def __post_init__(self) -> None:
-        if self.network not in NETWORK_MODES:
-            raise ValueError(
-                f"network must be one of {', '.join(NETWORK_MODES)}, got {self.network!r}"
-            )
-        v = self.sample_interval_s
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"sample_interval_s must be a positive number of seconds, got {v!r}")
+    network: str = setting(
+        "auto",
+        choices=NETWORK_MODES,
+        help="""auto: namespaces if possible, else loopback (with a message); netns: namespaces
+        or fail (LabUnavailable); loopback: never build namespaces (no shaping, no per-peer
+        counters).""",
+    )
+    prefix: str = setting(
+        "isth", help="Prefix of the namespace names (1-12 lowercase letters/digits)."
+    )
+    sample_interval_s: float = setting(
+        0.5, gt=0, help="How often link counters are sampled into links.jsonl (seconds)."
+    )
 
 
 def scenario_steps(scenario: Scenario, *, batch_size: int) -> int:
