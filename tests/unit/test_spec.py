@@ -1,5 +1,5 @@
-"""The one spec grammar, the registries and the declared settings (isthmus.spec): pure, no torch
-needed."""
+"""The one spec grammar and the registries (isthmus.spec), and the declared settings
+(isthmus.settings): pure, no torch needed."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ from typing import Literal
 
 import pytest
 
+from isthmus.settings import Checked, check_keys, setting
 from isthmus.spec import (
-    Checked,
     Registry,
     SpecError,
-    check_keys,
     coerce,
     config_from,
     format_spec,
     parse,
     parse_assignment,
-    setting,
 )
 
 

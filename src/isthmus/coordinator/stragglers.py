@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from isthmus.spec import setting
+from isthmus.settings import setting
 
 __all__ = ["POLICIES", "StragglerConfig", "StragglerDetector"]
 

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from isthmus.lab.rates import parse_rate
-from isthmus.spec import SpecError, check_keys, suggest
+from isthmus.settings import check_keys
+from isthmus.spec import SpecError, suggest
 
 __all__ = [
     "OptionValue",

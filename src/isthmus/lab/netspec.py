@@ -32,7 +32,8 @@ from isthmus.lab.checks import (
     construct,
     rate_or_unlimited,
 )
-from isthmus.spec import SpecError, check_keys
+from isthmus.settings import check_keys
+from isthmus.spec import SpecError
 
 __all__ = [
     "CONGESTION_CONTROL_NAME",

@@ -1,7 +1,7 @@
 """Command-line flags generated from :class:`~isthmus.run.config.RunConfig`, not copied by hand.
 
 Every leaf of the config becomes ``--<flat-name>`` (``data.batch_size`` is ``--batch-size``), with
-the help text its field declares (:func:`~isthmus.spec.setting`: it is in the field's metadata, so
+the help text its field declares (:func:`~isthmus.settings.setting`: it is in the field's metadata, so
 an installed package has it too) and its default shown; a bool that defaults to true gets its
 ``negate`` name (``--no-progress``), one that defaults to false is a switch (``--probe-links``);
 list and dict leaves repeat (``--kill 1@20 --kill 2@30``) through the parser in their metadata. Every flag's value is a string that
@@ -38,7 +38,7 @@ SHORTCUTS: dict[str, tuple[Callable[[str], Any], str]] = {
 
 def field_docs(cls: type) -> dict[str, str]:
     """The help text of each field of config dataclass ``cls``, from the ``help`` in its metadata
-    (see :func:`~isthmus.spec.setting`): present in an installed package, no source needed."""
+    (see :func:`~isthmus.settings.setting`): present in an installed package, no source needed."""
     return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.metadata.get("help")}
 
 

@@ -51,7 +51,7 @@ from isthmus.run.churn_hook import ChurnHook
 from isthmus.run.config import RunConfig, apply_overrides
 from isthmus.run.launch import Hook, Launcher, Outcome, Spawner
 from isthmus.run.record import LabSummary, RunDir, Summary
-from isthmus.spec import Checked, setting
+from isthmus.settings import Checked, setting
 
 __all__ = ["LabOptions", "NamespaceSpawner", "lab_config", "run_lab", "scenario_steps"]
 

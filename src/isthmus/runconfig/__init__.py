@@ -3,8 +3,8 @@
 The demo, the lab and the built-in peer job all read a :class:`RunConfig`; a lab scenario file is
 a RunConfig plus the lab's own sections (:mod:`isthmus.lab.scenario` reads both with one loader).
 Its sections are keyword-only dataclasses checked on construction: each field is declared with
-:func:`~isthmus.spec.setting`, which holds its help text (the command line's flag help) and its
-bounds, and one function (:func:`~isthmus.spec.check_settings`) enforces them. The whole config is
+:func:`~isthmus.settings.setting`, which holds its help text (the command line's flag help) and its
+bounds, and one function (:func:`~isthmus.settings.check_settings`) enforces them. The whole config is
 validated without building a model (strategy options through the strategy's own config dataclass,
 compressor, aggregator, attack and fault specs through their registries), so a bad setting fails
 once, early, with the dotted key that is wrong (``strategy.options.outer_lr: must be a number,

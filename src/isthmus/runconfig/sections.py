@@ -1,5 +1,5 @@
 """The sections of :class:`RunConfig` and the run itself, each field declared with its help text
-and bounds (:func:`~isthmus.spec.setting`); the command line's text forms of the leaves that are
+and bounds (:func:`~isthmus.settings.setting`); the command line's text forms of the leaves that are
 not plain scalars (``PEER@STEP``, ``PEER:SPEC``)."""
 
 from __future__ import annotations
@@ -9,13 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from isthmus.coordinator.stragglers import StragglerConfig
-from isthmus.spec import (
-    Checked,
-    SpecError,
-    option_names,
-    parse_assignment,
-    setting,
-)
+from isthmus.settings import Checked, setting
+from isthmus.spec import SpecError, option_names, parse_assignment
 
 __all__ = [
     "ByzantinePeer",

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from isthmus.runconfig.sections import ByzantinePeer, RunConfig
-from isthmus.spec import SpecError, check_keys, coerce, suggest
+from isthmus.settings import check_keys
+from isthmus.spec import SpecError, coerce, suggest
 
 __all__ = ["Leaf", "apply_overrides", "from_dict", "from_flat", "leaves"]
 
