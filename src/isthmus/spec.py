@@ -14,11 +14,14 @@ Examples: ``int8``, ``topk:0.01+ef21``, ``nnm+multi_krum:m=3``, ``alie:tau=1.5``
 names and keys are case-insensitive and ``-`` reads as ``_``; values keep their case.
 
 Each component family keeps a :class:`Registry`; each entry names the component's config
-dataclass (torchtitan's style: the config *is* the entry). Values are coerced through the config's
-type hints (``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``X | None``), so a spec, a
-scenario table and a ``--option KEY=VALUE`` flag are all checked by the same code, and a bad one
-fails once, early, with a :class:`SpecError` that names the spec, the key and a close match.
+dataclass (the config *is* the entry). Values are coerced through the config's type hints
+(``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``X | None``), so a spec, a scenario
+table and a ``--option KEY=VALUE`` flag are all checked by the same code, and a bad one fails
+once, early, with a :class:`SpecError` that names the spec, the key and a close match.
 Parsing and validating never build a model, a tensor or a process group.
+
+:class:`SpecError` is the one error of all configuration (specs, the run's config, scenario
+files: it names the file too) and :func:`suggest` the one "did you mean".
 """
 
 from __future__ import annotations

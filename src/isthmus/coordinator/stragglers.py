@@ -58,7 +58,7 @@ class StragglerConfig:
     factor: float = setting(
         2.0,
         flat="straggler_factor",
-        help="k: a time beyond k times the reference is slow (C4's anomalies are several-fold).",
+        help="k: a time beyond k times the reference is slow.",
     )
     rounds: int = setting(
         3,

@@ -51,7 +51,7 @@ __all__ = [
 MAX_LAB_PEERS = 252
 """The lab's /24 holds a coordinator and 252 peers; larger runs belong in the simulator."""
 MAX_RTT_MS = 5000.0
-"""Longer round trips than this are a configuration mistake (a geostationary hop is ~600 ms)."""
+"""Longer round trips than this are a configuration mistake: no real link is that slow."""
 
 #: what a TCP congestion control name may look like (``reno``, ``bbr``, ``cubic``, ...)
 CONGESTION_CONTROL_NAME = re.compile(r"[a-z0-9_]+")

@@ -82,7 +82,7 @@ class ModelConfig(Checked):
     preset: ModelPreset = setting(
         "default",
         flat="model",
-        help="default (about 1.3M parameters) or tiny (tens of thousands, for tests).",
+        help="default (4 layers) or tiny (2 layers, for tests): the built-in GPT's size.",
     )
     seed: int = setting(
         0, help="Seed of the model's initialization (every peer builds the same initial model)."
