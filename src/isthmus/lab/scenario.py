@@ -100,7 +100,7 @@ _MOVED: dict[str, tuple[Any, str]] = {
 
 
 def __getattr__(name: str) -> Any:
-    # the scenario's run-side types are the RunConfig's since one loader builds both
+    # the scenario's run-side types are the RunConfig's: one loader builds both
     if name in _MOVED:
         new, where = _MOVED[name]
         warnings.warn(f"isthmus.lab.scenario.{name} is {where}", DeprecationWarning, stacklevel=2)
@@ -297,7 +297,7 @@ _TOP = (
     *_RUN_SECTIONS,
 )
 _FILE_KEYS = {
-    # where the file writes what the RunConfig calls otherwise (longest first)
+    # where the file writes what the RunConfig calls otherwise
     "checkpoint.checkpoint_every": "checkpoint.every",
     "checkpoint.checkpoint_keep": "checkpoint.keep",
     "checkpoint.checkpoint_dir": "checkpoint.dir",
@@ -305,7 +305,6 @@ _FILE_KEYS = {
     "model.preset": "run.model",
     "model.seed": "run.seed",
     "run.peers": "network.peers",
-    "run.steps": "run.steps",
     "steps": "run.steps",
     "name": "run.name",
 }
