@@ -15,8 +15,9 @@ Every leaf field also has a *flat name*, unique across the tree (its field name,
 names are the command line's flags (``--batch-size``, generated in :mod:`isthmus.run.flags`),
 the keys :func:`from_flat` takes, and what ``--set`` accepts besides dotted paths.
 
-This module sits below the lab and the runner, which both import it; :mod:`isthmus.run.config`
-is the same API under the runner's name.
+The package sits below the lab and the runner, which both import it; :mod:`isthmus.run.config`
+is the same API under the runner's name. It reads the registries of strategies, compressors,
+aggregators, attacks and faults to check a config. Never imports lab, run or cli.
 """
 
 from isthmus.runconfig import sections, tree
