@@ -24,6 +24,7 @@ from pathlib import Path
 LAYERS: dict[str, int] = {
     # lowest first: a module may import its own layer and those below it
     "spec": 0,
+    "settings": 0,
     "version": 0,
     "models": 0,
     "data": 0,
@@ -33,6 +34,7 @@ LAYERS: dict[str, int] = {
     "reduce": 3,
     "checkpoint": 4,
     "strategies": 5,
+    "runconfig": 5,
     "lab": 6,
     "run": 7,
     "cli": 8,

@@ -14,11 +14,14 @@ Examples: ``int8``, ``topk:0.01+ef21``, ``nnm+multi_krum:m=3``, ``alie:tau=1.5``
 names and keys are case-insensitive and ``-`` reads as ``_``; values keep their case.
 
 Each component family keeps a :class:`Registry`; each entry names the component's config
-dataclass (torchtitan's style: the config *is* the entry). Values are coerced through the config's
-type hints (``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``X | None``), so a spec, a
-scenario table and a ``--option KEY=VALUE`` flag are all checked by the same code, and a bad one
-fails once, early, with a :class:`SpecError` that names the spec, the key and a close match.
+dataclass (the config *is* the entry). Values are coerced through the config's type hints
+(``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, ``X | None``), so a spec, a scenario
+table and a ``--option KEY=VALUE`` flag are all checked by the same code, and a bad one fails
+once, early, with a :class:`SpecError` that names the spec, the key and a close match.
 Parsing and validating never build a model, a tensor or a process group.
+
+:class:`SpecError` is the one error of all configuration (specs, the run's config, scenario
+files: it names the file too) and :func:`suggest` the one "did you mean".
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "coerce",
     "config_from",
     "format_spec",
+    "not_one_of",
     "option_names",
     "parse",
     "parse_assignment",
@@ -51,27 +55,35 @@ C = TypeVar("C")
 
 
 class SpecError(ValueError):
-    """A spec, an option or a config value is wrong. ``key`` is the dotted path of what is wrong
-    (``strategy.options.outer_lr``, ``compression``), ``spec`` the text it came from."""
+    """A spec, an option, a config value or a scenario file is wrong: the one error type of every
+    configuration. ``key`` is the dotted path of what is wrong (``strategy.options.outer_lr``,
+    ``churn[2].peer``), ``spec`` the text it came from, ``source`` the file (empty when the value
+    came from the command line or from code)."""
 
-    def __init__(self, problem: str, *, key: str = "", spec: str = "") -> None:
+    def __init__(self, problem: str, *, key: str = "", spec: str = "", source: str = "") -> None:
         self.problem = problem
         self.key = key
         self.spec = spec
+        self.source = source
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        where = [w for w in (self.key, repr(self.spec) if self.spec else "") if w]
+        where = [w for w in (self.source, self.key, repr(self.spec) if self.spec else "") if w]
         return f"{': '.join(where)}: {self.problem}" if where else self.problem
 
-    def within(self, prefix: str) -> SpecError:
-        """The same error with ``prefix`` put in front of its key."""
-        key = f"{prefix}.{self.key}" if prefix and self.key else prefix or self.key
-        return SpecError(self.problem, key=key, spec=self.spec)
+    def within(self, prefix: str, source: str | None = None) -> SpecError:
+        """The same error with ``prefix`` put in front of its key (``churn`` and ``[2].peer``
+        join without a dot) and, if given, ``source`` as its file."""
+        if not prefix or not self.key:
+            key = prefix or self.key
+        else:
+            key = prefix + self.key if self.key.startswith("[") else f"{prefix}.{self.key}"
+        return SpecError(self.problem, key=key, spec=self.spec, source=source or self.source)
 
 
 def suggest(word: str, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string."""
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or an empty string. The one
+    "did you mean" of the project: specs, configs, scenario files and link rates use it."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -171,12 +183,14 @@ def _describe(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def coerce(value: Any, hint: Any, *, key: str = "") -> Any:
+def coerce(value: Any, hint: Any, *, key: str = "", strict: bool = False) -> Any:
     """Convert ``value`` (a string from a spec or a flag, or a TOML/JSON value) to ``hint``.
 
     Understands ``int``, ``float``, ``bool``, ``str``, ``Literal[...]``, unions with ``None``
     (``none``/``null`` read as None), and ``tuple[X, ...]``/``list[X]`` of those; anything else
-    passes through for the config to check. Raises :class:`SpecError` naming ``key``.
+    passes through for the config to check. ``strict`` is for typed sources (a TOML file): no
+    text is parsed, a float is no integer, 1 is no boolean, and numbers must be finite. Raises
+    :class:`SpecError` naming ``key``.
     """
     origin = get_origin(hint)
     if hint is Any or hint is object:
@@ -184,13 +198,14 @@ def coerce(value: Any, hint: Any, *, key: str = "") -> Any:
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
         if len(args) < len(get_args(hint)) and (
-            value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+            value is None
+            or (not strict and isinstance(value, str) and value.lower() in ("none", "null"))
         ):
             return None
         errors = []
         for a in args:
             try:
-                return coerce(value, a, key=key)
+                return coerce(value, a, key=key, strict=strict)
             except SpecError as e:
                 errors.append(e.problem)
         raise SpecError(errors[0] if len(errors) == 1 else "; or ".join(errors), key=key)
@@ -199,62 +214,78 @@ def coerce(value: Any, hint: Any, *, key: str = "") -> Any:
         for c in choices:
             if value == c or (isinstance(value, str) and isinstance(c, str) and _norm(value) == c):
                 return c
-        raise SpecError(
-            f"must be {_describe(hint)}, got {value!r}"
-            + (suggest(_norm(value), [str(c) for c in choices]) if isinstance(value, str) else ""),
-            key=key,
-        )
+        raise not_one_of(value, hint, key)
     if origin in (tuple, list, Sequence):
         args = get_args(hint)
         inner = args[0] if args else Any
-        if isinstance(value, str):
+        if isinstance(value, str) and not strict:
             items: list[Any] = [v for v in value.split("|") if v] if value else []
         elif isinstance(value, (list, tuple)):
             items = list(value)
         else:
             raise SpecError(f"must be a list, got {value!r}", key=key)
-        out = [coerce(v, inner, key=f"{key}[{i}]") for i, v in enumerate(items)]
+        out = [coerce(v, inner, key=f"{key}[{i}]", strict=strict) for i, v in enumerate(items)]
         return tuple(out) if origin is tuple else out
     if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-        raise SpecError(f"must be true or false (or 1/0), got {value!r}", key=key)
+        return _to_bool(value, key, strict)
     if hint is int:
-        if isinstance(value, bool):
-            raise SpecError(f"must be an integer, got {value!r}", key=key)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise SpecError(f"must be an integer, got {value!r}", key=key)
+        return _to_int(value, key, strict)
     if hint is float:
-        if isinstance(value, bool):
-            raise SpecError(f"must be a number, got {value!r}", key=key)
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                x = float(value)
-            except ValueError:
-                pass
-            else:
-                if math.isfinite(x) or value.strip().lower() in ("inf", "+inf", "-inf"):
-                    return x
-        raise SpecError(f"must be a number, got {value!r}", key=key)
+        return _to_float(value, key, strict)
     if hint is str:
         if isinstance(value, str):
             return value
         raise SpecError(f"must be a string, got {value!r}", key=key)
     return value
+
+
+def not_one_of(value: Any, hint: Any, key: str) -> SpecError:
+    """The error for ``value`` that is none of the ``Literal`` ``hint``'s choices, with a close
+    match."""
+    choices = [str(c) for c in get_args(hint)]
+    close = suggest(_norm(value), choices) if isinstance(value, str) else ""
+    return SpecError(f"must be {_describe(hint)}, got {value!r}{close}", key=key)
+
+
+def _to_bool(value: Any, key: str, strict: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if strict:
+        raise SpecError(f"must be true or false, got {value!r}", key=key)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise SpecError(f"must be true or false (or 1/0), got {value!r}", key=key)
+
+
+def _to_int(value: Any, key: str, strict: bool) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not strict and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not strict and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise SpecError(f"must be an integer, got {value!r}", key=key)
+
+
+def _to_float(value: Any, key: str, strict: bool) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if strict and not math.isfinite(value):
+            raise SpecError(f"must be finite, got {value!r}", key=key)
+        return float(value)
+    if not strict and isinstance(value, str):
+        try:
+            x = float(value)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(x) or value.strip().lower() in ("inf", "+inf", "-inf"):
+                return x
+    raise SpecError(f"must be a number, got {value!r}", key=key)
 
 
 def option_names(cls: type) -> list[str]:

@@ -16,15 +16,34 @@ from isthmus.run.record import LabSummary, RunDir, Summary
 from isthmus.spec import SpecError
 
 
-def test_every_leaf_has_one_flat_name_and_a_docstring() -> None:
+def test_every_leaf_has_one_flat_name_and_a_help_text() -> None:
     table = leaves()
     assert table["batch_size"].dotted == "data.batch_size"
     assert table["model"].dotted == "model.preset"
     assert table["data_seed"].dotted == "data.seed"
     assert table["timeout"].dotted == "timeouts.run_timeout"
     for flat, leaf in table.items():
-        assert field_docs(leaf.owner).get(leaf.field.name), f"{leaf.dotted} has no docstring"
+        assert leaf.field.metadata.get("help"), f"{leaf.dotted} has no help text"
+        assert field_docs(leaf.owner)[leaf.field.name] == leaf.field.metadata["help"]
         assert flat.isidentifier()
+
+
+def test_flag_help_needs_no_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an installed package may hold no .py files: the help comes from the fields' metadata
+    import inspect
+
+    def no_source(obj: object) -> str:
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    helps = {a.dest: a.help for a in p._actions}
+    assert helps["cfg:batch_size"].startswith("Sequences per peer per step. (default 16)")
+    assert helps["cfg:progress"] == "do not: show a live progress bar."
+    assert helps["cfg:straggler_policy"].startswith("What a flag does")
+    missing = [d for d, h in helps.items() if d.startswith("cfg:") and not h]
+    assert missing == []
 
 
 def test_flat_and_dotted_overrides_are_coerced_and_validated() -> None:
@@ -56,9 +75,9 @@ def test_strategy_options_are_typed_by_the_strategy_config_without_a_model() -> 
         SpecError, match=r"strategy.name.*unknown strategy 'dilco'.*did you mean 'diloco'"
     ):
         from_flat(strategy="dilco")
-    with pytest.raises(SpecError, match=r"strategy.compression: bad spec 'int9'"):
+    with pytest.raises(SpecError, match=r"strategy.compression: bad compression spec 'int9'"):
         from_flat(compression="int9")
-    with pytest.raises(SpecError, match=r"strategy.aggregator: bad spec 'krumm'"):
+    with pytest.raises(SpecError, match=r"strategy.aggregator: bad aggregator spec 'krumm'"):
         from_flat(aggregator="krumm")
     # gossip's schedules need the run's length: the run passes its steps
     assert from_flat(strategy="gossip", steps=50).strategy.name == "gossip"

@@ -1,7 +1,9 @@
-"""Scenario files: the shipped examples parse; every kind of mistake names the file, key and fix."""
+"""Scenario files: the shipped examples parse into a RunConfig and the lab's sections; every kind
+of mistake names the file, key and fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -12,12 +14,12 @@ from isthmus.lab.scenario import (
     ChurnEvent,
     RandomChurn,
     Scenario,
-    ScenarioError,
     format_rate,
     load_scenario,
     parse_rate,
     parse_scenario,
 )
+from isthmus.spec import SpecError
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "scenarios").glob("*.toml"))
 
@@ -36,7 +38,7 @@ rate = "10mbit"
 
 
 def _err(text: str, source: str = "case.toml") -> str:
-    with pytest.raises(ScenarioError) as info:
+    with pytest.raises(SpecError) as info:
         parse_scenario(text, source=source)
     msg = str(info.value)
     assert msg.startswith(f"{source}: "), msg
@@ -80,8 +82,8 @@ def test_full_scenario_is_typed() -> None:
         [strategy.options]
         sync_every = 100
         alpha = 0.5
-        fragments_order = ["strided", "sequential"]
-        overlap = true
+        fragments = 2
+        pattern = "sequential"
         [network]
         peers = 3
         rate = ["1gbit", "unlimited", "512kbit"]
@@ -104,16 +106,20 @@ def test_full_scenario_is_typed() -> None:
     assert s.strategy.options == {
         "sync_every": 100,
         "alpha": 0.5,
-        "fragments_order": ("strided", "sequential"),
-        "overlap": True,
+        "fragments": 2,
+        "pattern": "sequential",
     }
+    # the run itself: 3 starting peers x 16 sequences x 64 tokens per step
+    assert s.config.steps == 1 and s.config.model.seed == 3 and s.config.peers == 3
+    assert (s.config.strategy.compression, s.config.strategy.byzantine_f) == ("topk:0.01+ef21", 1)
     assert s.network.rates_bps == (1e9, None, 512e3)
     assert s.network.coordinator_rate_bps == 100e6
     assert s.churn == (
         ChurnEvent(action="stop", peer=2, at_seconds=10.0),
         ChurnEvent(action="cont", peer=2, at_seconds=12.5),
     )
-    assert s.byzantine[0].spec == "ipm:tau=0.5"
+    assert s.byzantine[0].attack == "ipm:tau=0.5"
+    assert s.config.faults.byzantine[0].peer == 1
     assert s.description == "all sections"
 
 
@@ -172,14 +178,14 @@ def test_format_rate_round_trips() -> None:
 def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
     f = tmp_path / "broken.toml"
     f.write_text("[run\nname = 1\n")
-    with pytest.raises(ScenarioError, match=rf"^{f}: not valid TOML"):
+    with pytest.raises(SpecError, match=rf"^{f}: not valid TOML"):
         load_scenario(f)
 
 
 def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path: Path) -> None:
     f = tmp_path / "typo.toml"
     f.write_text(_with("run", "stpes = 10"))
-    with pytest.raises(ScenarioError) as info:
+    with pytest.raises(SpecError) as info:
         load_scenario(f)
     assert str(info.value).startswith(f"{f}: run.stpes: unknown key (did you mean 'steps'?)")
     msg = _err(BASE + "\n[netwrok]\npeers = 2\n")
@@ -249,7 +255,9 @@ def test_steps_versus_tokens() -> None:
     neither = _err(BASE.replace("steps = 100", ""))
     for msg in (both, neither):
         assert "run.steps: give exactly one of run.steps" in msg
-    assert "run.steps: must be at least 1" in _err(BASE.replace("steps = 100", "steps = 0"))
+    assert "run.steps: must be an integer >= 1, got 0" in _err(
+        BASE.replace("steps = 100", "steps = 0")
+    )
     assert "run.steps: must be an integer" in _err(BASE.replace("steps = 100", "steps = 1e3"))
     assert "run.steps: must be an integer" in _err(BASE.replace("steps = 100", "steps = true"))
 
@@ -258,8 +266,9 @@ def test_names_get_suggestions() -> None:
     assert "strategy.name: unknown strategy 'dilocco' (did you mean 'diloco'?)" in _err(
         BASE.replace('name = "diloco"', 'name = "dilocco"')
     )
-    assert "run.model: unknown model preset 'tinny' (did you mean 'tiny'?)" in _err(
-        _with("run", 'model = "tinny"')
+    assert (
+        "run.model: must be one of 'default', 'tiny', got 'tinny' (did you mean 'tiny'?)"
+        in _err(_with("run", 'model = "tinny"'))
     )
 
 
@@ -346,7 +355,7 @@ def test_byzantine_errors() -> None:
 
 
 def test_random_churn() -> None:
-    assert "random_churn.failures_per_minute: must be above zero" in _err(
+    assert "random_churn.failures_per_minute: must be a positive number, got 0" in _err(
         BASE + "[random_churn]\nfailures_per_minute = 0\n"
     )
     assert "random_churn.min_peers: min_peers = 5 but network.peers = 4" in _err(
@@ -383,16 +392,17 @@ def test_random_churn() -> None:
 
 
 def test_dataclasses_validate_on_direct_construction() -> None:
-    with pytest.raises(ScenarioError, match="at_step"):
+    with pytest.raises(SpecError, match="at_step"):
         ChurnEvent(action="kill", peer=0)
     base = parse_scenario(BASE)
-    with pytest.raises(ScenarioError, match=r"churn\[0\].peer"):
+    with pytest.raises(SpecError, match=r"churn\[0\].peer"):
         Scenario(
-            run=base.run,
-            strategy=base.strategy,
+            config=base.config,
             network=base.network,
             churn=(ChurnEvent(action="kill", peer=9, at_step=1),),
         )
+    with pytest.raises(SpecError, match=r"network.peers: the run has 3 peers"):
+        Scenario(config=dataclasses.replace(base.config, peers=3), network=base.network)
 
 
 def test_fault_entries_reach_the_run_config() -> None:
@@ -428,8 +438,11 @@ def test_checkpoint_section_reaches_the_run_config(tmp_path: Path) -> None:
 
 
 def test_checkpoint_section_errors() -> None:
-    assert "checkpoint.every" in _err(_with("", "[checkpoint]\nkeep = 2\n"))
-    assert "checkpoint.every" in _err(_with("", "[checkpoint]\nevery = 0\n"))
+    assert "checkpoint.every: missing required key" in _err(_with("", "[checkpoint]\nkeep = 2\n"))
+    assert "checkpoint.every: must be at least 1" in _err(_with("", "[checkpoint]\nevery = 0\n"))
+    assert "checkpoint.dir: must be a non-empty string" in _err(
+        _with("", '[checkpoint]\nevery = 5\ndir = ""\n')
+    )
     assert "checkpoint.keep" in _err(_with("", "[checkpoint]\nevery = 5\nkeep = 0\n"))
     msg = _err(_with("", "[checkpoint]\nevery = 5\ndirectory = 'x'\n"))
     assert "checkpoint" in msg and "dir" in msg
@@ -446,3 +459,69 @@ def test_striping_and_probing_reach_the_run_config() -> None:
     assert lab_config(s, {"connections": 2}).strategy.connections == 2  # the command line wins
     assert "strategy.connections" in _err(_with("strategy", "connections = 0"))
     assert "strategy.probe_links" in _err(_with("strategy", "probe_links = 1"))
+
+
+# ---------------------------------------------------------------- one loader for the run and the lab
+
+
+def test_a_scenario_is_a_run_config_plus_the_lab_sections() -> None:
+    from isthmus.run.config import RunConfig
+    from isthmus.run.lab_run import lab_config
+
+    s = parse_scenario(
+        _with("", "[data]\nbatch_size = 8\n[timeouts]\nheartbeat_timeout = 5.0\n[optim]\nlr = 3e-4")
+    )
+    assert isinstance(s.config, RunConfig)
+    assert (s.config.data.batch_size, s.config.timeouts.heartbeat_timeout) == (8, 5.0)
+    assert (s.config.peers, s.config.steps, s.config.model.preset) == (4, 100, "tiny")
+    run = lab_config(s)
+    assert (run.data.batch_size, run.optim.lr) == (8, 3e-4)
+    assert lab_config(s, {"batch_size": 2}).data.batch_size == 2  # the command line wins
+    # tokens become steps with the file's batch size, and again with the command line's
+    t = parse_scenario(
+        BASE.replace("steps = 100", "tokens = 40_960") + "\n[data]\nbatch_size = 8\n"
+    )
+    assert t.config.steps == 40_960 // (4 * 8 * 32)
+    assert lab_config(t, {"batch_size": 4}).steps == 40_960 // (4 * 4 * 32)
+
+
+def test_loader_errors_name_the_file_and_the_dotted_key(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text(_with("", '[data]\nbatch_size = "8"\n'))
+    with pytest.raises(SpecError) as info:
+        load_scenario(f)
+    e = info.value
+    assert (e.source, e.key) == (str(f), "data.batch_size")
+    assert str(e) == f"{f}: data.batch_size: must be an integer, got '8'"
+    # a wrong type in the lab's spelling of the run names the file's key, not the config's
+    assert "case.toml: run.model: must be one of 'default', 'tiny', got 3" in _err(
+        _with("run", "model = 3")
+    )
+    assert "case.toml: strategy.connections: must be an integer, got '4'" in _err(
+        _with("strategy", 'connections = "4"')
+    )
+    assert "case.toml: run.seed: must be an integer, got 1.5" in _err(_with("run", "seed = 1.5"))
+    assert "case.toml: data.batch_size: must be an integer >= 1, got 0" in _err(
+        _with("", "[data]\nbatch_size = 0\n")
+    )
+
+
+def test_loader_suggests_the_closest_key_everywhere() -> None:
+    assert "case.toml: timeouts.heartbeat: unknown key (did you mean 'heartbeat_timeout'?)" in (
+        _err(_with("", "[timeouts]\nheartbeat = 3.0\n"))
+    )
+    assert "case.toml: dta: unknown key (did you mean 'data'?)" in _err(_with("", "[dta]\nx = 1\n"))
+    assert "strategy.options.sync_evry: unknown option 'sync_evry' for diloco" in _err(
+        _with("", "[strategy.options]\nsync_evry = 5\n")
+    )
+    assert "(did you mean 'sync_every'?)" in _err(_with("", "[strategy.options]\nsync_evry = 5\n"))
+
+
+def test_the_old_error_name_still_works() -> None:
+    import isthmus.lab.scenario as scenario_mod
+
+    with pytest.warns(DeprecationWarning, match="isthmus.spec.SpecError"):
+        old = scenario_mod.ScenarioError
+    assert old is SpecError
+    with pytest.raises(old):
+        parse_scenario("[run\n", source="x.toml")

@@ -15,7 +15,8 @@ import pytest
 from isthmus.lab.delayline import VNET_HDR_LEN, Forwarder, LineConfig, PathConfig, PortConfig
 from isthmus.lab.lines import access_crossing, access_line, path_limit, site_core, site_crossing
 from isthmus.lab.netspec import Impairment
-from isthmus.lab.scenario import ScenarioError, load_scenario, parse_scenario
+from isthmus.lab.scenario import load_scenario, parse_scenario
+from isthmus.spec import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def _net(extra: str, sites: str = "") -> str:
 
 
 def _err(text: str) -> str:
-    with pytest.raises(ScenarioError) as info:
+    with pytest.raises(SpecError) as info:
         parse_scenario(text, source="case.toml")
     return str(info.value)
 

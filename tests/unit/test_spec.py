@@ -1,12 +1,16 @@
-"""The one spec grammar and the registries (isthmus.spec): pure, no torch needed."""
+"""The one spec grammar and the registries (isthmus.spec), and the declared settings
+(isthmus.settings): pure, no torch needed."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import pytest
 
+from isthmus.settings import Checked, check_keys, setting
 from isthmus.spec import (
     Registry,
     SpecError,
@@ -150,3 +154,58 @@ def test_assignment_and_format() -> None:
         parse_assignment("outer_lr")
     assert format_spec("alie") == "alie"
     assert format_spec("alie", {"tau": 1.5, "seeded": True}) == "alie:tau=1.5,seeded=true"
+
+
+def test_declared_settings_are_checked_by_one_function() -> None:
+    @dataclasses.dataclass(kw_only=True)
+    class _Sec(Checked):
+        SECTION = "sec"
+
+        n: int = setting(1, ge=1, help="A count.")
+        x: float = setting(0.5, gt=0, help="A rate.")
+        y: float | None = setting(None, ge=0, help="An optional bound.")
+        mode: Literal["a", "b"] = setting("a", help="A choice.")
+
+    assert dataclasses.fields(_Sec)[0].metadata["help"] == "A count."
+    _Sec(n=3, x=1e-9, y=0.0, mode="b")
+    with pytest.raises(SpecError, match=r"^sec.n: must be an integer >= 1, got 0$"):
+        _Sec(n=0)
+    with pytest.raises(SpecError, match=r"^sec.n: must be an integer >= 1, got True$"):
+        _Sec(n=True)
+    with pytest.raises(SpecError, match=r"^sec.x: must be a positive number, got 0$"):
+        _Sec(x=0)
+    with pytest.raises(SpecError, match=r"^sec.x: must be a positive number, got nan$"):
+        _Sec(x=float("nan"))
+    with pytest.raises(SpecError, match=r"^sec.y: must be a number >= 0, got -1$"):
+        _Sec(y=-1)
+    with pytest.raises(SpecError, match=r"^sec.mode: must be one of 'a', 'b', got 'c'"):
+        _Sec(mode="c")  # type: ignore[arg-type]
+
+
+def test_strict_coercion_takes_typed_values_only() -> None:
+    assert coerce("8", int) == 8 and coerce(8.0, int) == 8 and coerce(1, bool) is True
+    with pytest.raises(SpecError, match=r"k: must be an integer, got '8'"):
+        coerce("8", int, key="k", strict=True)
+    with pytest.raises(SpecError, match=r"must be an integer, got 8\.0"):
+        coerce(8.0, int, strict=True)
+    with pytest.raises(SpecError, match="must be true or false, got 1"):
+        coerce(1, bool, strict=True)
+    with pytest.raises(SpecError, match="must be finite"):
+        coerce(float("inf"), float, strict=True)
+    assert coerce(3, float, strict=True) == 3.0 and coerce(None, int | None, strict=True) is None
+    assert coerce("none", str | None, strict=True) == "none"
+
+
+def test_a_file_error_names_the_file_first() -> None:
+    err = SpecError("must be an integer", key="batch_size").within("data", "run.toml")
+    assert str(err) == "run.toml: data.batch_size: must be an integer"
+    assert SpecError("x", key="[2].peer").within("churn").key == "churn[2].peer"
+    assert str(check_error(lambda: check_keys({"stpes": 1}, "run", ["steps"]))) == (
+        "run.stpes: unknown key (did you mean 'steps'?); known keys: steps"
+    )
+
+
+def check_error(fn: Callable[[], object]) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        fn()
+    return info.value

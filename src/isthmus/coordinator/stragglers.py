@@ -1,7 +1,8 @@
 """Stragglers and slow links found from the peers' own timings.
 
-The collectives of a data-parallel job are periodic and homogeneous: every member does the same
-work between two rounds, so a member whose timings stand out is the one holding the run back. Here each peer reports, with its heartbeats, the timing of its latest step
+The collectives of a data-parallel job are periodic and homogeneous (the observation behind C4):
+every member does the same work between two rounds, so a member whose timings stand out is the
+one holding the run back. Here each peer reports, with its heartbeats, the timing of its latest step
 (``timing = {"step": s, "work_s": w, "sync_s": c, "links": {peer: seconds}}``: seconds of its
 own computation, seconds in the round's synchronization, and optionally the seconds of
 transfers with named peers). The coordinator feeds every new step's timing to a
@@ -40,6 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from isthmus.settings import setting
+
 __all__ = ["POLICIES", "StragglerConfig", "StragglerDetector"]
 
 POLICIES = ("warn", "evict", "reweight")
@@ -52,18 +55,26 @@ class StragglerConfig:
     """``[stragglers]``: when a peer counts as a straggler, and what happens then. Raises
     ValueError naming a bad value."""
 
-    factor: float = field(default=2.0, metadata={"flat": "straggler_factor"})
-    """k: a time beyond k times the reference is slow."""
-    rounds: int = field(default=3, metadata={"flat": "straggler_rounds"})
-    """m: this many slow (or normal) observations in a row flag (or clear) a peer."""
-    window: int = field(default=32, metadata={"flat": "straggler_window"})
-    """Observations a per-peer baseline is the median of."""
-    policy: Literal["warn", "evict", "reweight"] = field(
-        default="warn", metadata={"flat": "straggler_policy"}
+    factor: float = setting(
+        2.0,
+        flat="straggler_factor",
+        help="k: a time beyond k times the reference is slow.",
     )
-    """What a flag does: ``warn`` (an event, a ``/v1/status`` field, the summary's count),
-    ``evict`` (the peer is removed; it may rejoin) or ``reweight`` (as warn; for DiLoCo's time
-    budget, which already gives a slow peer fewer steps and less weight)."""
+    rounds: int = setting(
+        3,
+        flat="straggler_rounds",
+        help="m: this many slow (or normal) observations in a row flag (or clear) a peer.",
+    )
+    window: int = setting(
+        32, flat="straggler_window", help="Observations a per-peer baseline is the median of."
+    )
+    policy: Literal["warn", "evict", "reweight"] = setting(
+        "warn",
+        flat="straggler_policy",
+        help="""What a flag does: warn (an event, a /v1/status field, the summary's count), evict
+        (the peer is removed; it may rejoin) or reweight (as warn; for DiLoCo's time budget,
+        which already gives a slow peer fewer steps and less weight).""",
+    )
 
     def __post_init__(self) -> None:
         if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)):

@@ -139,7 +139,7 @@ class BenchConfig:
 
     def impairment(self) -> Impairment | None:
         """The peers' links' round trip, jitter and loss; ``None`` when there are none. Raises
-        ``ValueError`` (a :class:`~isthmus.lab.checks.ScenarioError`) for impossible values."""
+        ``ValueError`` (a :class:`~isthmus.spec.SpecError`) for impossible values."""
         imp = Impairment(rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms, loss=self.loss)
         return imp if imp.active else None
 

@@ -14,7 +14,7 @@ What the numbers mean (docs/LAB.md has the table):
   crosses it, as a real inter-site link is.
 
 All values are checked on construction and every problem raises a
-:class:`~isthmus.lab.checks.ScenarioError` naming the key (``network.rtt_ms[2]``,
+:class:`~isthmus.spec.SpecError` naming the key (``network.rtt_ms[2]``,
 ``network.sites[1].peers``) and what to write instead.
 """
 
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isthmus.lab.checks import (
-    ScenarioError,
     check_float,
     check_int,
     check_str,
     construct,
     rate_or_unlimited,
-    table_keys,
 )
+from isthmus.settings import check_keys
+from isthmus.spec import SpecError
 
 __all__ = [
     "CONGESTION_CONTROL_NAME",
@@ -51,7 +51,7 @@ __all__ = [
 MAX_LAB_PEERS = 252
 """The lab's /24 holds a coordinator and 252 peers; larger runs belong in the simulator."""
 MAX_RTT_MS = 5000.0
-"""Longer round trips than this are a configuration mistake (a geostationary hop is ~600 ms)."""
+"""Longer round trips than this are a configuration mistake: no real link is that slow."""
 
 #: what a TCP congestion control name may look like (``reno``, ``bbr``, ``cubic``, ...)
 CONGESTION_CONTROL_NAME = re.compile(r"[a-z0-9_]+")
@@ -73,20 +73,20 @@ class Impairment:
     def __post_init__(self) -> None:
         rtt = check_float(self.rtt_ms, "rtt_ms", minimum=0.0)
         if rtt > MAX_RTT_MS:
-            raise ScenarioError(
+            raise SpecError(
                 f"{rtt:g} ms is longer than any real round trip; at most {MAX_RTT_MS:g}",
                 key="rtt_ms",
             )
         jitter = check_float(self.jitter_ms, "jitter_ms", minimum=0.0)
         if jitter > rtt:
-            raise ScenarioError(
+            raise SpecError(
                 f"jitter {jitter:g} ms is more than the round trip ({rtt:g} ms): a packet "
                 "cannot arrive before it was sent; lower jitter_ms or raise rtt_ms",
                 key="jitter_ms",
             )
         loss = check_float(self.loss, "loss", minimum=0.0)
         if loss >= 1:
-            raise ScenarioError(
+            raise SpecError(
                 f"must be a probability below 1 (0.01 is 1% loss), got {loss:g}", key="loss"
             )
         object.__setattr__(self, "rtt_ms", rtt)
@@ -111,17 +111,17 @@ class Site:
     def __post_init__(self) -> None:
         check_str(self.name, "name")
         if not _SITE_NAME.fullmatch(self.name):
-            raise ScenarioError(
+            raise SpecError(
                 f"site names are 1-32 letters, digits, '_', '.' or '-', got {self.name!r}",
                 key="name",
             )
         if not isinstance(self.peers, (list, tuple)) or not self.peers:
-            raise ScenarioError(
+            raise SpecError(
                 f"must be a non-empty list of peer indices, got {self.peers!r}", key="peers"
             )
         peers = tuple(check_int(p, f"peers[{i}]", minimum=0) for i, p in enumerate(self.peers))
         if len(set(peers)) != len(peers):
-            raise ScenarioError(f"lists a peer twice: {list(peers)}", key="peers")
+            raise SpecError(f"lists a peer twice: {list(peers)}", key="peers")
         object.__setattr__(self, "peers", peers)
 
 
@@ -141,9 +141,9 @@ class SiteLink:
         if not (
             isinstance(s, (list, tuple)) and len(s) == 2 and all(isinstance(x, str) for x in s)
         ):
-            raise ScenarioError(f'must name two sites, e.g. ["eu", "us"], got {s!r}', key="sites")
+            raise SpecError(f'must name two sites, e.g. ["eu", "us"], got {s!r}', key="sites")
         if s[0] == s[1]:
-            raise ScenarioError(
+            raise SpecError(
                 f"joins site {s[0]!r} to itself; a site's own peers share its bridge", key="sites"
             )
         object.__setattr__(self, "sites", (s[0], s[1]))
@@ -166,16 +166,16 @@ class Sites:
         object.__setattr__(self, "sites", tuple(self.sites))
         object.__setattr__(self, "links", tuple(self.links))
         if not self.sites:
-            raise ScenarioError("give at least one [[network.sites]] entry", key="sites")
+            raise SpecError("give at least one [[network.sites]] entry", key="sites")
         names = [s.name for s in self.sites]
         for i, name in enumerate(names):
             if name in names[:i]:
-                raise ScenarioError(f"site {name!r} is defined twice", key=f"sites[{i}].name")
+                raise SpecError(f"site {name!r} is defined twice", key=f"sites[{i}].name")
         seen: dict[int, str] = {}
         for i, site in enumerate(self.sites):
             for p in site.peers:
                 if p in seen:
-                    raise ScenarioError(
+                    raise SpecError(
                         f"peer {p} is already in site {seen[p]!r}; a peer sits in one site",
                         key=f"sites[{i}].peers",
                     )
@@ -184,13 +184,13 @@ class Sites:
         for i, link in enumerate(self.links):
             for name in link.sites:
                 if name not in names:
-                    raise ScenarioError(
+                    raise SpecError(
                         f"no site {name!r}; the sites are {', '.join(names)}",
                         key=f"site_links[{i}].sites",
                     )
             pair = frozenset(link.sites)
             if pair in pairs:
-                raise ScenarioError(
+                raise SpecError(
                     f"sites {link.sites[0]!r} and {link.sites[1]!r} are already joined by "
                     f"site_links[{pairs[pair]}]",
                     key=f"site_links[{i}].sites",
@@ -203,13 +203,13 @@ class Sites:
             if frozenset((a, b)) not in pairs
         ]
         if missing:
-            raise ScenarioError(
+            raise SpecError(
                 f"no link between sites {', '.join(missing)}: add a [[network.site_links]] entry "
                 "with sites, rate and rtt_ms for every pair of sites",
                 key="site_links",
             )
         if self.coordinator_site is not None and self.coordinator_site not in names:
-            raise ScenarioError(
+            raise SpecError(
                 f"no site {self.coordinator_site!r}; the sites are {', '.join(names)}",
                 key="coordinator_site",
             )
@@ -241,14 +241,14 @@ class Sites:
         for i, site in enumerate(self.sites):
             for p in site.peers:
                 if p >= n:
-                    raise ScenarioError(
+                    raise SpecError(
                         f"peer {p} does not exist: network.peers = {n}, so peers are 0..{n - 1}",
                         key=f"sites[{i}].peers",
                     )
                 placed.add(p)
         left = sorted(set(range(n)) - placed)
         if left:
-            raise ScenarioError(
+            raise SpecError(
                 f"peers {left} are in no site; with sites, every peer belongs to one",
                 key="sites",
             )
@@ -274,14 +274,14 @@ class NetworkSpec:
     def __post_init__(self) -> None:
         check_int(self.peers, "peers", minimum=1)
         if self.peers > MAX_LAB_PEERS:
-            raise ScenarioError(
+            raise SpecError(
                 f"{self.peers} peers do not fit the lab's /24 (at most {MAX_LAB_PEERS}); use the "
                 "simulator (isthmus.lab.sim) for larger runs",
                 key="peers",
             )
         rates = tuple(self.rates_bps)
         if len(rates) != self.peers:
-            raise ScenarioError(
+            raise SpecError(
                 f"{len(rates)} rates for {self.peers} peers; give one rate for all or one per peer",
                 key="rate",
             )
@@ -291,14 +291,14 @@ class NetworkSpec:
                 check_float(r, name, positive=True)
         cc = self.congestion_control
         if cc is not None and not (isinstance(cc, str) and CONGESTION_CONTROL_NAME.fullmatch(cc)):
-            raise ScenarioError(
+            raise SpecError(
                 f"must be a TCP congestion control name such as 'reno' or 'bbr', got {cc!r}",
                 key="congestion_control",
             )
         object.__setattr__(self, "rates_bps", rates)
         imps = tuple(self.impairments) or (Impairment(),) * self.peers
         if len(imps) != self.peers:
-            raise ScenarioError(
+            raise SpecError(
                 f"{len(imps)} link impairments for {self.peers} peers; give one value for all "
                 "or one per peer",
                 key="rtt_ms",
@@ -361,7 +361,7 @@ _HINTS = {
 def _per_peer(value: Any, key: str, peers: int) -> list[Any]:
     if isinstance(value, list):
         if len(value) != peers:
-            raise ScenarioError(
+            raise SpecError(
                 f"{len(value)} values for {peers} peers; give one value for all or one per peer",
                 key=key,
             )
@@ -378,9 +378,9 @@ def _peer_impairments(t: Mapping[str, Any], peers: int) -> tuple[Impairment, ...
     for i in range(peers):
         try:
             out.append(Impairment(**{k: v[i] for k, v in values.items()}))
-        except ScenarioError as e:
+        except SpecError as e:
             where = f"[{i}]" if isinstance(t.get(e.key), list) else ""
-            raise ScenarioError(e.problem, key=f"network.{e.key}{where}") from None
+            raise SpecError(e.problem, key=f"network.{e.key}{where}") from None
     return tuple(out)
 
 
@@ -388,7 +388,7 @@ def _sites(t: Mapping[str, Any]) -> Sites | None:
     if "sites" not in t:
         for k in ("site_links", "coordinator_site"):
             if k in t:
-                raise ScenarioError(
+                raise SpecError(
                     f"{k} needs [[network.sites]] entries that say which peers sit where",
                     key=f"network.{k}",
                 )
@@ -396,15 +396,15 @@ def _sites(t: Mapping[str, Any]) -> Sites | None:
     raw_sites, raw_links = t["sites"], t.get("site_links", [])
     for k, v in (("sites", raw_sites), ("site_links", raw_links)):
         if not isinstance(v, list):
-            raise ScenarioError(f"write each entry as a [[network.{k}]] table", key=f"network.{k}")
+            raise SpecError(f"write each entry as a [[network.{k}]] table", key=f"network.{k}")
     sites = []
     for i, raw in enumerate(raw_sites):
-        st = table_keys(raw, f"network.sites[{i}]", ["name", "peers"], ["name", "peers"])
+        st = check_keys(raw, f"network.sites[{i}]", ["name", "peers"], ["name", "peers"])
         sites.append(construct(Site, f"network.sites[{i}]", **st))
     links = []
     for i, raw in enumerate(raw_links):
         key = f"network.site_links[{i}]"
-        lt = table_keys(
+        lt = check_keys(
             raw, key, ["sites", "rate", "rtt_ms", "jitter_ms", "loss"], ["sites", "rate"]
         )
         links.append(
@@ -420,13 +420,13 @@ def _sites(t: Mapping[str, Any]) -> Sites | None:
         )
     coord = t.get("coordinator_site")
     if coord is not None and not isinstance(coord, str):
-        raise ScenarioError(f"must be a site name, got {coord!r}", key="network.coordinator_site")
+        raise SpecError(f"must be a site name, got {coord!r}", key="network.coordinator_site")
     return construct(Sites, "network", sites=sites, links=links, coordinator_site=coord)
 
 
 def parse_network(raw: Any) -> NetworkSpec:
-    """The ``[network]`` table as a :class:`NetworkSpec`; raises :class:`ScenarioError`."""
-    t = table_keys(raw, "network", _NETWORK_KEYS, ["peers", "rate"], hints=_HINTS)
+    """The ``[network]`` table as a :class:`NetworkSpec`; raises :class:`SpecError`."""
+    t = check_keys(raw, "network", _NETWORK_KEYS, ["peers", "rate"], hints=_HINTS)
     peers = check_int(t["peers"], "network.peers", minimum=1)
     rate = t["rate"]
     if isinstance(rate, list):

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 
+from isthmus.spec import suggest
+
 __all__ = ["format_rate", "parse_rate"]
-
-
-def _suggest(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 _RATE_RE = re.compile(r"^\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]+)\s*$")
@@ -52,7 +48,7 @@ def parse_rate(text: str) -> float:
                 f"second); write megabits as '{m.group(1)}mbit'"
             )
         raise ValueError(
-            f"{text!r}: unknown unit {m.group(2)!r}{_suggest(unit, list(_RATE_UNITS))}; {_UNITS_HINT}"
+            f"{text!r}: unknown unit {m.group(2)!r}{suggest(unit, list(_RATE_UNITS))}; {_UNITS_HINT}"
         )
     bps = number * _RATE_UNITS[unit]
     if not math.isfinite(bps) or bps <= 0:

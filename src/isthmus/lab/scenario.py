@@ -1,39 +1,45 @@
-"""Lab scenarios: one TOML file describes a run, its strategy, the emulated network and the faults.
+"""Lab scenarios: one TOML file is a run (a :class:`~isthmus.runconfig.RunConfig`) plus the lab's own
+sections, the emulated network and the churn.
 
-A scenario is parsed into frozen, keyword-only dataclasses (:class:`Scenario` and its parts), each
-validated on construction. Every error is a :class:`ScenarioError` whose message names the file,
-the key (``network.rate[2]``, ``churn[1].peer``) and what to write instead; unknown keys are
-rejected with the closest known key as a suggestion, because a misspelt option that is silently
-ignored turns a week of lab runs into noise. The file format (every key) is documented in
-docs/LAB.md; the examples live in ``scenarios/``.
+A scenario file holds:
 
-Compression, aggregator and attack specs are checked with the factories that will build them
-(``make_compressor``, ``make_aggregator``, ``make_attack``), so a typo fails when the file is
-loaded. Strategy options are only checked for shape here (scalars or lists of scalars, finite
-numbers); the strategy factory validates their meaning when the run is built.
+* the run, in the lab's spelling: ``[run]`` (``name``, ``steps`` or ``tokens``, ``seed``,
+  ``model``), ``[strategy]`` (``name``, ``[strategy.options]``, ``compression``, ``aggregator``,
+  ``connections``, ``probe_links``), ``[[byzantine]]`` entries, ``[[fault]]`` entries and
+  ``[checkpoint]`` (``every``, ``keep``, ``dir``);
+* any of the RunConfig's own sections as ``config.json`` writes them: ``[data]``, ``[optim]``,
+  ``[eval]``, ``[timeouts]``, ``[output]``, ``[stragglers]``;
+* the lab's sections: ``[network]`` (:mod:`isthmus.lab.netspec`), ``[[churn]]`` and
+  ``[random_churn]``.
+
+:func:`load_scenario` (and :func:`parse_scenario` for text) is the one loader: it builds the
+RunConfig with the config's own checks (strict about TOML types: ``steps = "10"`` is no integer)
+and the lab's sections with theirs. Every error is a :class:`~isthmus.spec.SpecError` whose
+message names the file, the key as the file writes it (``network.rate[2]``, ``churn[1].peer``,
+``run.model``) and what to write instead; an unknown key gets the closest known key as a
+suggestion, because a misspelt option that is silently ignored turns a week of lab runs into
+noise. docs/LAB.md documents every key; the examples live in ``scenarios/``.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from isthmus.lab.checks import (
-    OptionValue,
-    ScenarioError,
-    check_float,
+    array_of_tables,
     check_int,
     check_options,
-    check_spec,
     check_str,
     construct,
-    one_of,
-    table_keys,
 )
-from isthmus.lab.churn_plan import check_sequences, random_schedule
+from isthmus.lab.churn_plan import Planned, check_sequences, starting_slots
+from isthmus.lab.churnspec import CHURN_ACTIONS, ChurnEvent, RandomChurn
 from isthmus.lab.netspec import (
     CONGESTION_CONTROL_NAME,
     MAX_LAB_PEERS,
@@ -45,6 +51,10 @@ from isthmus.lab.netspec import (
     parse_network,
 )
 from isthmus.lab.rates import format_rate, parse_rate
+from isthmus.runconfig import ByzantinePeer, DataConfig, ModelConfig, RunConfig, StrategyConfig
+from isthmus.runconfig import from_dict as _run_from_dict
+from isthmus.settings import check_keys
+from isthmus.spec import SpecError, format_spec
 from isthmus.strategies import STRATEGIES as _strategy_registry
 
 try:
@@ -58,7 +68,6 @@ __all__ = [
     "MAX_LAB_PEERS",
     "MODEL_PRESETS",
     "STRATEGIES",
-    "ByzantineSpec",
     "CheckpointSpec",
     "ChurnEvent",
     "FaultEntry",
@@ -67,11 +76,10 @@ __all__ = [
     "RandomChurn",
     "RunSpec",
     "Scenario",
-    "ScenarioError",
     "Site",
     "SiteLink",
     "Sites",
-    "StrategySpec",
+    "SpecError",
     "format_rate",
     "load_scenario",
     "parse_rate",
@@ -80,401 +88,202 @@ __all__ = [
 
 STRATEGIES = tuple(_strategy_registry.names())  # the strategies are named once, in their registry
 MODEL_PRESETS = ("tiny", "default")
-CHURN_ACTIONS = ("kill", "join", "stop", "cont")
+
+_MOVED: dict[str, tuple[Any, str]] = {
+    "ScenarioError": (SpecError, "isthmus.spec.SpecError"),
+    "StrategySpec": (
+        StrategyConfig,
+        "isthmus.run.config.StrategyConfig (Scenario.config.strategy)",
+    ),
+    "ByzantineSpec": (ByzantinePeer, "isthmus.run.config.ByzantinePeer"),
+}
 
 
-# ---------------------------------------------------------------------------- the parts
+def __getattr__(name: str) -> Any:
+    # the scenario's run-side types are the RunConfig's: one loader builds both
+    if name in _MOVED:
+        new, where = _MOVED[name]
+        warnings.warn(f"isthmus.lab.scenario.{name} is {where}", DeprecationWarning, stacklevel=2)
+        return new
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------- views of the file
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """``[run]``: what to train and for how long."""
+    """``[run]`` as the file wrote it (a view of :attr:`Scenario.config`; checked there)."""
 
     name: str
-    """Label used for the run's directory and reports."""
     steps: int | None = None
-    """Inner optimizer steps per peer. Exactly one of ``steps`` and ``tokens``."""
+    """Inner steps per peer; ``None`` when the file gives ``tokens``."""
     tokens: int | None = None
-    """Training tokens over all peers. Exactly one of ``steps`` and ``tokens``."""
+    """Training tokens over all peers; ``None`` when the file gives ``steps``."""
     seed: int = 0
-    """Seed for model init, data order and injected faults."""
     model: str = "tiny"
-    """Model preset: ``tiny`` (tests, seconds per step on a laptop) or ``default``."""
-
-    def __post_init__(self) -> None:
-        check_str(self.name, "name")
-        if (self.steps is None) == (self.tokens is None):
-            raise ScenarioError(
-                "give exactly one of run.steps (inner steps per peer) or run.tokens "
-                f"(training tokens in total); got steps={self.steps!r}, tokens={self.tokens!r}",
-                key="steps",
-            )
-        if self.steps is not None:
-            check_int(self.steps, "steps", minimum=1)
-        if self.tokens is not None:
-            check_int(self.tokens, "tokens", minimum=1)
-        check_int(self.seed, "seed", minimum=0)
-        one_of(self.model, MODEL_PRESETS, "model preset", "model")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StrategySpec:
-    """``[strategy]``: how peers synchronize, and with what compression and aggregation."""
-
-    name: str
-    """One of :data:`STRATEGIES`."""
-    options: Mapping[str, OptionValue] = field(default_factory=dict)
-    """Strategy options (``[strategy.options]``), checked by the strategy factory."""
-    compression: str | None = None
-    """Compressor spec, e.g. ``"int8"`` or ``"topk:0.01+ef21"``; ``None``: uncompressed."""
-    aggregator: str | None = None
-    """Aggregator spec, e.g. ``"krum"`` or ``"nnm+multi_krum:m=3"``; ``None``: plain mean."""
-    connections: int = 1
-    """TCP connections per peer pair each collective is striped over (``SessionConfig``)."""
-    probe_links: bool = False
-    """Peers measure their links when the membership changes (``SessionConfig``)."""
-
-    def __post_init__(self) -> None:
-        check_str(self.name, "name")
-        check_int(self.connections, "connections", minimum=1)
-        if not isinstance(self.probe_links, bool):
-            raise ScenarioError(
-                f"must be true or false, got {self.probe_links!r}", key="probe_links"
-            )
-        one_of(self.name, STRATEGIES, "strategy", "name")
-        object.__setattr__(self, "options", check_options(self.options, "options"))
-        if self.compression is not None:
-            check_spec(self.compression, "compression", "compression")
-        if self.aggregator is not None:
-            check_spec(self.aggregator, "aggregator", "aggregator")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChurnEvent:
-    """One ``[[churn]]`` entry: something happens to one peer at a step or a time.
-
-    ``kill`` ends the peer's process (SIGKILL), ``join`` starts it (a peer whose first event is a
-    join is absent at the start), ``stop`` freezes it (SIGSTOP: a silent peer), ``cont`` resumes it.
-    """
-
-    action: str
-    """One of :data:`CHURN_ACTIONS`."""
-    peer: int
-    """Peer index, 0-based."""
-    at_step: int | None = None
-    """When peer ``peer`` reaches this inner step. Exactly one of ``at_step``/``at_seconds``."""
-    at_seconds: float | None = None
-    """Seconds after the run starts. Exactly one of ``at_step``/``at_seconds``."""
-
-    def __post_init__(self) -> None:
-        check_str(self.action, "action")
-        one_of(self.action, CHURN_ACTIONS, "churn action", "action")
-        check_int(self.peer, "peer", minimum=0)
-        if (self.at_step is None) == (self.at_seconds is None):
-            raise ScenarioError(
-                "give exactly one of at_step (a step number) or at_seconds (time since start)",
-                key="at_step",
-            )
-        if self.at_step is not None:
-            check_int(self.at_step, "at_step", minimum=0)
-        if self.at_seconds is not None:
-            object.__setattr__(
-                self, "at_seconds", check_float(self.at_seconds, "at_seconds", minimum=0.0)
-            )
-
-    @property
-    def clock(self) -> str:
-        """``"step"`` or ``"seconds"``: which clock the event is on."""
-        return "step" if self.at_step is not None else "seconds"
-
-    @property
-    def when(self) -> float:
-        """The event's time on its own clock."""
-        return float(self.at_step if self.at_step is not None else self.at_seconds)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RandomChurn:
-    """``[random_churn]``: failures arriving at random (a Poisson process), reproducible by seed."""
-
-    failures_per_minute: float
-    """Mean failures per minute over the whole run (not per peer)."""
-    seed: int = 0
-    """Seed of the schedule; the same seed gives the same events."""
-    kind: str = "kill"
-    """``kill`` (the peer rejoins with ``join``) or ``stop`` (it resumes with ``cont``)."""
-    recover_after_seconds: float | None = None
-    """Delay before the failed peer rejoins or resumes; ``None``: it never comes back."""
-    min_peers: int = 1
-    """Never fail a peer if fewer than this many would be left running."""
-
-    def __post_init__(self) -> None:
-        check_float(self.failures_per_minute, "failures_per_minute", positive=True)
-        check_int(self.seed, "seed", minimum=0)
-        check_str(self.kind, "kind")
-        one_of(self.kind, ("kill", "stop"), "failure kind", "kind")
-        if self.recover_after_seconds is not None:
-            check_float(self.recover_after_seconds, "recover_after_seconds", positive=True)
-        check_int(self.min_peers, "min_peers", minimum=1)
-
-    def schedule(self, *, peers: int, duration_s: float) -> list[ChurnEvent]:
-        """The concrete events for a run of ``duration_s`` seconds with ``peers`` peers.
-
-        Failures arrive with exponential gaps; each picks a uniformly random running peer, unless
-        that would leave fewer than ``min_peers`` running (then the failure is skipped). Recoveries
-        that would fall after ``duration_s`` are dropped. Deterministic for a given seed.
-        """
-        check_int(peers, "peers", minimum=1)
-        check_float(duration_s, "duration_s", minimum=0.0)
-        return [
-            ChurnEvent(action=action, peer=peer, at_seconds=t)
-            for action, peer, t in random_schedule(
-                failures_per_minute=self.failures_per_minute,
-                seed=self.seed,
-                kind=self.kind,
-                recover_after_seconds=self.recover_after_seconds,
-                min_peers=self.min_peers,
-                peers=peers,
-                duration_s=duration_s,
-            )
-        ]
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultEntry:
     """One ``[[fault]]`` entry: a fault spec peer ``peer`` fires on itself (see
-    :mod:`isthmus.comm.faults`), e.g. ``spec = "slow:3@20-60"`` (steps 20 to 59 take three times
-    as long) or ``spec = "fail@collective:round=12"``."""
+    :mod:`isthmus.comm.faults`), e.g. ``spec = "slow:3@20-60"``."""
 
     peer: int
-    """Peer index, 0-based."""
     spec: str
-    """The fault spec, checked with :meth:`isthmus.comm.faults.Fault.parse`."""
-
-    def __post_init__(self) -> None:
-        check_int(self.peer, "peer", minimum=0)
-        check_str(self.spec, "spec")
-        from isthmus.comm.faults import Fault  # lazily, as check_spec does: it needs torch
-
-        try:
-            Fault.parse(self.spec)
-        except ValueError as e:
-            raise ScenarioError(str(e), key="spec") from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSpec:
-    """``[checkpoint]``: durable copies of the run while it goes. With them a run outlives every
-    peer: when churn leaves no peer with the state, the coordinator restarts the run from the
-    latest complete checkpoint instead of ending it (docs/ELASTIC.md)."""
+    """``[checkpoint]`` as the file wrote it: every this many committed rounds, keep this many,
+    in ``dir`` (relative: inside the run's directory)."""
 
     every: int
-    """Write one every this many committed rounds."""
     keep: int = 3
-    """How many complete checkpoints to keep."""
     dir: str = "checkpoints"
-    """Where they go: a path relative to the run's directory, an absolute path or an fsspec URL."""
-
-    def __post_init__(self) -> None:
-        check_int(self.every, "every", minimum=1)
-        check_int(self.keep, "keep", minimum=1)
-        check_str(self.dir, "dir")
 
 
-_ATTACK_RE = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ByzantineSpec:
-    """One ``[[byzantine]]`` entry: a peer that sends corrupted updates."""
-
-    peer: int
-    """Peer index, 0-based."""
-    attack: str
-    """Attack name (e.g. ``sign_flip``, ``ipm``, ``alie``, ``gaussian``), checked with
-    ``isthmus.reduce.aggregate.attacks.make_attack``."""
-    options: Mapping[str, OptionValue] = field(default_factory=dict)
-    """Attack options (``[byzantine.options]`` under the entry)."""
-    from_step: int = 0
-    """First step at which the peer misbehaves."""
-
-    def __post_init__(self) -> None:
-        check_int(self.peer, "peer", minimum=0)
-        check_str(self.attack, "attack")
-        if not _ATTACK_RE.match(self.attack):
-            raise ScenarioError(
-                f"attack names are lowercase identifiers such as 'sign_flip', got {self.attack!r}",
-                key="attack",
-            )
-        options = check_options(self.options, "options")
-        for name, value in options.items():
-            if isinstance(value, tuple):
-                raise ScenarioError(
-                    "attack options are single values, not lists", key=f"options.{name}"
-                )
-        object.__setattr__(self, "options", options)
-        check_int(self.from_step, "from_step", minimum=0)
-        check_spec(self.spec, "attack", "attack")
-
-    @property
-    def spec(self) -> str:
-        """The attack as a spec string for ``make_attack``, e.g. ``"alie:tau=1.5"``."""
-        if not self.options:
-            return self.attack
-        parts = ",".join(
-            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.options.items()
-        )
-        return f"{self.attack}:{parts}"
+# ---------------------------------------------------------------------------- the scenario
 
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    """A whole lab scenario. Cross-checks run here: peers named by churn and byzantine entries
-    exist, at least one peer is honest, churn sequences make sense per peer (kill a running peer,
-    join a dead or absent one, cont a stopped one) and never leave the run without a running peer,
-    and step-based events fall within ``run.steps``."""
+    """A whole lab scenario: the run and the lab's sections. Cross-checks run here: the run's
+    peers are the network's, peers named by churn exist, churn sequences make sense per peer
+    (kill a running peer, join a dead or absent one, cont a stopped one) and never leave the run
+    without a running peer, and step-based events fall within the run's steps. Raises
+    :class:`~isthmus.spec.SpecError` naming ``source`` and the key."""
 
-    run: RunSpec
-    strategy: StrategySpec
+    config: RunConfig
+    """The run the file describes, with the config's defaults for what it does not say; the lab
+    adds the command line's settings (:func:`isthmus.run.lab_run.lab_config`)."""
     network: NetworkSpec
+    tokens: int | None = None
+    """``[run] tokens``: the run's steps follow from it and the batch size (:meth:`steps_for`)."""
     churn: tuple[ChurnEvent, ...] = ()
     random_churn: RandomChurn | None = None
-    byzantine: tuple[ByzantineSpec, ...] = ()
-    faults: tuple[FaultEntry, ...] = ()
-    checkpoint: CheckpointSpec | None = None
     description: str = ""
     source: str = "<scenario>"
     """Where it came from (a file path), for messages."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "churn", tuple(self.churn))
-        object.__setattr__(self, "byzantine", tuple(self.byzantine))
-        object.__setattr__(self, "faults", tuple(self.faults))
         n = self.network.peers
-        for i, f in enumerate(self.faults):
-            if f.peer >= n:
-                raise ScenarioError(
-                    f"peer {f.peer} does not exist: network.peers = {n}, so peers are 0..{n - 1}",
-                    key=f"fault[{i}].peer",
-                    source=self.source,
-                )
-        for i, ev in enumerate(self.churn):
-            if ev.peer >= n:
-                raise ScenarioError(
-                    f"peer {ev.peer} does not exist: network.peers = {n}, so peers are 0..{n - 1}",
-                    key=f"churn[{i}].peer",
-                    source=self.source,
-                )
-            if (
-                ev.at_step is not None
-                and self.run.steps is not None
-                and ev.at_step > self.run.steps
-            ):
-                raise ScenarioError(
-                    f"step {ev.at_step} is after the run ends (run.steps = {self.run.steps})",
-                    key=f"churn[{i}].at_step",
-                    source=self.source,
-                )
-        self._check_churn_sequences()
-        seen: set[int] = set()
-        for i, b in enumerate(self.byzantine):
-            if b.peer >= n:
-                raise ScenarioError(
-                    f"peer {b.peer} does not exist: network.peers = {n}, so peers are 0..{n - 1}",
-                    key=f"byzantine[{i}].peer",
-                    source=self.source,
-                )
-            if b.peer in seen:
-                raise ScenarioError(
-                    f"peer {b.peer} is listed twice; give one entry per byzantine peer",
-                    key=f"byzantine[{i}].peer",
-                    source=self.source,
-                )
-            seen.add(b.peer)
-        if seen and len(seen) >= n:
-            raise ScenarioError(
-                f"all {n} peers are byzantine; at least one must be honest",
-                key="byzantine",
-                source=self.source,
+        if self.config.peers != n:
+            raise self._error(
+                f"the run has {self.config.peers} peers but network.peers = {n}", "network.peers"
             )
+        for i, ev in enumerate(self.churn):
+            _peer_exists(ev.peer, n, f"churn[{i}].peer", self.source)
+            if ev.at_step is not None and self.tokens is None and ev.at_step > self.config.steps:
+                raise self._error(
+                    f"step {ev.at_step} is after the run ends (run.steps = {self.config.steps})",
+                    f"churn[{i}].at_step",
+                )
+        problem = check_sequences(self.churn, n)
+        if problem is not None:
+            raise self._error(problem[1], problem[0])
         if self.random_churn is not None and self.random_churn.min_peers > n:
-            raise ScenarioError(
+            raise self._error(
                 f"min_peers = {self.random_churn.min_peers} but network.peers = {n}",
-                key="random_churn.min_peers",
-                source=self.source,
+                "random_churn.min_peers",
             )
 
-    def _check_churn_sequences(self) -> None:
-        problem = check_sequences(self.churn, self.network.peers)
-        if problem is not None:
-            key, text = problem
-            raise ScenarioError(text, key=key, source=self.source)
+    def _error(self, problem: str, key: str) -> SpecError:
+        return SpecError(problem, key=key, source=self.source)
 
     @property
     def peers(self) -> int:
         """Shorthand for ``network.peers``."""
         return self.network.peers
 
-
-# ---------------------------------------------------------------------------- parsing
-
-
-def _section_run(raw: Any) -> RunSpec:
-    t = table_keys(raw, "run", [f.name for f in fields(RunSpec)], ["name"])
-    return construct(RunSpec, "run", **t)
-
-
-def _section_strategy(raw: Any) -> StrategySpec:
-    t = table_keys(raw, "strategy", [f.name for f in fields(StrategySpec)], ["name"])
-    return construct(StrategySpec, "strategy", **t)
-
-
-def _array_of_tables(raw: Any, key: str) -> list[Any]:
-    if not isinstance(raw, list):
-        raise ScenarioError(f"write each entry as a [[{key}]] table", key=key)
-    return raw
-
-
-def _section_churn(raw: Any) -> list[ChurnEvent]:
-    out = []
-    for i, item in enumerate(_array_of_tables(raw, "churn")):
-        t = table_keys(
-            item, f"churn[{i}]", [f.name for f in fields(ChurnEvent)], ["action", "peer"]
+    @property
+    def run(self) -> RunSpec:
+        """``[run]`` as written (name, steps or tokens, seed, model)."""
+        c = self.config
+        steps = None if self.tokens is not None else c.steps
+        return RunSpec(
+            name=c.name, steps=steps, tokens=self.tokens, seed=c.model.seed, model=c.model.preset
         )
-        out.append(construct(ChurnEvent, f"churn[{i}]", **t))
-    return out
 
+    @property
+    def strategy(self) -> StrategyConfig:
+        """The run's strategy section (``config.strategy``)."""
+        return self.config.strategy
 
-def _section_random_churn(raw: Any) -> RandomChurn:
-    t = table_keys(
-        raw, "random_churn", [f.name for f in fields(RandomChurn)], ["failures_per_minute"]
-    )
-    return construct(RandomChurn, "random_churn", **t)
+    @property
+    def byzantine(self) -> tuple[ByzantinePeer, ...]:
+        """The ``[[byzantine]]`` entries in file order, each attack as one spec string."""
+        return tuple(self.config.faults.byzantine)
 
+    @property
+    def faults(self) -> tuple[FaultEntry, ...]:
+        """The ``[[fault]]`` entries, grouped by peer."""
+        pf = self.config.faults.peer_faults
+        return tuple(FaultEntry(peer=p, spec=s) for p, specs in pf.items() for s in specs)
 
-def _section_byzantine(raw: Any) -> list[ByzantineSpec]:
-    out = []
-    for i, item in enumerate(_array_of_tables(raw, "byzantine")):
-        t = table_keys(
-            item, f"byzantine[{i}]", [f.name for f in fields(ByzantineSpec)], ["peer", "attack"]
+    @property
+    def checkpoint(self) -> CheckpointSpec | None:
+        """``[checkpoint]``, or None when the file has none."""
+        c = self.config.checkpoint
+        if c.checkpoint_dir is None:
+            return None
+        return CheckpointSpec(
+            every=c.checkpoint_every, keep=c.checkpoint_keep, dir=c.checkpoint_dir
         )
-        out.append(construct(ByzantineSpec, f"byzantine[{i}]", **t))
-    return out
+
+    def starting_peers(self) -> list[int]:
+        """The peers running at the start: all but those whose first churn event is a join."""
+        return _starting(self.peers, self.churn)
+
+    def steps_for(self, *, batch_size: int) -> int:
+        """The run's steps: ``run.steps``, or ``run.tokens`` over the tokens one step of all
+        starting peers consumes (peers at the start x ``batch_size`` x the model's block size)."""
+        if self.tokens is None:
+            return self.config.steps
+        block = self.config.model.block_size()
+        return _token_steps(self.tokens, len(self.starting_peers()), batch_size, block)
+
+    def to_json(self) -> dict[str, Any]:
+        """The scenario as plain data (a run directory's ``scenario.json``)."""
+        checkpoint = self.checkpoint
+        return {
+            "run": asdict(self.run),
+            "strategy": asdict(self.strategy),
+            "network": asdict(self.network),
+            "churn": [asdict(e) for e in self.churn],
+            "random_churn": asdict(self.random_churn) if self.random_churn else None,
+            "byzantine": [asdict(b) for b in self.byzantine],
+            "faults": [asdict(f) for f in self.faults],
+            "checkpoint": asdict(checkpoint) if checkpoint else None,
+            "description": self.description,
+            "source": self.source,
+        }
 
 
-def _section_faults(raw: Any) -> list[FaultEntry]:
-    out = []
-    for i, item in enumerate(_array_of_tables(raw, "fault")):
-        t = table_keys(item, f"fault[{i}]", ["peer", "spec"], ["peer", "spec"])
-        out.append(construct(FaultEntry, f"fault[{i}]", **t))
-    return out
+def _peer_exists(peer: int, n: int, key: str, source: str = "") -> None:
+    if peer >= n:
+        raise SpecError(
+            f"peer {peer} does not exist: network.peers = {n}, so peers are 0..{n - 1}",
+            key=key,
+            source=source,
+        )
 
 
-def _section_checkpoint(raw: Any) -> CheckpointSpec:
-    t = table_keys(raw, "checkpoint", [f.name for f in fields(CheckpointSpec)], ["every"])
-    return construct(CheckpointSpec, "checkpoint", **t)
+def _starting(peers: int, churn: tuple[ChurnEvent, ...]) -> list[int]:
+    events = [Planned(action=e.action, slot=e.peer, clock=e.clock, when=e.when) for e in churn]  # type: ignore[arg-type]
+    return starting_slots(peers, events)
 
 
+def _token_steps(tokens: int, starting: int, batch_size: int, block_size: int) -> int:
+    return max(1, math.ceil(tokens / (max(1, starting) * batch_size * block_size)))
+
+
+# ---------------------------------------------------------------------------- the loader
+
+_RUN_KEYS = ("name", "steps", "tokens", "seed", "model")
+_STRATEGY_KEYS = ("name", "options", "compression", "aggregator", "connections", "probe_links")
+_RUN_SECTIONS = ("data", "optim", "eval", "timeouts", "output", "stragglers")
 _TOP = (
     "description",
     "run",
@@ -485,46 +294,202 @@ _TOP = (
     "byzantine",
     "fault",
     "checkpoint",
+    *_RUN_SECTIONS,
 )
+_FILE_KEYS = {
+    # where the file writes what the RunConfig calls otherwise
+    "checkpoint.checkpoint_every": "checkpoint.every",
+    "checkpoint.checkpoint_keep": "checkpoint.keep",
+    "checkpoint.checkpoint_dir": "checkpoint.dir",
+    "faults.byzantine": "byzantine",
+    "model.preset": "run.model",
+    "model.seed": "run.seed",
+    "run.peers": "network.peers",
+    "steps": "run.steps",
+    "name": "run.name",
+}
+_ATTACK_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _file_key(key: str, faults: list[tuple[int, str]]) -> str:
+    """The key a scenario file writes for RunConfig key ``key``."""
+    m = re.fullmatch(r"faults\.byzantine\[(\d+)\]", key)
+    if m:
+        return f"byzantine[{m.group(1)}].attack"
+    m = re.fullmatch(r"faults\.peer_faults\[(\d+)\]\[(\d+)\]", key)
+    if m:
+        peer, j = int(m.group(1)), int(m.group(2))
+        i = [k for k, (p, _) in enumerate(faults) if p == peer][j]
+        return f"fault[{i}].spec"
+    for run_key, file_key in _FILE_KEYS.items():
+        if key == run_key or key.startswith((run_key + ".", run_key + "[")):
+            return file_key + key[len(run_key) :]
+    return key
+
+
+def _byzantine(raw: Any, peers: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for i, item in enumerate(array_of_tables(raw, "byzantine")):
+        key = f"byzantine[{i}]"
+        b = check_keys(item, key, ("peer", "attack", "options", "from_step"), ("peer", "attack"))
+        peer = check_int(b["peer"], f"{key}.peer", minimum=0)
+        attack = check_str(b["attack"], f"{key}.attack")
+        if not _ATTACK_RE.match(attack):
+            raise SpecError(
+                f"attack names are lowercase identifiers such as 'sign_flip', got {attack!r}",
+                key=f"{key}.attack",
+            )
+        options = check_options(b.get("options", {}), f"{key}.options")
+        for name, value in options.items():
+            if isinstance(value, tuple):
+                raise SpecError(
+                    "attack options are single values, not lists", key=f"{key}.options.{name}"
+                )
+        from_step = check_int(b.get("from_step", 0), f"{key}.from_step", minimum=0)
+        _peer_exists(peer, peers, f"{key}.peer")
+        if peer in seen:
+            raise SpecError(
+                f"peer {peer} is listed twice; give one entry per byzantine peer", key=f"{key}.peer"
+            )
+        seen.add(peer)
+        out.append({"peer": peer, "attack": format_spec(attack, options), "from_step": from_step})
+    return out
+
+
+def _faults(raw: Any, peers: int) -> list[tuple[int, str]]:
+    out = []
+    for i, item in enumerate(array_of_tables(raw, "fault")):
+        key = f"fault[{i}]"
+        f = check_keys(item, key, ("peer", "spec"), ("peer", "spec"))
+        peer = check_int(f["peer"], f"{key}.peer", minimum=0)
+        spec = check_str(f["spec"], f"{key}.spec")
+        _peer_exists(peer, peers, f"{key}.peer")
+        out.append((peer, spec))
+    return out
+
+
+def _run_table(
+    t: Mapping[str, Any], network: NetworkSpec, churn: tuple[ChurnEvent, ...]
+) -> tuple[dict[str, Any], int | None, list[tuple[int, str]]]:
+    """The file's run part as a RunConfig table, its ``tokens``, and its ``[[fault]]`` entries."""
+    run = check_keys(t["run"], "run", _RUN_KEYS, ["name"])
+    steps, tokens = run.get("steps"), run.get("tokens")
+    if (steps is None) == (tokens is None):
+        raise SpecError(
+            "give exactly one of run.steps (inner steps per peer) or run.tokens "
+            f"(training tokens in total); got steps={steps!r}, tokens={tokens!r}",
+            key="run.steps",
+        )
+    if tokens is not None:
+        check_int(tokens, "run.tokens", minimum=1)
+    st = check_keys(t["strategy"], "strategy", _STRATEGY_KEYS, ["name"])
+    options = check_options(st.get("options", {}), "strategy.options")
+    byzantine = _byzantine(t["byzantine"], network.peers) if "byzantine" in t else []
+    faults = _faults(t["fault"], network.peers) if "fault" in t else []
+    table: dict[str, Any] = {
+        "name": run["name"],
+        "peers": network.peers,
+        "model": {"preset": run.get("model", "tiny"), "seed": run.get("seed", 0)},
+        "strategy": {
+            **st,
+            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+            "byzantine_f": len(byzantine) if st.get("aggregator") else 0,
+        },
+        "faults": {"byzantine": byzantine, "peer_faults": {}},
+        **{s: t[s] for s in _RUN_SECTIONS if s in t},
+    }
+    for peer, spec in faults:
+        table["faults"]["peer_faults"].setdefault(peer, []).append(spec)
+    if "checkpoint" in t:
+        c = check_keys(t["checkpoint"], "checkpoint", ("every", "keep", "dir"), ["every"])
+        table["checkpoint"] = {
+            # at least 1: the section is there so that the run can restart mid-way
+            "checkpoint_every": check_int(c["every"], "checkpoint.every", minimum=1),
+            "checkpoint_keep": c.get("keep", 3),
+            "checkpoint_dir": check_str(c.get("dir", "checkpoints"), "checkpoint.dir"),
+        }
+    if tokens is not None:
+        steps = _token_steps(
+            tokens, len(_starting(network.peers, churn)), _batch_size(t), _block_size(run)
+        )
+    table["steps"] = steps
+    return table, tokens, faults
+
+
+def _batch_size(t: Mapping[str, Any]) -> int:
+    # a bad value is reported when the config is built
+    b = t.get("data", {}).get("batch_size") if isinstance(t.get("data"), Mapping) else None
+    ok = isinstance(b, int) and not isinstance(b, bool) and b >= 1
+    return b if ok else DataConfig().batch_size  # type: ignore[return-value]
+
+
+def _block_size(run: Mapping[str, Any]) -> int:
+    preset = run.get("model", "tiny")
+    return ModelConfig(preset=preset if preset in MODEL_PRESETS else "tiny").block_size()
+
+
+def _churn(t: Mapping[str, Any]) -> tuple[ChurnEvent, ...]:
+    out = []
+    for i, item in enumerate(array_of_tables(t.get("churn", []), "churn")):
+        key = f"churn[{i}]"
+        c = check_keys(item, key, ("action", "peer", "at_step", "at_seconds"), ["action", "peer"])
+        out.append(construct(ChurnEvent, key, **c))
+    return tuple(out)
+
+
+def _random_churn(t: Mapping[str, Any]) -> RandomChurn | None:
+    if "random_churn" not in t:
+        return None
+    keys = ("failures_per_minute", "seed", "kind", "recover_after_seconds", "min_peers")
+    r = check_keys(t["random_churn"], "random_churn", keys, ["failures_per_minute"])
+    return construct(RandomChurn, "random_churn", **r)  # type: ignore[no-any-return]
 
 
 def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>") -> Scenario:
     """Build a :class:`Scenario` from TOML text or an already-parsed table.
 
-    Raises :class:`ScenarioError` naming ``source``, the key and the problem: invalid TOML,
-    unknown or missing keys, wrong types, bad rates, unknown strategy/model/action names, peers
-    that do not exist, impossible churn sequences, steps and tokens both or neither given.
+    Raises :class:`~isthmus.spec.SpecError` naming ``source``, the key and the problem: invalid
+    TOML, unknown or missing keys (with a suggestion), values of the wrong type or out of bounds,
+    bad rates, unknown strategy/model/action names and component specs, peers that do not exist,
+    impossible churn sequences, steps and tokens both or neither given.
     """
+    faults: list[tuple[int, str]] = []
     try:
         if isinstance(data, str):
             try:
                 table: Mapping[str, Any] = tomllib.loads(data)
             except tomllib.TOMLDecodeError as e:
-                raise ScenarioError(f"not valid TOML: {e}") from None
+                raise SpecError(f"not valid TOML: {e}") from None
         else:
             table = data
-        t = table_keys(table, "", _TOP, ["run", "strategy", "network"])
+        t = check_keys(table, "", _TOP, ["run", "strategy", "network"])
         description = t.get("description", "")
         if not isinstance(description, str):
-            raise ScenarioError("must be a string", key="description")
+            raise SpecError("must be a string", key="description")
+        network = parse_network(t["network"])
+        churn = _churn(t)
+        random_churn = _random_churn(t)
+        run_table, tokens, faults = _run_table(t, network, churn)
+        try:
+            config = _run_from_dict(run_table, strict=True)
+        except SpecError as e:
+            raise SpecError(e.problem, key=_file_key(e.key, faults), spec=e.spec) from None
         return Scenario(
-            run=_section_run(t["run"]),
-            strategy=_section_strategy(t["strategy"]),
-            network=parse_network(t["network"]),
-            churn=tuple(_section_churn(t["churn"])) if "churn" in t else (),
-            random_churn=_section_random_churn(t["random_churn"]) if "random_churn" in t else None,
-            byzantine=tuple(_section_byzantine(t["byzantine"])) if "byzantine" in t else (),
-            faults=tuple(_section_faults(t["fault"])) if "fault" in t else (),
-            checkpoint=_section_checkpoint(t["checkpoint"]) if "checkpoint" in t else None,
+            config=config,
+            network=network,
+            tokens=tokens,
+            churn=churn,
+            random_churn=random_churn,
             description=description,
             source=source,
         )
-    except ScenarioError as e:
+    except SpecError as e:
         raise e.within("", source) from None
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file; raises :class:`ScenarioError` (naming the file) for a
-    malformed one and ``OSError`` if it cannot be read."""
+    """Read and validate a scenario file; raises :class:`~isthmus.spec.SpecError` (naming the
+    file) for a malformed one and ``OSError`` if it cannot be read."""
     p = Path(path)
     return parse_scenario(p.read_text(encoding="utf-8"), source=str(p))

@@ -1,10 +1,10 @@
 """Command-line flags generated from :class:`~isthmus.run.config.RunConfig`, not copied by hand.
 
 Every leaf of the config becomes ``--<flat-name>`` (``data.batch_size`` is ``--batch-size``), with
-the field's docstring as its help and its default shown; a bool that defaults to true gets its
-``negate`` name (``--no-progress``), one that defaults to false is a switch
-(``--probe-links``); list and dict leaves repeat (``--kill 1@20 --kill 2@30``)
-through the parser in their metadata. Every flag's value is a string that
+the help text its field declares (:func:`~isthmus.settings.setting`: it is in the field's metadata, so
+an installed package has it too) and its default shown; a bool that defaults to true gets its
+``negate`` name (``--no-progress``), one that defaults to false is a switch (``--probe-links``);
+list and dict leaves repeat (``--kill 1@20 --kill 2@30``) through the parser in their metadata. Every flag's value is a string that
 :func:`~isthmus.run.config.apply_overrides` coerces through the field's type, so a flag, a
 ``--set data.batch_size=8`` and a scenario key are checked by the same code. Only flags the user
 gave become overrides: a command's own preset (the demo's, a scenario's) stays in force otherwise.
@@ -13,12 +13,7 @@ gave become overrides: a command's own preset (the demo's, a scenario's) stays i
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import functools
-import inspect
-import itertools
-import textwrap
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -41,25 +36,10 @@ SHORTCUTS: dict[str, tuple[Callable[[str], Any], str]] = {
 """Strategy options with flags of their own (``--sync-every 10`` is ``--option sync_every=10``)."""
 
 
-@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of dataclass ``cls`` (the string right under each field)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    out: dict[str, str] = {}
-    for a, b in itertools.pairwise(body):
-        if (
-            isinstance(a, ast.AnnAssign)
-            and isinstance(a.target, ast.Name)
-            and isinstance(b, ast.Expr)
-            and isinstance(b.value, ast.Constant)
-            and isinstance(b.value.value, str)
-        ):
-            out[a.target.id] = " ".join(b.value.value.replace("``", "").split())
-    return out
+    """The help text of each field of config dataclass ``cls``, from the ``help`` in its metadata
+    (see :func:`~isthmus.settings.setting`): present in an installed package, no source needed."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.metadata.get("help")}
 
 
 def _metavar(leaf: Leaf) -> str | None:
@@ -98,7 +78,7 @@ def add_config_flags(
         if flat in skip:
             continue
         leaf = table[flat]
-        doc = field_docs(leaf.owner).get(leaf.field.name, "")
+        doc = leaf.field.metadata.get("help", "")
         dest = _PREFIX + flat
         meta = leaf.field.metadata
         if leaf.hint is bool and "negate" in meta:

@@ -2,8 +2,9 @@
 
 What happens, in order:
 
-1. **Config.** The scenario becomes a :class:`~isthmus.run.config.RunConfig` (:func:`lab_config`)
-   with the command line's overrides applied, validated before anything is built.
+1. **Config.** The scenario's :class:`~isthmus.run.config.RunConfig` (read with it by
+   :func:`~isthmus.lab.scenario.load_scenario`) gets the command line's overrides
+   (:func:`lab_config`), validated before anything is built.
 2. **Network.** :func:`~isthmus.lab.links.open_network` builds one namespace per peer and one for
    the coordinator on a bridge, each link shaped with tc tbf at the scenario's rate, or falls back
    to loopback without shaping and says so (``network.mode`` in the summary), unless ``netns``
@@ -24,16 +25,14 @@ What happens, in order:
    accounting, round latency, world size, time lost to recovery, eval curve), and ``report.md``
    a lab section.
 
-Failures: a bad scenario or override raises a ValueError (ScenarioError, SpecError) before
-anything starts; a network that cannot be built raises :class:`~isthmus.lab.netns.LabError`
+Failures: a bad scenario or override raises a :class:`~isthmus.spec.SpecError` (a ValueError)
+before anything starts; a network that cannot be built raises :class:`~isthmus.lab.netns.LabError`
 (or falls back, see 2). Ctrl-C and errors tear the network down and stop every peer first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,46 +48,37 @@ from isthmus.lab.wan import WanNetwork
 from isthmus.run import measure
 from isthmus.run.builtin_run import publish, run_builtin, with_short_h
 from isthmus.run.churn_hook import ChurnHook
-from isthmus.run.config import ByzantinePeer, RunConfig, apply_overrides
+from isthmus.run.config import RunConfig, apply_overrides
 from isthmus.run.launch import Hook, Launcher, Outcome, Spawner
 from isthmus.run.record import LabSummary, RunDir, Summary
+from isthmus.settings import Checked, setting
 
 __all__ = ["LabOptions", "NamespaceSpawner", "lab_config", "run_lab", "scenario_steps"]
 
 
 @dataclass(kw_only=True)
-class LabOptions:
+class LabOptions(Checked):
     """How to run a scenario where the scenario file and the run config say nothing."""
 
-    network: str = "auto"
-    """``auto``: namespaces if possible, else loopback (with a message); ``netns``: namespaces or
-    fail (``LabUnavailable``); ``loopback``: never build namespaces (no shaping, no per-peer
-    counters)."""
-    prefix: str = "isth"
-    """Prefix of the namespace names (1-12 lowercase letters/digits)."""
-    sample_interval_s: float = 0.5
-    """How often link counters are sampled into ``links.jsonl``."""
-
-    def __post_init__(self) -> None:
-        if self.network not in NETWORK_MODES:
-            raise ValueError(
-                f"network must be one of {', '.join(NETWORK_MODES)}, got {self.network!r}"
-            )
-        v = self.sample_interval_s
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"sample_interval_s must be a positive number of seconds, got {v!r}")
+    network: str = setting(
+        "auto",
+        choices=NETWORK_MODES,
+        help="""auto: namespaces if possible, else loopback (with a message); netns: namespaces
+        or fail (LabUnavailable); loopback: never build namespaces (no shaping, no per-peer
+        counters).""",
+    )
+    prefix: str = setting(
+        "isth", help="Prefix of the namespace names (1-12 lowercase letters/digits)."
+    )
+    sample_interval_s: float = setting(
+        0.5, gt=0, help="How often link counters are sampled into links.jsonl (seconds)."
+    )
 
 
 def scenario_steps(scenario: Scenario, *, batch_size: int) -> int:
     """Inner steps per peer for the scenario: ``run.steps``, or ``run.tokens`` divided by the
     tokens one step of all starting peers consumes (peers at the start x batch x block size)."""
-    if scenario.run.steps is not None:
-        return scenario.run.steps
-    from isthmus.run.job import model_config
-
-    start = len(_starting(scenario))
-    per_step = start * batch_size * model_config(scenario.run.model).block_size
-    return max(1, math.ceil(int(scenario.run.tokens or 0) / per_step))
+    return scenario.steps_for(batch_size=batch_size)
 
 
 def _events(scenario: Scenario, duration_s: float) -> list[Planned]:
@@ -104,28 +94,6 @@ def _events(scenario: Scenario, duration_s: float) -> list[Planned]:
     return out
 
 
-def _starting(scenario: Scenario) -> list[int]:
-    from isthmus.lab.churn_plan import starting_slots
-
-    return starting_slots(scenario.peers, _events(scenario, 0.0))
-
-
-def _scenario_faults(scenario: Scenario) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for f in scenario.faults:
-        out.setdefault(f.peer, []).append(f.spec)
-    return out
-
-
-def _scenario_checkpoint(scenario: Scenario) -> dict[str, Any]:
-    """The scenario's ``[checkpoint]`` as flat settings; its directory, relative to the run
-    directory, is resolved by :func:`checkpoint_dir` once that directory exists."""
-    c = scenario.checkpoint
-    if c is None:
-        return {}
-    return {"checkpoint_every": c.every, "checkpoint_keep": c.keep, "checkpoint_dir": c.dir}
-
-
 def checkpoint_dir(scenario: Scenario, run: RunConfig, run_dir: Path) -> str | None:
     """Where the run's checkpoints go: a ``[checkpoint] dir`` that is a relative path lands inside
     the run directory (so every lab run keeps its own); an absolute path, a URL or a
@@ -138,42 +106,19 @@ def checkpoint_dir(scenario: Scenario, run: RunConfig, run_dir: Path) -> str | N
 
 
 def lab_config(scenario: Scenario, overrides: Mapping[str, Any] | None = None) -> RunConfig:
-    """The scenario as a run config (every peer slot of ``network.peers`` counts as a peer), with
-    ``overrides`` (flat names or dotted paths) applied. ``steps`` comes from ``run.steps`` or
-    ``run.tokens`` unless overridden. Raises ValueError naming a bad setting."""
-    over = dict(overrides or {})
-    st = scenario.strategy
-    base = RunConfig(
-        name=scenario.run.name,
-        peers=scenario.peers,
-        steps=max(1, scenario.run.steps or 1),
-        model=dataclasses.replace(
-            RunConfig().model, preset=scenario.run.model, seed=scenario.run.seed
-        ),  # type: ignore[arg-type]
-    )
+    """The run the lab starts for ``scenario``: its :attr:`~Scenario.config` with the demo's short
+    ``sync_every`` for a strategy that has one and whose options do not name it, then
+    ``overrides`` (flat names or dotted paths) applied. ``steps`` follows ``run.tokens`` and the
+    final batch size unless overridden; the name stays the scenario's. Raises
+    :class:`~isthmus.spec.SpecError` naming a bad setting."""
+    over = {k: v for k, v in (overrides or {}).items() if k != "steps"}
+    base = scenario.config
+    options = with_short_h(base.strategy.name, base.strategy.options)
     cfg = apply_overrides(
-        base,
-        {
-            "strategy": st.name,
-            "option": with_short_h(
-                st.name, {k: list(v) if isinstance(v, tuple) else v for k, v in st.options.items()}
-            ),
-            "compression": st.compression,
-            "aggregator": st.aggregator,
-            "connections": st.connections,
-            "probe_links": st.probe_links,
-            "byzantine_f": len(scenario.byzantine) if st.aggregator else 0,
-            "byzantine": [
-                ByzantinePeer(peer=b.peer, attack=b.spec, from_step=b.from_step)
-                for b in scenario.byzantine
-            ],
-            **({"fault": _scenario_faults(scenario)} if scenario.faults else {}),
-            **_scenario_checkpoint(scenario),
-            **{k: v for k, v in over.items() if k != "steps"},
-        },
+        base, {"option": options, **over} if options != base.strategy.options else over
     )
-    steps = over.get("steps") or scenario_steps(scenario, batch_size=cfg.data.batch_size)
-    return apply_overrides(cfg, {"steps": steps, "name": scenario.run.name})
+    steps = (overrides or {}).get("steps") or scenario.steps_for(batch_size=cfg.data.batch_size)
+    return apply_overrides(cfg, {"steps": steps, "name": base.name})
 
 
 class NamespaceSpawner(Spawner):
@@ -233,7 +178,7 @@ def run_lab(
     run_dir = RunDir.create(run.output.run_dir, run.name)
     if run.checkpoint.checkpoint_dir is not None:
         run = apply_overrides(run, {"checkpoint_dir": checkpoint_dir(scenario, run, run_dir.path)})
-    run_dir.write_json("scenario.json", dataclasses.asdict(scenario))
+    run_dir.write_json("scenario.json", scenario.to_json())
     churn = ChurnHook(
         _events(scenario, run.timeouts.run_timeout), log_path=run_dir.path / "churn.jsonl"
     )
