@@ -12,7 +12,7 @@ What it holds, lowest first:
   :mod:`.gate` (authentication and limits), :mod:`.admin` (the operator's API),
   :mod:`.store_service` (the rendezvous store), :mod:`.web` (dashboard and ``/metrics``);
   :mod:`.server` wires them into the :class:`~.server.Coordinator`, configured by
-  :mod:`.settings`; :mod:`.tls` makes and pins certificates;
+  :mod:`.server_config`; :mod:`.tls` makes and pins certificates;
 * the peer's side: :mod:`.client` and :mod:`.store_client`.
 
 It never sees a tensor, only names, shapes and hashes. It sits just above the floor and may

@@ -50,7 +50,7 @@ from isthmus.coordinator.gate import Gate
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.membership import Membership, PeerState
 from isthmus.coordinator.protocol import Decision, RestorePoint, TensorSpec
-from isthmus.coordinator.settings import CoordinatorConfig
+from isthmus.coordinator.server_config import CoordinatorConfig
 from isthmus.coordinator.store_service import RendezvousStore, StoreRoute
 from isthmus.coordinator.stragglers import StragglerDetector
 from isthmus.coordinator.tls import server_context
