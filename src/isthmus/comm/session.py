@@ -93,7 +93,7 @@ __all__ = [
 log = logging.getLogger("isthmus.session")
 T = TypeVar("T")
 ROUND_HISTORY = 10_000
-"""How many round attempts a session remembers in :attr:`Session.rounds` (under 1 KB each)."""
+"""How many round attempts a session remembers in :attr:`Session.rounds` (a small dict each)."""
 
 
 class Round:

@@ -1,11 +1,11 @@
 """Striping one collective over K process groups, each with TCP connections of its own.
 
-Why: over a long fat pipe (1 Gbit/s, 100 ms) one TCP connection is held back by its window and by
-slow start after every loss, so a ring all-reduce on one connection per peer pair moves a
-fraction of the link (the lab measured 350 of 1000 Mbit/s at 80 ms for one stream). PCCL splits
-each transfer over many connections; here an epoch builds ``K`` Gloo groups over the same members
-(``SessionConfig.connections``), a buffer is cut into at most ``K`` contiguous spans, and span
-``i`` travels on group ``i``, all at once.
+Why: over a long fat pipe (a fast link with a long round trip) one TCP connection is held back by
+its window and by slow start after every loss, so a ring all-reduce on one connection per peer
+pair moves only a fraction of the link (docs/BENCHMARKS.md has the figures). Splitting each
+transfer over many connections lifts that: an epoch builds ``K`` Gloo groups over the same
+members (``SessionConfig.connections``), a buffer is cut into at most ``K`` contiguous spans, and
+span ``i`` travels on group ``i``, all at once.
 
 Parity: each span is reduced by Gloo as if it were a buffer of its own, so an element may be
 summed in another order than with one group (the ring's segment boundaries move), but every
@@ -180,8 +180,7 @@ def reverse_sets(
     connect: Callable[[dist.Store], Any], store: dist.Store, k: int
 ) -> Callable[[], Any]:
     """The builder of :meth:`Group.exchange <isthmus.comm.group.Group.exchange>`'s reverse
-    connections: one group (``k == 1``, as before striping) or a list of ``k``, one per
-    stripe."""
+    connections: one group (``k == 1``) or a list of ``k``, one per stripe."""
     rev = dist.PrefixStore("reverse/", store)
     if k == 1:
         return lambda: connect(rev)
