@@ -1,10 +1,11 @@
 """The coordinator: an HTTP+JSON membership server, standalone or embedded in a process.
 
-Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``):
+Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``; bodies, answers and
+frames are the messages of :mod:`.protocol`, and a malformed field is answered 400 naming it):
 
-* ``POST /v1/register`` ``{name, info}`` -> ``{peer_id, run_id, store_port, ...}``
-* ``GET  /v1/ws?peer=<id>&run=<run_id>`` websocket: the peer sends heartbeats, the coordinator
-  pushes ``{"type": "abort", ...}`` when a round the peer is in aborts. A closed websocket evicts
+* ``POST /v1/register``: a peer of another protocol version is answered 426, naming both.
+* ``GET  /v1/ws?peer=<id>&run=<run_id>&protocol=<version>`` websocket: the peer sends
+  heartbeats, the coordinator pushes ``abort`` when a round the peer is in aborts. A closed websocket evicts
   the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL is noticed in
   milliseconds; a stopped or partitioned peer is noticed after ``heartbeat_timeout``.
 * ``POST /v1/begin`` and ``POST /v1/commit``: long-polls (held up to ``poll_s``, then answered
@@ -359,6 +360,10 @@ class Coordinator:
         except wire.WireError as e:
             raise _BadRequest(str(e)) from None
 
+    @staticmethod
+    def _reply(msg: Any) -> web.Response:
+        return web.json_response(wire.encode(msg))
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
@@ -380,20 +385,18 @@ class Coordinator:
         self.gate.bind(request, pid)
         self._mutated()
         m = self.config.membership
-        return web.json_response(
-            wire.encode(
-                msgs.Registered(
-                    peer_id=pid,
-                    run_id=self.run_id,
-                    heartbeat_interval=self.config.heartbeat_interval,
-                    store_port=self.store_port,
-                    rendezvous=self.config.rendezvous,  # type: ignore[arg-type]
-                    heartbeat_timeout=m.heartbeat_timeout,
-                    parity_every=m.parity_every,
-                    min_peers=m.min_peers,
-                    restore=restore,
-                    protocol=wire.PROTOCOL_VERSION,
-                )
+        return self._reply(
+            msgs.Registered(
+                peer_id=pid,
+                run_id=self.run_id,
+                heartbeat_interval=self.config.heartbeat_interval,
+                store_port=self.store_port,
+                rendezvous=self.config.rendezvous,  # type: ignore[arg-type]
+                heartbeat_timeout=m.heartbeat_timeout,
+                parity_every=m.parity_every,
+                min_peers=m.min_peers,
+                restore=restore,
+                protocol=wire.PROTOCOL_VERSION,
             )
         )
 
@@ -423,17 +426,13 @@ class Coordinator:
         self._sockets[pid] = ws
         if old is not None and not old.closed:
             await old.close()
-        warned = False
         try:
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT or not bucket.take(time.monotonic()):
                     break  # not a heartbeat, or a flood of them: the peer is dropped
                 try:
                     info = wire.decode(msgs.Heartbeat, raw.json()).info
-                except ValueError as e:  # not JSON, or not a heartbeat: not counted as one
-                    if not warned:
-                        warned = True
-                        log.warning("peer %d sent a malformed heartbeat: %s", pid, e)
+                except ValueError:  # not JSON, or not a heartbeat: not counted as one
                     continue
                 with self._lock:
                     alive = self.membership.heartbeat(pid, self._now(), info)
@@ -457,9 +456,8 @@ class Coordinator:
 
     async def _begin(self, request: web.Request) -> web.Response:
         msg: msgs.Begin = await self._read(request, msgs.Begin)
-        stale = self._stale_run(msg.run)
-        if stale is not None:
-            return web.json_response(wire.encode(msgs.Evicted(reason=stale)))
+        if (stale := self._stale_run(msg.run)) is not None:
+            return self._reply(msgs.Evicted(reason=stale))
         pid, nonce = msg.peer, msg.nonce
         with self._lock:
             d = self.membership.begin(
@@ -473,13 +471,12 @@ class Coordinator:
         self._mutated()
         if isinstance(d, msgs.Wait):
             d = await self._hold(lambda: self.membership.poll_begin(pid, nonce))
-        return web.json_response(wire.encode(d))
+        return self._reply(d)
 
     async def _commit(self, request: web.Request) -> web.Response:
         msg: msgs.Commit = await self._read(request, msgs.Commit)
-        stale = self._stale_run(msg.run)
-        if stale is not None:
-            return web.json_response(wire.encode(msgs.Evicted(reason=stale)))
+        if (stale := self._stale_run(msg.run)) is not None:
+            return self._reply(msgs.Evicted(reason=stale))
         epoch, rnd = msg.epoch, msg.round
         with self._lock:
             d = self.membership.commit(
@@ -488,7 +485,7 @@ class Coordinator:
         self._mutated()
         if isinstance(d, msgs.Wait):
             d = await self._hold(lambda: self.membership.poll_commit(epoch, rnd))
-        return web.json_response(wire.encode(d))
+        return self._reply(d)
 
     async def _leave(self, request: web.Request) -> web.Response:
         msg: msgs.Leave = await self._read(request, msgs.Leave)
