@@ -208,3 +208,22 @@ def test_listener_records_carry_the_version() -> None:
         _parse(b"10.0.0.1 4242", 1)  # a record without a version
     with pytest.raises(ProtocolMismatch, match=f"speaks {PROTOCOL_VERSION}"):
         _parse(f"{PROTOCOL_VERSION + 1} 10.0.0.1 4242".encode(), 2)
+
+
+def test_epoch_members_without_listener_records_compare_versions_in_the_store() -> None:
+    import torch.distributed as dist
+
+    from isthmus.comm.connect import check_protocols, publish_protocol
+
+    store = dist.HashStore()
+    publish_protocol(store, 0)
+    publish_protocol(store, 1)
+    check_protocols(store, 0, 2)  # the same version: nothing to say
+    store.set("isthmus-protocol/1", str(PROTOCOL_VERSION + 1))
+    with pytest.raises(
+        ProtocolMismatch, match=f"rank 1 speaks isthmus protocol {PROTOCOL_VERSION + 1}"
+    ):
+        check_protocols(store, 0, 2)
+    publish_protocol(store, 1)
+    with pytest.raises(ProtocolMismatch, match=f"rank 2 speaks isthmus protocol {UNVERSIONED}"):
+        check_protocols(store, 0, 3)  # rank 2 recorded none
