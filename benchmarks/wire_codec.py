@@ -121,7 +121,8 @@ def msgspec_decoders() -> dict[str, Callable[[bytes], Any]] | None:
     class Wait(msgspec.Struct, tag_field="kind", tag="wait"):
         reason: str = ""
 
-    types = {"heartbeat": Hb, "begin": Begin, "commit": Commit, "go": Union[Go, Wait]}  # noqa: UP007
+    decision = Union[Go, Wait]  # noqa: UP007
+    types = {"heartbeat": Hb, "begin": Begin, "commit": Commit, "go": decision}
     return {k: msgspec.json.Decoder(t).decode for k, t in types.items()}
 
 
@@ -247,7 +248,8 @@ def main() -> None:
                 row.append(best_us(lambda b=body, d=decoders[k]: d(b)))
         print(f"| {k} | {len(body)} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
     print(
-        f"\naiohttp POST round trip (commit) on localhost: {http_round_trip_us(msgs['commit']):.0f} us"
+        f"\naiohttp POST round trip (commit) on localhost: "
+        f"{http_round_trip_us(msgs['commit']):.0f} us"
     )
 
 

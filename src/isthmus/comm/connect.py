@@ -121,9 +121,9 @@ def connect_gloo(
     raises what torch raises when that fails or takes longer than ``timeout_s``, or when
     ``wires`` was cut meanwhile (the store connection is shut down), and
     :class:`~isthmus.coordinator.wire.ProtocolMismatch` naming both versions when a member
-    speaks another protocol version. If this member's listener cannot be told apart (another listening
-    socket appeared in this process at the same instant) the group still works, but an abort cuts
-    only the connections it could identify (logged).
+    speaks another protocol version. If this member's listener cannot be told apart (another
+    listening socket appeared in this process at the same instant) the group still works, but an
+    abort cuts only the connections it could identify (logged).
     """
     dev, new = created_by(lambda: _device(interface, hostname), lambda s: s.listening)
     mine = new[0].local if len(new) == 1 else None

@@ -177,7 +177,7 @@ class RestorePoint:
         return decode(RestorePoint, x)
 
 
-# -- the coordinator's answers to begin and commit ------------------------------------------------
+# -- the coordinator's answers to begin and commit ----------------------------------------------
 Kind = Literal[
     "wait", "go", "hashes", "refused", "evicted", "finished", "restore", "committed", "aborted"
 ]
@@ -187,15 +187,10 @@ Kind = Literal[
 class Decision:
     """Answer to begin or commit: one subclass per ``kind``, so a peer matches on the type.
 
-    ``Decision(kind, reason, plan=..., restore=...)`` builds the subclass ``kind`` names: wait
-    (:class:`Wait`: ask again), go (:class:`Go`: the round's ``plan``), hashes
-    (:class:`SendHashes`: send your hashes and ask again), refused (:class:`Refused`: schema
-    mismatch; do not retry), evicted (:class:`Evicted`: this peer id is gone; register again),
-    finished (:class:`Finished`: every member left after the last round; there is no state to
-    join), restore (:class:`Restore`: no live peer holds the run's state; load the shared state
-    of checkpoint ``restore`` and ask again), committed (:class:`Committed`), aborted
-    (:class:`Aborted`). Raises ValueError for another kind, a go without a plan or a restore
-    without a restore point.
+    ``Decision(kind, reason, plan=..., restore=...)`` builds the subclass that ``kind`` names
+    (the coordinator's rules build them this way); ``reason`` says why, for logs and errors.
+    Raises ValueError for an unknown kind, a go without a plan or a restore without a restore
+    point.
     """
 
     kind: Kind
@@ -218,7 +213,7 @@ class Decision:
 
     def __post_init__(self) -> None:
         want = type(self).__dataclass_fields__["kind"].default
-        if type(self) is not Decision and self.kind != want:
+        if self.kind != want:
             raise WireError("kind", f"expected {want!r}, got {self.kind!r}")
         if isinstance(self, Go) and self.plan is None:
             raise WireError("plan", "is missing (a go decision carries the round's plan)")
@@ -236,46 +231,65 @@ class Decision:
 
 @dataclass(frozen=True)
 class Wait(Decision):
+    """Not yet: ask again (the long poll ended, or the round is still forming)."""
+
     kind: Kind = "wait"
 
 
 @dataclass(frozen=True)
 class Go(Decision):
+    """The round formed with this peer in it: run :attr:`plan`."""
+
     kind: Kind = "go"
 
 
 @dataclass(frozen=True)
 class SendHashes(Decision):
+    """Ask again with the hashes of the shared state, for the parity check."""
+
     kind: Kind = "hashes"
 
 
 @dataclass(frozen=True)
 class Refused(Decision):
+    """This peer's shared-state schema differs from the run's: do not retry."""
+
     kind: Kind = "refused"
 
 
 @dataclass(frozen=True)
 class Evicted(Decision):
+    """This peer id is gone (removed, or from before a coordinator restart): register again."""
+
     kind: Kind = "evicted"
 
 
 @dataclass(frozen=True)
 class Finished(Decision):
+    """Every member left after the last round and no peer holds the state: nothing to join."""
+
     kind: Kind = "finished"
 
 
 @dataclass(frozen=True)
 class Restore(Decision):
+    """No live peer holds the run's state: load the shared state of checkpoint
+    :attr:`restore` and ask again."""
+
     kind: Kind = "restore"
 
 
 @dataclass(frozen=True)
 class Committed(Decision):
+    """Every member reported success: apply the round's result."""
+
     kind: Kind = "committed"
 
 
 @dataclass(frozen=True)
 class Aborted(Decision):
+    """The round failed somewhere: discard its result and begin again."""
+
     kind: Kind = "aborted"
 
 
@@ -285,7 +299,7 @@ Decision.__wire_tags__.update(
 )
 
 
-# -- requests ---------------------------------------------------------------------------------------
+# -- requests ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Register:
     """``POST /v1/register``: a peer asks to join. ``protocol`` is the version it speaks (a peer
@@ -390,7 +404,7 @@ def checkpoint_report(body: Any) -> CheckpointPart | CheckpointManifest:
     return decode(CheckpointPart, body)
 
 
-# -- the websocket ----------------------------------------------------------------------------------
+# -- the websocket -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Heartbeat:
     """Peer -> coordinator on the websocket, every ``heartbeat_interval``: alive, with the

@@ -5,9 +5,10 @@ frames are the messages of :mod:`.protocol`, and a malformed field is answered 4
 
 * ``POST /v1/register``: a peer of another protocol version is answered 426, naming both.
 * ``GET  /v1/ws?peer=<id>&run=<run_id>&protocol=<version>`` websocket: the peer sends
-  heartbeats, the coordinator pushes ``abort`` when a round the peer is in aborts. A closed websocket evicts
-  the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL is noticed in
-  milliseconds; a stopped or partitioned peer is noticed after ``heartbeat_timeout``.
+  heartbeats, the coordinator pushes ``abort`` when a round the peer is in aborts. A closed
+  websocket evicts the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL
+  is noticed in milliseconds; a stopped or partitioned peer is noticed after
+  ``heartbeat_timeout``.
 * ``POST /v1/begin`` and ``POST /v1/commit``: long-polls (held up to ``poll_s``, then answered
   ``wait``; the client asks again). See :mod:`isthmus.coordinator.membership` for the rules.
   Requests from peers also carry ``run`` (the run id from ``register``); one naming another

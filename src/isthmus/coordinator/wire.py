@@ -88,7 +88,7 @@ def check_version(theirs: int, *, them: str, us: str) -> None:
         raise ProtocolMismatch(why)
 
 
-# -- decoding ---------------------------------------------------------------------------------------
+# -- decoding --------------------------------------------------------------------------------------
 def _at(path: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"
@@ -244,7 +244,7 @@ def decode(cls: type[T], value: Any, path: str = "") -> T:
     return dec(value, path)  # type: ignore[no-any-return]
 
 
-# -- encoding ---------------------------------------------------------------------------------------
+# -- encoding --------------------------------------------------------------------------------------
 def encode(value: Any) -> Any:
     """``value`` as JSON-ready values: a message becomes an object of its fields (those that are
     None are left out), tuples become lists; a member of a tagged union also carries its tag."""
