@@ -57,27 +57,9 @@ from isthmus.comm.session_config import (
 )
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
+from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
-from isthmus.coordinator.protocol import (
-    AbortPush,
-    Begin,
-    Commit,
-    Committed,
-    Decision,
-    Evicted,
-    EvictedPush,
-    Finished,
-    Go,
-    Leave,
-    Push,
-    Refused,
-    Restore,
-    RestorePoint,
-    RoundPlan,
-    SendHashes,
-    Wait,
-    checkpoint_report,
-)
+from isthmus.coordinator.protocol import RestorePoint, RoundPlan
 from isthmus.coordinator.wire import encode
 
 __all__ = [
@@ -237,14 +219,14 @@ class Session:
             "parked_groups": len(self._graveyard),
         }
 
-    def _on_push(self, msg: Push) -> None:
-        if isinstance(msg, AbortPush):
+    def _on_push(self, msg: msgs.Push) -> None:
+        if isinstance(msg, msgs.AbortPush):
             with self._push_lock:
                 self._aborted_epochs.add(msg.epoch)
                 g = self._group
             if g is not None and g.name == f"epoch{msg.epoch}":
                 g.abort(f"round {msg.round} aborted by the coordinator: {msg.reason}")
-        elif isinstance(msg, EvictedPush):  # the next request learns it too, and registers again
+        elif isinstance(msg, msgs.EvictedPush):  # the next request learns it and registers again
             log.warning("%s: the coordinator dropped its heartbeat: %s", self.name, msg.reason)
 
     def report(self, **info: Any) -> None:
@@ -372,7 +354,7 @@ class Session:
 
     def _ask_for_round(self, deadline: float) -> RoundPlan | None:
         parity = self._fresh or self.revision % self.parity_every == 0
-        msg = Begin(
+        msg = msgs.Begin(
             peer=self.peer_id or 0,
             run=self.run_id,
             nonce=uuid.uuid4().hex,
@@ -380,7 +362,7 @@ class Session:
             schema=tuple(self.state.schema()) if self._fresh else None,
             hashes=self.state.hashes() if parity else None,
         )
-        d: Decision = Wait()
+        d: msgs.Decision = msgs.Wait()
         last_log = time.monotonic()
         while True:
             if time.monotonic() - last_log > 10:
@@ -391,26 +373,26 @@ class Session:
                     f"{self.name}: no round formed within {self.config.round_timeout:.0f}s; "
                     f"the coordinator said: {d.reason or 'nothing'}"
                 )
-            d = self._client.call("/v1/begin", msg, Decision, read_timeout=30.0)
+            d = self._client.call("/v1/begin", msg, msgs.Decision, read_timeout=30.0)
             # schema and hashes go once: the coordinator keeps them for this attempt
             msg = dataclasses.replace(msg, schema=None, hashes=None)
-            if isinstance(d, SendHashes):
+            if isinstance(d, msgs.SendHashes):
                 msg = dataclasses.replace(msg, hashes=self.state.hashes())
-            elif not isinstance(d, Wait):
+            elif not isinstance(d, msgs.Wait):
                 break
         match d:
-            case Go(plan=plan) if plan is not None:
+            case msgs.Go(plan=plan) if plan is not None:
                 self._fresh = False
                 return plan
-            case Finished():
+            case msgs.Finished():
                 self.close(leave=True)
                 raise RunFinished(f"{self.name} cannot join: {d.reason}")
-            case Refused():
+            case msgs.Refused():
                 self.close(leave=False)
                 raise StateMismatch(f"{self.name} was refused by the coordinator: {d.reason}")
-            case Restore(restore=point) if point is not None:
+            case msgs.Restore(restore=point) if point is not None:
                 self._restore(point, d.reason)
-            case Evicted():
+            case msgs.Evicted():
                 self.evictions += 1
                 log.warning("%s was evicted (%s); registering again", self.name, d.reason)
                 self._client.stop_heartbeat()
@@ -445,7 +427,7 @@ class Session:
         (connecting the epoch's group or a state transfer failed inside :meth:`begin`, which
         begins again by itself, so the strategy never saw the attempt) or ``"round"``."""
         deadline = time.monotonic() + self.config.round_timeout
-        msg = Commit(
+        msg = msgs.Commit(
             peer=self.peer_id or 0,
             run=self.run_id,
             epoch=plan.epoch,
@@ -454,15 +436,15 @@ class Session:
             error=error[:2000],
         )
         while True:
-            d = self._client.call("/v1/commit", msg, Decision, read_timeout=30.0)
-            if not isinstance(d, Wait):
+            d = self._client.call("/v1/commit", msg, msgs.Decision, read_timeout=30.0)
+            if not isinstance(d, msgs.Wait):
                 break
             if time.monotonic() > deadline:
                 raise RoundTimeout(
                     f"round {plan.round} did not finish within "
                     f"{self.config.round_timeout:.0f}s: {d.reason}"
                 )
-        committed = isinstance(d, Committed)  # anything else (aborted, evicted) aborts it
+        committed = isinstance(d, msgs.Committed)  # anything else (aborted, evicted) aborts it
         if committed:
             self.revision = plan.round + 1
             for hook in self._commit_hooks:
@@ -532,7 +514,7 @@ class Session:
         :class:`~isthmus.coordinator.wire.WireError` naming the field when ``body`` is not a
         well-formed :class:`~isthmus.coordinator.protocol.CheckpointPart` or
         :class:`~isthmus.coordinator.protocol.CheckpointManifest`."""
-        msg = checkpoint_report({**body, "peer": self.peer_id, "run": self.run_id})
+        msg = msgs.checkpoint_report({**body, "peer": self.peer_id, "run": self.run_id})
         return self._client.post("/v1/checkpoint", encode(msg), read_timeout=30.0)
 
     def add_commit_hook(self, fn: Callable[[RoundPlan], None]) -> None:
@@ -552,7 +534,7 @@ class Session:
         if leave and self.peer_id is not None:
             with contextlib.suppress(Exception):
                 self._client.connect_timeout = min(self._client.connect_timeout, 5.0)
-                msg = Leave(
+                msg = msgs.Leave(
                     peer=self.peer_id,
                     run=self.run_id,
                     digest=self.state.digest(),
