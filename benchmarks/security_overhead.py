@@ -129,7 +129,7 @@ def store_ops_ms(secure: bool, tls: TLSFiles, n: int = 200) -> float:
     )
     try:
         if secure:
-            pid = int(client.post("/v1/register", {"name": "bench"})["peer_id"])
+            pid = client.register("bench").peer_id
             store: dist.Store = CoordinatorStore(client, pid, c.run_id, timeout_s=10)
         else:
             store = dist.TCPStore(
@@ -163,7 +163,7 @@ def formation_s(secure: bool, tls: TLSFiles, epochs: int = 15, world: int = 3) -
         )
         clients.append(cl)
         if secure:
-            pid = int(cl.post("/v1/register", {"name": f"f{r}"})["peer_id"])
+            pid = cl.register(f"f{r}").peer_id
             rdv.append(CoordinatorStores(cl, pid, c.run_id, timeout_s=60))
         else:
             rdv.append(StoreClients("127.0.0.1", c.store_port, timeout_s=60))

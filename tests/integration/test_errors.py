@@ -12,6 +12,7 @@ import torch
 
 from conftest import TOKEN, assert_bitwise_equal
 from isthmus import AuthError, CoordinatorUnreachable, RoundTimeout, Session, SessionConfig
+from isthmus.coordinator.wire import PROTOCOL_VERSION
 
 
 def _free_port() -> int:
@@ -129,7 +130,9 @@ def test_a_peer_id_from_before_a_coordinator_restart_cannot_speak_for_a_new_peer
     # taken for the new peer 0 (its schema-less begin would get that peer refused).
     c = cluster(start_peers=1)
     addr = c.coord.address
-    code, reg = _post(addr, "/v1/register", json.dumps({"name": "new"}).encode())
+    code, reg = _post(
+        addr, "/v1/register", json.dumps({"name": "new", "protocol": PROTOCOL_VERSION}).encode()
+    )
     assert code == 200
     pid, run = reg["peer_id"], reg["run_id"]
     old = {"peer": pid, "run": "0ld0ld00"}

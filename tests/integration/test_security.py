@@ -37,6 +37,7 @@ from isthmus.coordinator.limits import Limits
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.tls import self_signed
+from isthmus.coordinator.wire import PROTOCOL_VERSION
 from isthmus.run import forkserver
 from isthmus.run.forkserver import PeerProcess
 from isthmus.run.job import PeerJob
@@ -179,7 +180,11 @@ async def register(base: str, fp: bytes, token: str) -> int:
     conn = aiohttp.TCPConnector(ssl=aiohttp.Fingerprint(fp))
     async with aiohttp.ClientSession(connector=conn) as s:
         headers = {"Authorization": f"Bearer {token}"}
-        async with s.post(base + "/v1/register", json={"name": "fz"}, headers=headers) as r:
+        async with s.post(
+            base + "/v1/register",
+            json={"name": "fz", "protocol": PROTOCOL_VERSION},
+            headers=headers,
+        ) as r:
             assert r.status == 200, await r.text()
             pid = int((await r.json())["peer_id"])
         async with s.post(base + "/v1/leave", json={"peer": pid}, headers=headers) as r:
@@ -215,14 +220,16 @@ async def attack(base: str, fp: bytes, run_id: str, c: Coordinator) -> dict[str,
         for label, tok in tokens.items():
             out[label] = [
                 await ask(tok, "GET", "/v1/status"),
-                await ask(tok, "POST", "/v1/register", {"name": "evil"}),
+                await ask(
+                    tok, "POST", "/v1/register", {"name": "evil", "protocol": PROTOCOL_VERSION}
+                ),
                 await ask(tok, "POST", "/v1/store", store_set),
                 await ask(tok, "POST", "/v1/store", store_get),
                 await ask(tok, "POST", "/v1/admin/revoke", {"name": "peer0"}),
             ]
         # a valid join token acting for another identity's peer, or as the operator
         eve = join_token(ADMIN, "eve")
-        pid = await ask(eve, "POST", "/v1/register", {"name": "eve"})
+        pid = await ask(eve, "POST", "/v1/register", {"name": "eve", "protocol": PROTOCOL_VERSION})
         out["eve_registered"] = pid
         out["eve_for_peer0"] = [
             await ask(eve, "POST", "/v1/store", store_set),
@@ -234,8 +241,8 @@ async def attack(base: str, fp: bytes, run_id: str, c: Coordinator) -> dict[str,
         out["eve_status"] = await ask(eve, "GET", "/v1/status")
         # limits.max_peers_per_identity=2: a third live peer of eve's is refused
         out["eve_more"] = [
-            await ask(eve, "POST", "/v1/register", {"name": "eve"}),
-            await ask(eve, "POST", "/v1/register", {"name": "eve"}),
+            await ask(eve, "POST", "/v1/register", {"name": "eve", "protocol": PROTOCOL_VERSION}),
+            await ask(eve, "POST", "/v1/register", {"name": "eve", "protocol": PROTOCOL_VERSION}),
         ]
         # the operator revokes eve live: her peer is evicted and her token refused
         async with s.post(
@@ -246,7 +253,7 @@ async def attack(base: str, fp: bytes, run_id: str, c: Coordinator) -> dict[str,
             out["revoke_eve"] = (r.status, await r.json())
         out["eve_after"] = [
             await ask(eve, "GET", "/v1/status"),
-            await ask(eve, "POST", "/v1/register", {"name": "eve"}),
+            await ask(eve, "POST", "/v1/register", {"name": "eve", "protocol": PROTOCOL_VERSION}),
         ]
     return out
 

@@ -39,7 +39,7 @@ def coord(tls: TLSFiles) -> Iterator[Coordinator]:
 
 def peer(c: Coordinator, tls: TLSFiles, name: str) -> tuple[CoordinatorClient, int]:
     client = CoordinatorClient(c.address, join_token(ADMIN, name), fingerprint=tls.fingerprint)
-    return client, int(client.post("/v1/register", {"name": name})["peer_id"])
+    return client, client.register(name).peer_id
 
 
 def test_store_semantics_over_the_coordinator(coord: Coordinator, tls: TLSFiles) -> None:

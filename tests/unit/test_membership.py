@@ -4,6 +4,7 @@ import pytest
 
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.protocol import RoundPlan, TensorSpec, Transfer, schema_mismatch
+from isthmus.coordinator.wire import WireError
 
 SCHEMA = [TensorSpec("w", (2, 3), "torch.float32"), TensorSpec("b", (3,), "torch.float32")]
 GOOD = {"w": "aa", "b": "bb"}
@@ -357,7 +358,7 @@ def test_round_plan_json_round_trip():
     )
     assert RoundPlan.from_json(plan.to_json()) == plan
     assert TensorSpec.from_json(SCHEMA[0].to_json()) == SCHEMA[0]
-    with pytest.raises(KeyError):
+    with pytest.raises(WireError, match="'epoch' is missing"):
         RoundPlan.from_json({"round": 1})
 
 

@@ -118,3 +118,60 @@ def test_peers_with_different_connections_are_refused_naming_the_setting():
     with ThreadPoolExecutor(2) as ex:
         out = list(ex.map(build, range(2)))
     assert all(isinstance(e, ValueError) and "connections" in str(e) for e in out)
+
+
+def test_peers_of_two_protocol_versions_are_refused_naming_both():
+    import functools
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from isthmus.comm.group import build_process_group
+    from isthmus.comm.stripes import connect_stripes
+    from isthmus.coordinator.wire import PROTOCOL_VERSION, ProtocolMismatch
+
+    store = dist.PrefixStore(f"t/{uuid.uuid4().hex}/", dist.HashStore())
+    versions = [PROTOCOL_VERSION, PROTOCOL_VERSION + 1]
+
+    def build(rank: int):
+        connect = functools.partial(
+            build_process_group, rank=rank, world=2, timeout_s=10, hostname="127.0.0.1"
+        )
+        try:
+            return connect_stripes(connect, store, 2, wishes=[1, 0], protocol=versions[rank])
+        except ProtocolMismatch as e:
+            return e
+
+    with ThreadPoolExecutor(2) as ex:
+        out = list(ex.map(build, range(2)))
+    old, new = versions
+    assert str(out[0]) == (
+        f"a member of this epoch speaks isthmus protocol {new}, this peer speaks {old}; "
+        "upgrade one of them"
+    )
+    assert f"protocol {old}, this peer speaks {new}" in str(out[1])
+
+
+def test_the_handshake_agrees_on_the_largest_wishes():
+    import functools
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from isthmus.comm.group import build_process_group
+    from isthmus.comm.stripes import connect_stripes
+
+    store = dist.PrefixStore(f"t/{uuid.uuid4().hex}/", dist.HashStore())
+    wishes = [[1, 0], [0, 3]]
+
+    def build(rank: int):
+        connect = functools.partial(
+            build_process_group, rank=rank, world=2, timeout_s=10, hostname="127.0.0.1"
+        )
+        _pg, stripes, agreed = connect_stripes(connect, store, 2, wishes=wishes[rank])
+        return len(stripes), agreed
+
+    with ThreadPoolExecutor(2) as ex:
+        assert list(ex.map(build, range(2))) == [(1, [1, 3]), (1, [1, 3])]

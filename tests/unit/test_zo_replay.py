@@ -202,3 +202,20 @@ def test_auto_transfers_when_the_link_is_fast_enough(corpus):
     assert dst.session is not None and src.session is not None
     assert dst.session.state.digest() == src.session.state.digest()
     assert dst.replays == 0 and received == wrong_bytes
+
+
+def test_a_catch_up_between_two_protocol_versions_is_refused_naming_both(corpus, monkeypatch):
+    from isthmus.comm import transfer
+    from isthmus.comm.transfer import TransferError
+    from isthmus.coordinator.wire import PROTOCOL_VERSION
+
+    cfg = ZOConfig(lr=1e-3, seed=2, catch_up="replay", link_mbps=0.01)
+    src, _ = _trained(corpus, 2, cfg)
+    # both heads now announce the next version, which neither side's check accepts
+    monkeypatch.setattr(transfer, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+    with pytest.raises(TransferError) as e:
+        _catch_up(src, cfg, 3)
+    assert (
+        f"speaks isthmus protocol {PROTOCOL_VERSION + 1}, this peer speaks {PROTOCOL_VERSION}; "
+        "upgrade one of them"
+    ) in str(e.value)

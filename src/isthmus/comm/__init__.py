@@ -11,8 +11,8 @@
 * Link probes (:mod:`.probe`, its pure part :mod:`.probe_math`), fault injection
   (:mod:`.faults`), the warning when Gloo traffic would cross a public network (:mod:`.exposure`).
 
-comm moves named tensors and never knows what a model is. It may import the coordinator (its
-client and wire types) and the floor (spec, data, models). Never imports testing, reduce,
-checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py
-checks it).
+comm moves named tensors and never knows what a model is. It may import the coordinator (its client
+and wire types) and the floor (spec, data, models). Never imports reduce, testing, checkpoint,
+runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks
+it).
 """

@@ -1,7 +1,7 @@
 """Connecting an epoch's process groups so that an abort can always get a peer out, and retiring
 what is left behind.
 
-Three things here, each against one way a silent member used to hold the survivors:
+Three things here, each against one way a silent member could hold the survivors:
 
 * :func:`connect_gloo` builds a Gloo group like :func:`~isthmus.comm.group.build_process_group`
   and records every connection it makes in the epoch's :class:`~isthmus.comm.wires.Wires`, so
@@ -37,7 +37,9 @@ from isthmus.comm.exposure import warn_if_public
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.wires import Endpoint, SocketInfo, Wires, created_by, pair_sockets
 from isthmus.coordinator.client import CoordinatorClient
+from isthmus.coordinator.protocol import Registered
 from isthmus.coordinator.store_client import CoordinatorStore
+from isthmus.coordinator.wire import PROTOCOL_VERSION, UNVERSIONED, check_version
 
 __all__ = [
     "Connecting",
@@ -45,7 +47,9 @@ __all__ = [
     "Graveyard",
     "Rendezvous",
     "StoreClients",
+    "check_protocols",
     "connect_gloo",
+    "publish_protocol",
     "rendezvous",
 ]
 
@@ -53,6 +57,7 @@ log = logging.getLogger("isthmus.connect")
 T = TypeVar("T")
 
 _LISTENER_KEY = "isthmus-listener/"
+_PROTOCOL_KEY = "isthmus-protocol/"
 
 
 def _device(interface: str | None, hostname: str | None) -> Any:
@@ -63,9 +68,39 @@ def _device(interface: str | None, hostname: str | None) -> Any:
     return dist.ProcessGroupGloo.create_default_device()
 
 
-def _parse(value: bytes) -> Endpoint | None:
-    host, _, port = value.decode().rpartition(" ")
+def _listener(mine: Endpoint | None) -> str:
+    """A member's listener record: ``"<protocol> <host> <port>"`` (``"<protocol>"`` alone when
+    its listener is unknown)."""
+    return f"{PROTOCOL_VERSION}" + ("" if mine is None else f" {mine[0]} {mine[1]}")
+
+
+def _parse(value: bytes, rank: int) -> Endpoint | None:
+    """The listener in member ``rank``'s record. Raises
+    :class:`~isthmus.coordinator.wire.ProtocolMismatch` naming both versions when the record is
+    another protocol version's (a record without a version is taken as ``UNVERSIONED``)."""
+    parts = value.decode().split(" ")
+    version = int(parts[0]) if len(parts) in (1, 3) and parts[0].isdigit() else UNVERSIONED
+    check_version(version, them=f"the member of rank {rank}", us="this peer")
+    host, port = (parts[1], parts[2]) if len(parts) == 3 else ("", "")
     return (host, int(port)) if host and port.isdigit() else None
+
+
+def publish_protocol(store: dist.Store, rank: int) -> None:
+    """Record the protocol version this member speaks in ``store`` (before connecting), for
+    :func:`check_protocols`; for groups without listener records (NCCL)."""
+    store.set(f"{_PROTOCOL_KEY}{rank}", str(PROTOCOL_VERSION))
+
+
+def check_protocols(store: dist.Store, rank: int, world: int) -> None:
+    """Once the group is connected (every member published before connecting): raise
+    :class:`~isthmus.coordinator.wire.ProtocolMismatch` naming both versions if a member speaks
+    another protocol version (one that published none is taken as ``UNVERSIONED``)."""
+    for r in range(world):
+        key = f"{_PROTOCOL_KEY}{r}"
+        if r != rank:
+            raw = store.get(key).decode() if store.check([key]) else ""
+            theirs = int(raw) if raw.isdigit() else UNVERSIONED
+            check_version(theirs, them=f"the member of rank {r}", us="this peer")
 
 
 def connect_gloo(
@@ -81,12 +116,14 @@ def connect_gloo(
     """Build a Gloo process group over ``store`` (as ``build_process_group`` does) and add its
     connections to ``wires``.
 
-    Every member publishes its listener's address under ``isthmus-listener/<rank>`` before
-    connecting. Blocks until all ``world`` ranks connected; raises what torch raises when that
-    fails or takes longer than ``timeout_s``, or when ``wires`` was cut meanwhile (the store
-    connection is shut down). If this member's listener cannot be told apart (another listening
-    socket appeared in this process at the same instant) the group still works, but an abort cuts
-    only the connections it could identify (logged).
+    Every member publishes its protocol version and its listener's address under
+    ``isthmus-listener/<rank>`` before connecting. Blocks until all ``world`` ranks connected;
+    raises what torch raises when that fails or takes longer than ``timeout_s``, or when
+    ``wires`` was cut meanwhile (the store connection is shut down), and
+    :class:`~isthmus.coordinator.wire.ProtocolMismatch` naming both versions when a member
+    speaks another protocol version. If this member's listener cannot be told apart (another
+    listening socket appeared in this process at the same instant) the group still works, but an
+    abort cuts only the connections it could identify (logged).
     """
     dev, new = created_by(lambda: _device(interface, hostname), lambda s: s.listening)
     mine = new[0].local if len(new) == 1 else None
@@ -96,15 +133,19 @@ def connect_gloo(
         )
     else:
         warn_if_public(mine[0])
-    store.set(f"{_LISTENER_KEY}{rank}", "" if mine is None else f"{mine[0]} {mine[1]}")
+    store.set(f"{_LISTENER_KEY}{rank}", _listener(mine))
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dev]
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     pg = dist.ProcessGroupGloo(store, rank, world, opts)
     # Every member published before it began to connect, and the group is connected, so the
     # keys are there (unless a member connected without this function: then fewer are cut).
-    keys = [f"{_LISTENER_KEY}{r}" for r in range(world) if r != rank]
-    others = [p for k in keys if store.check([k]) and (p := _parse(store.get(k))) is not None]
+    keys = {r: f"{_LISTENER_KEY}{r}" for r in range(world) if r != rank}
+    others = [
+        p
+        for r, k in keys.items()
+        if store.check([k]) and (p := _parse(store.get(k), r)) is not None
+    ]
     wires.add(pair_sockets(mine, others))
     return pg
 
@@ -131,9 +172,8 @@ class StoreClients:
 
     Fresh, because a ``TCPStore`` client runs one request at a time: a rendezvous left waiting
     for a member that went silent would hold every later rendezvous on a shared client until its
-    timeout (measured: a ``set`` waited 4.5 s behind a 5 s ``wait``). Ahead of time, because
-    connecting one can take seconds (measured here: about one in 14 took 5.0 s, spent inside
-    c10d's client set-up, while a plain TCP connection to the same port took under 1 ms).
+    timeout. Ahead of time, because connecting one can take seconds, inside c10d's client set-up,
+    while a plain TCP connection to the same port is immediate.
     """
 
     def __init__(self, host: str, port: int, *, timeout_s: float) -> None:
@@ -189,14 +229,13 @@ Rendezvous = StoreClients | CoordinatorStores
 
 
 def rendezvous(
-    client: CoordinatorClient, reply: dict[str, Any], peer_id: int, run_id: str, timeout_s: float
+    client: CoordinatorClient, reply: Registered, peer_id: int, run_id: str, timeout_s: float
 ) -> Rendezvous:
     """The rendezvous the coordinator's registration ``reply`` names: its own authenticated
-    store, or (``"rendezvous": "tcpstore"``, and coordinators from before it existed) torch's
-    TCPStore on ``store_port``."""
-    if reply.get("rendezvous", "tcpstore") == "coordinator":
+    store, or (``rendezvous="tcpstore"``) torch's TCPStore on ``store_port``."""
+    if reply.rendezvous == "coordinator":
         return CoordinatorStores(client, peer_id, run_id, timeout_s=timeout_s)
-    return StoreClients(client.host, int(reply["store_port"]), timeout_s=timeout_s)
+    return StoreClients(client.host, reply.store_port, timeout_s=timeout_s)
 
 
 class Connecting(Generic[T]):

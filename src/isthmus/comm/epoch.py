@@ -6,8 +6,10 @@ What happens on failure: a member that cannot be reached, a rendezvous that does
 within ``collective_timeout``, or an abort of the epoch by the coordinator while connecting raise
 :class:`~isthmus.comm.group.CollectiveError`; the attempt is then parked in the session's
 :class:`~isthmus.comm.connect.Graveyard` until its thread is out of torch (its connections are
-cut). Members that were given different ``SessionConfig.connections`` fail the same way, with
-an error naming the setting (:func:`isthmus.comm.stripes.connect_stripes`).
+cut). Members that were given different ``SessionConfig.connections``, or that speak different
+isthmus protocol versions, fail the same way, with an error naming the setting or both versions
+(:func:`isthmus.comm.stripes.connect_stripes` for Gloo; NCCL members compare the versions they
+recorded in the epoch's store once connected).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from isthmus.comm.connect import Connecting, Graveyard, Rendezvous, connect_gloo
+from isthmus.comm.connect import (
+    Connecting,
+    Graveyard,
+    Rendezvous,
+    check_protocols,
+    connect_gloo,
+    publish_protocol,
+)
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
 from isthmus.comm.session_config import SessionConfig
 from isthmus.comm.stripes import connect_stripes, reverse_sets
@@ -84,19 +93,18 @@ def connect_epoch(
     def build() -> Any:
         if backend == "gloo":  # K groups, K connections per pair (comm/stripes.py)
             return connect_stripes(gloo, store, cfg.connections, wishes=wishes)
-        return (
-            build_process_group(
-                store,
-                rank,
-                world,
-                timeout_s=cfg.collective_timeout,
-                backend=backend,
-                interface=cfg.interface,
-                hostname=cfg.hostname,
-            ),
-            [],
-            [],
+        publish_protocol(store, rank)  # NCCL has no handshake of ours: compare versions here
+        pg = build_process_group(
+            store,
+            rank,
+            world,
+            timeout_s=cfg.collective_timeout,
+            backend=backend,
+            interface=cfg.interface,
+            hostname=cfg.hostname,
         )
+        check_protocols(store, rank, world)
+        return pg, [], []
 
     attempt = Connecting(build, wires, name=f"connect-{name}")
     try:

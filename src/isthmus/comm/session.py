@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -56,8 +57,10 @@ from isthmus.comm.session_config import (
 )
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
+from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
 from isthmus.coordinator.protocol import RestorePoint, RoundPlan
+from isthmus.coordinator.wire import encode
 
 __all__ = [
     "Round",
@@ -72,7 +75,7 @@ __all__ = [
 log = logging.getLogger("isthmus.session")
 T = TypeVar("T")
 ROUND_HISTORY = 10_000
-"""How many round attempts a session remembers in :attr:`Session.rounds` (under 1 KB each)."""
+"""How many round attempts a session remembers in :attr:`Session.rounds` (a small dict each)."""
 
 
 class Round:
@@ -186,15 +189,12 @@ class Session:
 
     # -- registration, heartbeat, pushes --------------------------------------------------------
     def _register(self) -> None:
-        reply = self._client.post(
-            "/v1/register",
-            {"name": self.name, "info": {"pid": os.getpid(), "host": socket.gethostname()}},
-        )
-        self.peer_id = int(reply["peer_id"])
-        self.run_id = str(reply["run_id"])
-        self.parity_every = int(reply.get("parity_every", 1))
-        restore = reply.get("restore")
-        self.restore_point = RestorePoint.from_json(restore) if restore else None
+        info = {"pid": os.getpid(), "host": socket.gethostname()}
+        reply = self._client.register(self.name, info)
+        self.peer_id = reply.peer_id
+        self.run_id = reply.run_id
+        self.parity_every = reply.parity_every
+        self.restore_point = reply.restore
         self._fresh = True
         self._set_group(None)
         # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
@@ -203,7 +203,7 @@ class Session:
         )
         self._client.start_heartbeat(
             self.peer_id,
-            float(reply["heartbeat_interval"]),
+            reply.heartbeat_interval,
             self._heartbeat_info,
             self._on_push,
             run_id=self.run_id,
@@ -219,17 +219,15 @@ class Session:
             "parked_groups": len(self._graveyard),
         }
 
-    def _on_push(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        if kind == "abort":
-            epoch = int(msg.get("epoch", -1))
+    def _on_push(self, msg: msgs.Push) -> None:
+        if isinstance(msg, msgs.AbortPush):
             with self._push_lock:
-                self._aborted_epochs.add(epoch)
+                self._aborted_epochs.add(msg.epoch)
                 g = self._group
-            if g is not None and g.name == f"epoch{epoch}":
-                g.abort(
-                    f"round {msg.get('round')} aborted by the coordinator: {msg.get('reason', '')}"
-                )
+            if g is not None and g.name == f"epoch{msg.epoch}":
+                g.abort(f"round {msg.round} aborted by the coordinator: {msg.reason}")
+        elif isinstance(msg, msgs.EvictedPush):  # the next request learns it and registers again
+            log.warning("%s: the coordinator dropped its heartbeat: %s", self.name, msg.reason)
 
     def report(self, **info: Any) -> None:
         """Attach metrics (step, loss, ...) to the next heartbeats; shown in ``/status`` and on
@@ -355,57 +353,53 @@ class Session:
         self.faults.check("probe", step=pair, round=round)
 
     def _ask_for_round(self, deadline: float) -> RoundPlan | None:
-        nonce = uuid.uuid4().hex
-        body: dict[str, Any] = {
-            "peer": self.peer_id,
-            "run": self.run_id,
-            "nonce": nonce,
-            "revision": self.revision,
-        }
-        if self._fresh:
-            body["schema"] = [s.to_json() for s in self.state.schema()]
-        if self._fresh or self.revision % self.parity_every == 0:
-            body["hashes"] = self.state.hashes()
-        reason = ""
+        parity = self._fresh or self.revision % self.parity_every == 0
+        msg = msgs.Begin(
+            peer=self.peer_id or 0,
+            run=self.run_id,
+            nonce=uuid.uuid4().hex,
+            revision=self.revision,
+            schema=tuple(self.state.schema()) if self._fresh else None,
+            hashes=self.state.hashes() if parity else None,
+        )
+        d: msgs.Decision = msgs.Wait()
         last_log = time.monotonic()
         while True:
             if time.monotonic() - last_log > 10:
-                log.info("%s waiting for round %d: %s", self.name, self.revision, reason)
+                log.info("%s waiting for round %d: %s", self.name, self.revision, d.reason)
                 last_log = time.monotonic()
             if time.monotonic() > deadline:
                 raise RoundTimeout(
                     f"{self.name}: no round formed within {self.config.round_timeout:.0f}s; "
-                    f"the coordinator said: {reason or 'nothing'}"
+                    f"the coordinator said: {d.reason or 'nothing'}"
                 )
-            d = self._client.post("/v1/begin", body, read_timeout=30.0)
-            kind, reason = d.get("kind"), d.get("reason", "")
-            body.pop("schema", None)
-            body.pop("hashes", None)
-            if kind == "wait":
-                continue
-            if kind == "hashes":
-                body["hashes"] = self.state.hashes()
-                continue
-            break
-        if kind == "finished":
-            self.close(leave=True)
-            raise RunFinished(f"{self.name} cannot join: {reason}")
-        if kind == "refused":
-            self.close(leave=False)
-            raise StateMismatch(f"{self.name} was refused by the coordinator: {reason}")
-        if kind == "restore":
-            self._restore(RestorePoint.from_json(d["restore"]), reason)
-            return None
-        if kind == "evicted":
-            self.evictions += 1
-            log.warning("%s was evicted (%s); registering again", self.name, reason)
-            self._client.stop_heartbeat()
-            self._register()
-            return None
-        if kind != "go":
-            raise CoordinatorError(f"unexpected answer to begin: {d}")
-        self._fresh = False
-        return RoundPlan.from_json(d["plan"])
+            d = self._client.call("/v1/begin", msg, msgs.Decision, read_timeout=30.0)
+            # schema and hashes go once: the coordinator keeps them for this attempt
+            msg = dataclasses.replace(msg, schema=None, hashes=None)
+            if isinstance(d, msgs.SendHashes):
+                msg = dataclasses.replace(msg, hashes=self.state.hashes())
+            elif not isinstance(d, msgs.Wait):
+                break
+        match d:
+            case msgs.Go(plan=plan) if plan is not None:
+                self._fresh = False
+                return plan
+            case msgs.Finished():
+                self.close(leave=True)
+                raise RunFinished(f"{self.name} cannot join: {d.reason}")
+            case msgs.Refused():
+                self.close(leave=False)
+                raise StateMismatch(f"{self.name} was refused by the coordinator: {d.reason}")
+            case msgs.Restore(restore=point) if point is not None:
+                self._restore(point, d.reason)
+            case msgs.Evicted():
+                self.evictions += 1
+                log.warning("%s was evicted (%s); registering again", self.name, d.reason)
+                self._client.stop_heartbeat()
+                self._register()
+            case _:
+                raise CoordinatorError(f"unexpected answer to begin: {d}")
+        return None
 
     def _restore(self, point: RestorePoint, reason: str) -> None:
         """The coordinator says no live peer holds the run's state: load checkpoint ``point``.
@@ -433,23 +427,24 @@ class Session:
         (connecting the epoch's group or a state transfer failed inside :meth:`begin`, which
         begins again by itself, so the strategy never saw the attempt) or ``"round"``."""
         deadline = time.monotonic() + self.config.round_timeout
-        body = {
-            "peer": self.peer_id,
-            "run": self.run_id,
-            "epoch": plan.epoch,
-            "round": plan.round,
-            "ok": ok,
-            "error": error[:2000],
-        }
+        msg = msgs.Commit(
+            peer=self.peer_id or 0,
+            run=self.run_id,
+            epoch=plan.epoch,
+            round=plan.round,
+            ok=ok,
+            error=error[:2000],
+        )
         while True:
-            d = self._client.post("/v1/commit", body, read_timeout=30.0)
-            if d.get("kind") != "wait":
+            d = self._client.call("/v1/commit", msg, msgs.Decision, read_timeout=30.0)
+            if not isinstance(d, msgs.Wait):
                 break
             if time.monotonic() > deadline:
                 raise RoundTimeout(
-                    f"round {plan.round} did not finish within {self.config.round_timeout:.0f}s: {d.get('reason')}"
+                    f"round {plan.round} did not finish within "
+                    f"{self.config.round_timeout:.0f}s: {d.reason}"
                 )
-        committed = d.get("kind") == "committed"
+        committed = isinstance(d, msgs.Committed)  # anything else (aborted, evicted) aborts it
         if committed:
             self.revision = plan.round + 1
             for hook in self._commit_hooks:
@@ -458,7 +453,7 @@ class Session:
             with self._push_lock:
                 self._aborted_epochs.add(plan.epoch)
             if self._group is not None and self._group.name == f"epoch{plan.epoch}":
-                self._group.abort(f"round {plan.round} aborted: {d.get('reason', '')}")
+                self._group.abort(f"round {plan.round} aborted: {d.reason}")
         by_op = {k: v - self._last_by_op.get(k, 0) for k, v in self.stats.by_op.items()}
         self._last_by_op = dict(self.stats.by_op)
         self.rounds.append(
@@ -468,7 +463,7 @@ class Session:
                 "world": len(plan.members),
                 "outcome": "committed" if committed else "aborted",
                 "stage": stage,
-                "reason": "" if committed else (error or d.get("reason", "")),
+                "reason": "" if committed else (error or d.reason),
                 "resynced": self.peer_id in plan.resynced,
                 "t_start": t0,
                 "t_end": time.monotonic(),
@@ -515,10 +510,12 @@ class Session:
     # -- shutdown -------------------------------------------------------------------------------
     def report_checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
         """Tell the coordinator about a checkpoint part or manifest this peer wrote (see
-        :mod:`isthmus.checkpoint.save`); returns its answer. Safe from any thread."""
-        return self._client.post(
-            "/v1/checkpoint", {**body, "peer": self.peer_id, "run": self.run_id}, read_timeout=30.0
-        )
+        :mod:`isthmus.checkpoint.save`); returns its answer. Safe from any thread. Raises
+        :class:`~isthmus.coordinator.wire.WireError` naming the field when ``body`` is not a
+        well-formed :class:`~isthmus.coordinator.protocol.CheckpointPart` or
+        :class:`~isthmus.coordinator.protocol.CheckpointManifest`."""
+        msg = msgs.checkpoint_report({**body, "peer": self.peer_id, "run": self.run_id})
+        return self._client.post("/v1/checkpoint", encode(msg), read_timeout=30.0)
 
     def add_commit_hook(self, fn: Callable[[RoundPlan], None]) -> None:
         """Call ``fn(plan)`` after every round this peer commits, right after the coordinator's
@@ -537,17 +534,14 @@ class Session:
         if leave and self.peer_id is not None:
             with contextlib.suppress(Exception):
                 self._client.connect_timeout = min(self._client.connect_timeout, 5.0)
-                self._client.post(
-                    "/v1/leave",
-                    {
-                        "peer": self.peer_id,
-                        "run": self.run_id,
-                        "digest": self.state.digest(),
-                        "revision": self.revision,
-                        "info": self._heartbeat_info(),  # final byte counts, for /metrics
-                    },
-                    read_timeout=5.0,
+                msg = msgs.Leave(
+                    peer=self.peer_id,
+                    run=self.run_id,
+                    digest=self.state.digest(),
+                    revision=self.revision,
+                    info=self._heartbeat_info(),  # final byte counts, for /metrics
                 )
+                self._client.post("/v1/leave", encode(msg), read_timeout=5.0)
         if self._tensorboard is not None:
             with contextlib.suppress(Exception):
                 self._tensorboard.close()

@@ -1,11 +1,11 @@
 """Striping one collective over K process groups, each with TCP connections of its own.
 
-Why: over a long fat pipe (1 Gbit/s, 100 ms) one TCP connection is held back by its window and by
-slow start after every loss, so a ring all-reduce on one connection per peer pair moves a
-fraction of the link (the lab measured 350 of 1000 Mbit/s at 80 ms for one stream). PCCL splits
-each transfer over many connections; here an epoch builds ``K`` Gloo groups over the same members
-(``SessionConfig.connections``), a buffer is cut into at most ``K`` contiguous spans, and span
-``i`` travels on group ``i``, all at once.
+Why: over a long fat pipe (a fast link with a long round trip) one TCP connection is held back by
+its window and by slow start after every loss, so a ring all-reduce on one connection per peer
+pair moves only a fraction of the link (docs/BENCHMARKS.md has the figures). Splitting each
+transfer over many connections lifts that: an epoch builds ``K`` Gloo groups over the same
+members (``SessionConfig.connections``), a buffer is cut into at most ``K`` contiguous spans, and
+span ``i`` travels on group ``i``, all at once.
 
 Parity: each span is reduced by Gloo as if it were a buffer of its own, so an element may be
 summed in another order than with one group (the ring's segment boundaries move), but every
@@ -25,7 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from isthmus.coordinator.wire import PROTOCOL_VERSION, ProtocolMismatch, version_mismatch
+
 __all__ = [
+    "HANDSHAKE_WISHES",
     "MIN_STRIPE_BYTES",
     "Works",
     "all_gather_flat",
@@ -38,6 +41,12 @@ __all__ = [
 #: A span is at least this long (bar the last when the buffer is short): a smaller one would
 #: add a round of Gloo's latency for bytes that a single connection moves at once anyway.
 MIN_STRIPE_BYTES = 16 * 1024
+
+#: How many wishes the epoch handshake carries. Its tensor has a fixed layout, ``[protocol,
+#: -protocol, k, -k, wish...]`` padded to this many wishes, so that a member of another protocol
+#: version reduces a tensor of the same length and is refused by name instead of failing inside
+#: Gloo; a version that changes the layout must keep the first two slots and the length.
+HANDSHAKE_WISHES = 4
 
 
 def spans(numel: int, element_size: int, k: int) -> list[tuple[int, int]]:
@@ -124,41 +133,54 @@ def connect_stripes(
     k: int,
     *,
     wishes: Sequence[int] = (),
+    protocol: int = PROTOCOL_VERSION,
 ) -> tuple[Any, list[Any], list[int]]:
     """Build an epoch's first group on ``store`` and ``k - 1`` more under ``stripe<i>/``, one
     after the other (every member builds them in the same order); returns the first group, the
-    others and the members' largest ``wishes``. Raises ValueError when the members were given
-    different ``k``, and what ``connect`` raises (torch's error, or the cut of the epoch's wires,
-    which all of them share).
+    others and the members' largest ``wishes``.
 
-    ``wishes``: small integers every member contributes to the same handshake (as many on every
-    member); each comes back as its maximum over the members. The session agrees there whether
-    the epoch probes its links (:mod:`isthmus.comm.probe`), at no extra round trip."""
+    The first group opens with a handshake, one tiny all-reduce: every member must speak the
+    same isthmus ``protocol`` (raises :class:`~isthmus.coordinator.wire.ProtocolMismatch`
+    naming both versions) and have the same ``k`` (raises ValueError naming the setting: a
+    member waiting for a group nobody else builds would wait out its timeout, and the bits of a
+    sum depend on the spans). Raises what ``connect`` raises too (torch's error, or the cut of
+    the epoch's wires, which all of them share).
+
+    ``wishes``: at most :data:`HANDSHAKE_WISHES` small non-negative integers every member
+    contributes (as many on every member); each comes back as its maximum over the members. The
+    session agrees there whether the epoch probes its links (:mod:`isthmus.comm.probe`), at no
+    extra round trip."""
     if k < 1:
         raise ValueError(f"connections must be >= 1, got {k}")
+    if len(wishes) > HANDSHAKE_WISHES:
+        raise ValueError(f"the handshake carries {HANDSHAKE_WISHES} wishes, not {len(wishes)}")
     pg = connect(store)
-    # Every member must stripe alike (the bits of a sum depend on the spans) and build as many
-    # groups (a member waiting for a group nobody else builds would wait out its timeout): one
-    # tiny all-reduce (max of k and of -k) finds a disagreement first.
-    ks = torch.tensor([k, -k, *wishes], dtype=torch.int64)
+    padded = [*wishes, *[0] * (HANDSHAKE_WISHES - len(wishes))]
+    # max of x and of -x gives every member the largest and the smallest value in one reduction
+    ks = torch.tensor([protocol, -protocol, k, -k, *padded], dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     pg.allreduce([ks], opts).wait()
-    if int(ks[0]) != k or int(-ks[1]) != k:
+    highest, lowest = int(ks[0]), -int(ks[1])
+    if highest != protocol or lowest != protocol:
+        other = highest if highest != protocol else lowest
+        raise ProtocolMismatch(
+            version_mismatch(other, protocol, them="a member of this epoch", us="this peer")
+        )
+    if int(ks[2]) != k or int(-ks[3]) != k:
         raise ValueError(
-            f"peers disagree on connections: this peer has {k}, others between {int(-ks[1])} and "
-            f"{int(ks[0])}; give every peer the same SessionConfig.connections"
+            f"peers disagree on connections: this peer has {k}, others between {int(-ks[3])} and "
+            f"{int(ks[2])}; give every peer the same SessionConfig.connections"
         )
     stripes = [connect(dist.PrefixStore(f"stripe{i}/", store)) for i in range(1, k)]
-    return pg, stripes, [int(x) for x in ks[2:]]
+    return pg, stripes, [int(x) for x in ks[4 : 4 + len(wishes)]]
 
 
 def reverse_sets(
     connect: Callable[[dist.Store], Any], store: dist.Store, k: int
 ) -> Callable[[], Any]:
     """The builder of :meth:`Group.exchange <isthmus.comm.group.Group.exchange>`'s reverse
-    connections: one group (``k == 1``, as before striping) or a list of ``k``, one per
-    stripe."""
+    connections: one group (``k == 1``) or a list of ``k``, one per stripe."""
     rev = dist.PrefixStore("reverse/", store)
     if k == 1:
         return lambda: connect(rev)

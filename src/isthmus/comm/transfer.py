@@ -14,9 +14,11 @@ cover; the destination replays into new tensors, checks *every* tensor against t
 hashes, and tells the source whether they matched; if not (its state at its revision was not the
 run's, a log it could not read), the source sends the tensors after all. Either way only
 verified tensors enter the state. Messages (tags ``2000 + 8 i + k`` for the plan's transfer
-``i``): ``k=0`` destination -> source int64 ``[revision, wish]``; ``k=1`` source -> destination
-int64 ``[mode, nbytes]``; ``k=2`` the payload; ``k=3`` destination -> source int64 ``[ok]``
-(replay mode only); ``k=4`` the tensors (only after a replay that did not match).
+``i``): ``k=0`` destination -> source int64 ``[protocol, revision, wish]``; ``k=1`` source ->
+destination int64 ``[protocol, mode, nbytes]``; ``k=2`` the payload; ``k=3`` destination ->
+source int64 ``[ok]`` (replay mode only); ``k=4`` the tensors (only after a replay that did not
+match). Both sides check the other's protocol version first: on a mismatch the source answers
+mode ``-1`` and sends nothing more, and both raise :class:`TransferError` naming both versions.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from isthmus.comm.group import Group, Handle
 from isthmus.comm.state import CatchUp, SharedState, tensor_hash
 from isthmus.coordinator.protocol import RoundPlan, Transfer
+from isthmus.coordinator.wire import PROTOCOL_VERSION, refusal
 
 __all__ = ["TransferError", "apply_transfers"]
 
@@ -35,7 +38,8 @@ log = logging.getLogger("isthmus.transfer")
 
 
 class TransferError(RuntimeError):
-    """A resync transfer arrived with a hash that differs from the canonical one."""
+    """A resync transfer arrived with a hash that differs from the canonical one, or the two
+    peers of a catch-up speak different protocol versions."""
 
 
 def _pack(state: SharedState, names: tuple[str, ...], device: torch.device) -> torch.Tensor:
@@ -139,22 +143,26 @@ def _serve(
 ) -> None:
     """The source's side of one transfer with a catch-up handshake (see the module docstring)."""
     dst, tag = plan.rank_of(t.dst), 2000 + 8 * i
-    head = _ints(0, 0, device=device)
+    head = _ints(0, 0, 0, device=device)
     group.recv(head, dst, tag)
-    since, wish = int(head[0]), int(head[1])
+    why = refusal(int(head[0]), them=f"peer {t.dst}", us="this peer")
+    if why is not None:  # answer first: the destination waits for the mode
+        group.send(_ints(PROTOCOL_VERSION, -1, 0, device=device), dst, tag + 1)
+        raise TransferError(f"cannot catch peer {t.dst} up: {why}")
+    since, wish = int(head[1]), int(head[2])
     covered = [n for n in t.names if n in cu.covers()]
     rest = tuple(n for n in t.names if n not in covered)
     history = cu.offer(since, plan.round, _nbytes(state, t.names), wish) if covered else None
     if history is None:
         payload = _pack(state, t.names, device)
-        group.send(_ints(0, payload.numel(), device=device), dst, tag + 1)
+        group.send(_ints(PROTOCOL_VERSION, 0, payload.numel(), device=device), dst, tag + 1)
         group.send(payload, dst, tag + 2)
         return
     raw = torch.tensor(list(history), dtype=torch.uint8, device=device)
     payload = torch.cat(
         [_ints(len(history), device=device).view(torch.uint8), raw, _pack(state, rest, device)]
     )
-    group.send(_ints(1, payload.numel(), device=device), dst, tag + 1)
+    group.send(_ints(PROTOCOL_VERSION, 1, payload.numel(), device=device), dst, tag + 1)
     group.send(payload, dst, tag + 2)
     ok = _ints(0, device=device)
     group.recv(ok, dst, tag + 3)
@@ -177,10 +185,13 @@ def _catch_up(
     match their hashes."""
     src, tag = plan.rank_of(t.src), 2000 + 8 * i
     since = cu.revision()
-    group.send(_ints(since, cu.wish(), device=device), src, tag)
-    head = _ints(0, 0, device=device)
+    group.send(_ints(PROTOCOL_VERSION, since, cu.wish(), device=device), src, tag)
+    head = _ints(0, 0, 0, device=device)
     group.recv(head, src, tag + 1)
-    mode, nbytes = int(head[0]), int(head[1])
+    why = refusal(int(head[0]), them=f"peer {t.src}", us="this peer")
+    if why is not None:
+        raise TransferError(f"cannot catch up from peer {t.src}: {why}")
+    mode, nbytes = int(head[1]), int(head[2])
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     group.recv(buf, src, tag + 2)
     if mode == 0:

@@ -1,10 +1,10 @@
 """The TCP connections under one epoch's process groups, so that an abort can cut them.
 
 Why this exists: a Gloo collective that waits on a silent peer (SIGSTOPped, swapped out, cut off
-by a partition: its TCP connections stay open) cannot be interrupted from Python. In torch 2.13
+by a partition: its TCP connections stay open) cannot be interrupted from Python. Torch's
 ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at once and leave the collective waiting,
 and destroying the group joins its worker threads, that is, waits out the collective's own
-timeout (measured: a survivor sat 30 s in ``~ProcessGroupGloo`` with ``collective_timeout`` 30 s).
+timeout (a survivor sits in ``~ProcessGroupGloo`` for the whole ``collective_timeout``).
 What does interrupt it is the kernel: ``shutdown(2)`` on the group's sockets makes every pending
 read and write fail at once, Gloo reports "Connection closed by peer", the collective raises, the
 group's threads go idle and the group can be destroyed at once. The peer at the other end of each

@@ -15,9 +15,9 @@ What it holds, lowest first:
   :mod:`.server_config`; :mod:`.tls` makes and pins certificates;
 * the peer's side: :mod:`.client` and :mod:`.store_client`.
 
-It never sees a tensor, only names, shapes and hashes. It sits just above the floor and may
-import spec, data and models. Never imports comm, testing, reduce, checkpoint, strategies, lab,
+It never sees a tensor, only names, shapes and hashes. It sits just above the floor and may import
+spec, data and models. Never imports comm, reduce, testing, checkpoint, runconfig, strategies, lab,
 run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it). Inside it, no module
-reaches into another's private members, and no two modules import each other. This file
-imports nothing, so ``import isthmus.coordinator.protocol`` stays light.
+reaches into another's private members, and no two modules import each other. This file imports
+nothing, so ``import isthmus.coordinator.protocol`` stays light.
 """

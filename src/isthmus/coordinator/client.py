@@ -8,28 +8,40 @@ that name the coordinator's address and what went wrong.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
+from isthmus.coordinator.protocol import Heartbeat, HeartbeatLost, Push, Register, Registered
 from isthmus.coordinator.tls import format_fingerprint, normalize_fingerprint
+from isthmus.coordinator.wire import (
+    PROTOCOL_VERSION,
+    ProtocolMismatch,
+    WireError,
+    decode,
+    encode,
+    version_mismatch,
+)
 
 __all__ = [
     "AuthError",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnreachable",
+    "IncompatibleProtocol",
     "TLSRefused",
     "normalize_address",
 ]
 
 log = logging.getLogger("isthmus.client")
+M = TypeVar("M")
 
 
 class CoordinatorError(RuntimeError):
@@ -42,6 +54,10 @@ class CoordinatorUnreachable(CoordinatorError):
 
 class AuthError(CoordinatorError):
     """The coordinator refused this peer's token."""
+
+
+class IncompatibleProtocol(CoordinatorError, ProtocolMismatch):
+    """The coordinator speaks another version of the isthmus protocol (the message names both)."""
 
 
 class TLSRefused(CoordinatorError):
@@ -111,6 +127,14 @@ class CoordinatorClient:
             fut.cancel()
             raise
 
+    def submit(
+        self, path: str, body: dict[str, Any], read_timeout: float
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        """POST ``body`` to ``path`` on the client's loop without waiting: the future holds the
+        answer, or the :class:`CoordinatorError` the request ended with. Cancelling the future
+        cancels the request."""
+        return asyncio.run_coroutine_threadsafe(self._post(path, body, read_timeout), self._loop)
+
     def _ssl(self) -> ssl.SSLContext | aiohttp.Fingerprint | bool:
         if self.pin is not None:
             return aiohttp.Fingerprint(self.pin)  # the certificate itself, no CA involved
@@ -162,6 +186,11 @@ class CoordinatorClient:
                     if r.status == 401:
                         msg = (await r.json(content_type=None) or {}).get("error", "unauthorized")
                         raise AuthError(f"the coordinator at {self.base} refused this peer: {msg}")
+                    if r.status == 426:  # another protocol version: retrying cannot help
+                        msg = (await r.json(content_type=None) or {}).get("error", "")
+                        raise IncompatibleProtocol(
+                            f"the coordinator at {self.base} refused this peer: {msg}"
+                        )
                     if r.status == 429:  # over a limit: back off and try again, bounded
                         last = "HTTP 429 " + (await r.text())[:200]
                     elif 400 <= r.status < 500:
@@ -198,6 +227,33 @@ class CoordinatorClient:
             self._post(path, body, read_timeout), self.connect_timeout + read_timeout + 5
         )
 
+    def call(self, path: str, message: Any, answer: type[M], *, read_timeout: float = 30.0) -> M:
+        """POST ``message`` (a :mod:`~isthmus.coordinator.protocol` message) and decode the answer
+        as an ``answer``, retrying as :meth:`post` does. Raises :class:`CoordinatorError` naming
+        the field when the answer is not a well-formed ``answer``."""
+        reply = self.post(path, encode(message), read_timeout=read_timeout)
+        try:
+            return decode(answer, reply)
+        except WireError as e:
+            raise CoordinatorError(
+                f"the coordinator at {self.base} answered {path} with a malformed "
+                f"{answer.__name__}: {e}"
+            ) from None
+
+    def register(self, name: str, info: dict[str, Any] | None = None) -> Registered:
+        """Register a peer called ``name`` (``info``: shown on the dashboard) with the
+        coordinator, in this protocol version. Raises :class:`IncompatibleProtocol` naming both
+        versions when the coordinator speaks another version (it refused the peer, or its answer
+        carries another version or none)."""
+        message = Register(name, info or {}, PROTOCOL_VERSION)
+        reply = self.call("/v1/register", message, Registered)
+        if reply.protocol != PROTOCOL_VERSION:
+            raise IncompatibleProtocol(
+                f"refusing the coordinator at {self.base}: "
+                + version_mismatch(reply.protocol, PROTOCOL_VERSION, them="coordinator", us="peer")
+            )
+        return reply
+
     def get(self, path: str) -> dict[str, Any]:
         async def go() -> dict[str, Any]:
             s = await self._sess()
@@ -223,14 +279,18 @@ class CoordinatorClient:
         peer_id: int,
         interval: float,
         info: Callable[[], dict[str, Any]],
-        on_push: Callable[[dict[str, Any]], None],
+        on_push: Callable[[Push], None],
         run_id: str = "",
     ) -> None:
-        """Keep a websocket to the coordinator and send ``info()`` every ``interval`` seconds.
+        """Keep a websocket to the coordinator and send a :class:`Heartbeat` with ``info()``
+        every ``interval`` seconds.
 
-        Pushes from the coordinator (round aborted, evicted) are passed to ``on_push`` on the
-        client's thread. If the connection drops, the coordinator evicts this peer; the next
-        begin learns that and registers again, so reconnecting here is only for a new peer id.
+        Pushes from the coordinator (:class:`~isthmus.coordinator.protocol.AbortPush`,
+        :class:`~isthmus.coordinator.protocol.EvictedPush`) are passed to ``on_push`` on the
+        client's thread, and a :class:`~isthmus.coordinator.protocol.HeartbeatLost` when the
+        connection ends; a malformed push is logged and dropped. If the connection drops, the
+        coordinator evicts this peer; the next begin learns that and registers again, so
+        reconnecting here is only for a new peer id.
         """
         self.stop_heartbeat()
         self._hb_task = asyncio.run_coroutine_threadsafe(
@@ -247,20 +307,25 @@ class CoordinatorClient:
         peer_id: int,
         interval: float,
         info: Callable[[], dict[str, Any]],
-        on_push: Callable[[dict[str, Any]], None],
+        on_push: Callable[[Push], None],
         run_id: str,
     ) -> None:
         s = await self._sess()
         # the run id keeps an id from before a coordinator restart from naming a new peer
-        url = f"{self.base}/v1/ws?peer={peer_id}" + (f"&run={run_id}" if run_id else "")
+        url = f"{self.base}/v1/ws?peer={peer_id}&protocol={PROTOCOL_VERSION}"
+        url += f"&run={run_id}" if run_id else ""
         try:
             async with s.ws_connect(url, heartbeat=None) as ws:
 
                 async def reader() -> None:
                     async for msg in ws:
                         if msg.type == aiohttp.WSMsgType.TEXT:
-                            with contextlib.suppress(ValueError):
-                                on_push(msg.json())
+                            try:
+                                push = decode(Push, msg.json())
+                            except ValueError as e:  # not JSON, or not a push
+                                log.warning("malformed push from %s: %s", self.base, e)
+                                continue
+                            on_push(push)
                         elif msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                             break
 
@@ -271,7 +336,7 @@ class CoordinatorClient:
                             payload = info()
                         except Exception:  # a broken info callback must not stop heartbeats
                             payload = {}
-                        await ws.send_json({"type": "hb", "info": payload})
+                        await ws.send_json(encode(Heartbeat(payload)))
                         await asyncio.sleep(interval)
                 finally:
                     rtask.cancel()
@@ -281,7 +346,7 @@ class CoordinatorClient:
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
         log.warning("heartbeat connection to %s lost: %s", self.base, reason)
-        on_push({"type": "heartbeat_lost", "reason": reason})
+        on_push(HeartbeatLost(reason))
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,23 +1,64 @@
-"""The coordinator's wire types: what the server and the peers' sessions say to each other.
+"""Every message the coordinator and the peers exchange, each one typed message defined here.
 
-Both sides import this module and nothing else of the other: the server's state machine
-(:mod:`isthmus.coordinator.membership`) builds these values and the server sends their JSON; the
-peer side (:mod:`isthmus.comm.session`, ``state``, ``transfer``) reads them back with the
-``from_json`` constructors here, so each JSON round trip is written once. docs/PROTOCOL.md
-describes the requests that carry them.
+The server (:mod:`isthmus.coordinator.server`) decodes each request body into its message with
+:func:`~isthmus.coordinator.wire.decode` and answers with :func:`~isthmus.coordinator.wire.encode`
+of a response message; the peer's client (:mod:`isthmus.coordinator.client`, used by
+:mod:`isthmus.comm.session`) does the reverse with the same types, so a field is declared and
+checked in one place. A malformed request is answered 400 naming the field; a malformed answer
+raises :class:`~isthmus.coordinator.wire.WireError` on the peer.
+
+Requests: :class:`Register` (``POST /v1/register``), :class:`Begin`, :class:`Commit`,
+:class:`Leave`, :class:`CheckpointPart` and :class:`CheckpointManifest` (``POST
+/v1/checkpoint``), and :class:`Heartbeat` on the websocket. Answers: :class:`Registered`, a
+:class:`Decision` (one subclass per outcome: :class:`Wait`, :class:`Go`, :class:`SendHashes`,
+:class:`Refused`, :class:`Evicted`, :class:`Finished`, :class:`Restore`, :class:`Committed`,
+:class:`Aborted`), and pushes on the websocket (:class:`AbortPush`, :class:`EvictedPush`).
+docs/PROTOCOL.md describes the exchanges.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
-__all__ = ["Decision", "RestorePoint", "RoundPlan", "TensorSpec", "Transfer", "schema_mismatch"]
+from isthmus.coordinator.wire import UNVERSIONED, WireError, decode, encode
+
+__all__ = [
+    "AbortPush",
+    "Aborted",
+    "Begin",
+    "CheckpointManifest",
+    "CheckpointPart",
+    "Commit",
+    "Committed",
+    "Decision",
+    "Evicted",
+    "EvictedPush",
+    "Finished",
+    "Go",
+    "Heartbeat",
+    "HeartbeatLost",
+    "Leave",
+    "Push",
+    "Refused",
+    "Register",
+    "Registered",
+    "Restore",
+    "RestorePoint",
+    "RoundPlan",
+    "SendHashes",
+    "TensorSpec",
+    "Transfer",
+    "Wait",
+    "checkpoint_report",
+    "schema_mismatch",
+]
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, shape and dtype of one shared tensor. All peers of a run must agree on the list."""
+    """Name, shape and dtype of one shared tensor. All peers of a run must agree on the list.
+    It travels (and is stored in checkpoints) as the list ``[name, shape, dtype]``."""
 
     name: str
     shape: tuple[int, ...]
@@ -26,11 +67,23 @@ class TensorSpec:
     def to_json(self) -> list[Any]:
         return [self.name, list(self.shape), self.dtype]
 
+    __wire_encode__ = to_json
+
+    @staticmethod
+    def __wire_decode__(x: Any, path: str = "") -> TensorSpec:
+        if not (isinstance(x, list | tuple) and len(x) == 3):
+            raise WireError(path, f"expected [name, shape, dtype], got {x!r:.80}")
+        name, shape, dtype = x
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise WireError(
+                path, f"expected [name, shape, dtype] with string name and dtype, got {x!r:.80}"
+            )
+        return TensorSpec(name, decode(tuple[int, ...], shape, f"{path}[1]"), dtype)
+
     @staticmethod
     def from_json(x: Any) -> TensorSpec:
-        """Inverse of :meth:`to_json`; raises ValueError or TypeError for a malformed entry."""
-        name, shape, dtype = x
-        return TensorSpec(str(name), tuple(int(s) for s in shape), str(dtype))
+        """Inverse of :meth:`to_json`; raises :class:`WireError` (a ValueError) if malformed."""
+        return TensorSpec.__wire_decode__(x)
 
 
 def schema_mismatch(run: list[TensorSpec], peer: list[TensorSpec]) -> str | None:
@@ -65,12 +118,12 @@ class Transfer:
     names: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"src": self.src, "dst": self.dst, "names": list(self.names)}
+        return encode(self)  # type: ignore[no-any-return]
 
     @staticmethod
-    def from_json(x: dict[str, Any]) -> Transfer:
-        """Inverse of :meth:`to_json`; raises KeyError, ValueError or TypeError if malformed."""
-        return Transfer(int(x["src"]), int(x["dst"]), tuple(str(n) for n in x["names"]))
+    def from_json(x: Any) -> Transfer:
+        """Inverse of :meth:`to_json`; raises :class:`WireError` naming a malformed field."""
+        return decode(Transfer, x)
 
 
 @dataclass(frozen=True)
@@ -98,29 +151,13 @@ class RoundPlan:
         return frozenset(t.dst for t in self.transfers) | frozenset(self.stale)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "round": self.round,
-            "epoch": self.epoch,
-            "members": list(self.members),
-            "transfers": [t.to_json() for t in self.transfers],
-            "expected": dict(self.expected),
-            "new_epoch": self.new_epoch,
-            "stale": list(self.stale),
-        }
+        return encode(self)  # type: ignore[no-any-return]
 
     @staticmethod
-    def from_json(x: dict[str, Any]) -> RoundPlan:
-        """Inverse of :meth:`to_json` (a ``go`` decision's plan). Raises KeyError, ValueError or
-        TypeError for a malformed plan; the session treats that as a protocol error."""
-        return RoundPlan(
-            round=int(x["round"]),
-            epoch=int(x["epoch"]),
-            members=tuple(int(m) for m in x["members"]),
-            transfers=tuple(Transfer.from_json(t) for t in x["transfers"]),
-            expected=dict(x["expected"]),
-            new_epoch=bool(x["new_epoch"]),
-            stale=tuple(int(m) for m in x.get("stale", ())),
-        )
+    def from_json(x: Any) -> RoundPlan:
+        """Inverse of :meth:`to_json` (a ``go`` decision's plan). Raises :class:`WireError`
+        naming the first malformed field; the session treats that as a protocol error."""
+        return decode(RoundPlan, x)
 
 
 @dataclass(frozen=True)
@@ -132,34 +169,290 @@ class RestorePoint:
     revision: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"url": self.url, "revision": self.revision}
+        return encode(self)  # type: ignore[no-any-return]
 
     @staticmethod
-    def from_json(x: dict[str, Any]) -> RestorePoint:
-        """Inverse of :meth:`to_json`; raises KeyError, ValueError or TypeError if malformed."""
-        return RestorePoint(str(x["url"]), int(x["revision"]))
+    def from_json(x: Any) -> RestorePoint:
+        """Inverse of :meth:`to_json`; raises :class:`WireError` naming a malformed field."""
+        return decode(RestorePoint, x)
+
+
+# -- the coordinator's answers to begin and commit ----------------------------------------------
+Kind = Literal[
+    "wait", "go", "hashes", "refused", "evicted", "finished", "restore", "committed", "aborted"
+]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Answer to begin or commit. ``kind`` is one of:
+    """Answer to begin or commit: one subclass per ``kind``, so a peer matches on the type.
 
-    wait (ask again), go (plan), hashes (send your hashes and ask again), refused (schema
-    mismatch; do not retry), evicted (this peer id is gone; register again), finished (every
-    member left after the last round: there is no state to join), restore (no live peer holds
-    the run's state: load the shared state of checkpoint ``restore`` and ask again), committed,
-    aborted.
+    ``Decision(kind, reason, plan=..., restore=...)`` builds the subclass that ``kind`` names
+    (the coordinator's rules build them this way); ``reason`` says why, for logs and errors.
+    Raises ValueError for an unknown kind, a go without a plan or a restore without a restore
+    point.
     """
 
-    kind: str
+    kind: Kind
     reason: str = ""
     plan: RoundPlan | None = None
     restore: RestorePoint | None = None
 
+    __wire_tag__: ClassVar[str] = "kind"
+    __wire_tags__: ClassVar[dict[str, type[Decision]]] = {}
+
+    def __new__(cls, kind: str = "", *args: Any, **kwargs: Any) -> Decision:
+        if cls is Decision:
+            kind = kwargs.get("kind", kind)
+            sub = Decision.__wire_tags__.get(kind)
+            if sub is None:
+                known = ", ".join(Decision.__wire_tags__)
+                raise ValueError(f"unknown decision {kind!r} (one of {known})")
+            cls = sub
+        return object.__new__(cls)
+
+    def __post_init__(self) -> None:
+        want = type(self).__dataclass_fields__["kind"].default
+        if self.kind != want:
+            raise WireError("kind", f"expected {want!r}, got {self.kind!r}")
+        if isinstance(self, Go) and self.plan is None:
+            raise WireError("plan", "is missing (a go decision carries the round's plan)")
+        if isinstance(self, Restore) and self.restore is None:
+            raise WireError("restore", "is missing (a restore decision names the checkpoint)")
+
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind, "reason": self.reason}
-        if self.plan is not None:
-            d["plan"] = self.plan.to_json()
-        if self.restore is not None:
-            d["restore"] = self.restore.to_json()
-        return d
+        return encode(self)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def from_json(x: Any) -> Decision:
+        """The subclass ``x["kind"]`` names; raises :class:`WireError` naming a bad field."""
+        return decode(Decision, x)
+
+
+@dataclass(frozen=True)
+class Wait(Decision):
+    """Not yet: ask again (the long poll ended, or the round is still forming)."""
+
+    kind: Kind = "wait"
+
+
+@dataclass(frozen=True)
+class Go(Decision):
+    """The round formed with this peer in it: run :attr:`plan`."""
+
+    kind: Kind = "go"
+
+
+@dataclass(frozen=True)
+class SendHashes(Decision):
+    """Ask again with the hashes of the shared state, for the parity check."""
+
+    kind: Kind = "hashes"
+
+
+@dataclass(frozen=True)
+class Refused(Decision):
+    """This peer's shared-state schema differs from the run's: do not retry."""
+
+    kind: Kind = "refused"
+
+
+@dataclass(frozen=True)
+class Evicted(Decision):
+    """This peer id is gone (removed, or from before a coordinator restart): register again."""
+
+    kind: Kind = "evicted"
+
+
+@dataclass(frozen=True)
+class Finished(Decision):
+    """Every member left after the last round and no peer holds the state: nothing to join."""
+
+    kind: Kind = "finished"
+
+
+@dataclass(frozen=True)
+class Restore(Decision):
+    """No live peer holds the run's state: load the shared state of checkpoint
+    :attr:`restore` and ask again."""
+
+    kind: Kind = "restore"
+
+
+@dataclass(frozen=True)
+class Committed(Decision):
+    """Every member reported success: apply the round's result."""
+
+    kind: Kind = "committed"
+
+
+@dataclass(frozen=True)
+class Aborted(Decision):
+    """The round failed somewhere: discard its result and begin again."""
+
+    kind: Kind = "aborted"
+
+
+Decision.__wire_tags__.update(
+    (c.__dataclass_fields__["kind"].default, c)
+    for c in (Wait, Go, SendHashes, Refused, Evicted, Finished, Restore, Committed, Aborted)
+)
+
+
+# -- requests ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Register:
+    """``POST /v1/register``: a peer asks to join. ``protocol`` is the version it speaks (a peer
+    that sends none speaks the unversioned protocol and is refused with both versions named)."""
+
+    name: str = "peer"
+    info: dict[str, Any] = field(default_factory=dict)
+    protocol: int = UNVERSIONED
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The answer to :class:`Register`: the peer's id, the run's id and the run's rules. A
+    coordinator that sends no ``protocol`` speaks the unversioned protocol."""
+
+    peer_id: int
+    run_id: str
+    heartbeat_interval: float
+    store_port: int = 0
+    rendezvous: Literal["coordinator", "tcpstore"] = "tcpstore"
+    heartbeat_timeout: float | None = None
+    parity_every: int = 1
+    min_peers: int | None = None
+    restore: RestorePoint | None = None
+    protocol: int = UNVERSIONED
+
+
+@dataclass(frozen=True)
+class Begin:
+    """``POST /v1/begin``: peer ``peer`` at ``revision`` is ready for the next round. ``nonce``
+    names this attempt; ``hashes`` (tensor name -> content hash) and ``schema`` are sent when
+    the coordinator needs them (a new peer sends both). ``run`` is the run id from
+    :class:`Registered` (a request naming another run is answered :class:`Evicted`)."""
+
+    peer: int
+    nonce: str
+    revision: int
+    run: str | None = None
+    hashes: dict[str, str] | None = None
+    schema: tuple[TensorSpec, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Commit:
+    """``POST /v1/commit``: this peer's outcome of ``round`` of ``epoch``."""
+
+    peer: int
+    epoch: int
+    round: int
+    ok: bool
+    run: str | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """``POST /v1/leave``: the peer leaves between rounds, with its state's ``digest`` at
+    ``revision`` and its last counters ``info``."""
+
+    peer: int
+    run: str | None = None
+    digest: str | None = None
+    revision: int | None = None
+    info: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    """``POST /v1/checkpoint``: this peer wrote part ``part`` of ``parts`` of the checkpoint at
+    ``revision`` (``ok``), with its tensors' ``hashes``, or failed to (``error``)."""
+
+    revision: int
+    part: int
+    parts: int
+    ok: bool
+    peer: int | None = None
+    run: str | None = None
+    hashes: dict[str, str] = field(default_factory=dict)
+    bytes: int = 0
+    writer: str = ""
+    local: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """``POST /v1/checkpoint``: the manifest of ``revision`` is written at ``manifest``, under
+    the checkpoint root ``url`` (the run's new restore point when given)."""
+
+    revision: int
+    manifest: str
+    peer: int | None = None
+    run: str | None = None
+    url: str | None = None
+
+
+def checkpoint_report(body: Any) -> CheckpointPart | CheckpointManifest:
+    """A ``/v1/checkpoint`` body as its message: a manifest when it names one, else a part.
+    Raises :class:`WireError` naming a malformed field."""
+    if isinstance(body, dict) and "manifest" in body:
+        return decode(CheckpointManifest, body)
+    return decode(CheckpointPart, body)
+
+
+# -- the websocket -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Heartbeat:
+    """Peer -> coordinator on the websocket, every ``heartbeat_interval``: alive, with the
+    metrics ``info`` the peer reports (revision, bytes, timing, links ...)."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+
+    __wire_tag_value__: ClassVar[str] = "hb"
+    __wire_tag__: ClassVar[str] = "type"
+    __wire_tags__: ClassVar[dict[str, type]] = {}
+
+
+@dataclass(frozen=True)
+class Push:
+    """Coordinator -> peer on the websocket; decoding a Push gives the subclass its ``type``
+    names (:class:`AbortPush`, :class:`EvictedPush`)."""
+
+    reason: str = ""
+
+    __wire_tag_value__: ClassVar[str] = ""
+    __wire_tag__: ClassVar[str] = "type"
+    __wire_tags__: ClassVar[dict[str, type[Push]]] = {}
+
+
+@dataclass(frozen=True)
+class AbortPush(Push):
+    """Round ``round`` of epoch ``epoch`` aborted: cut that epoch's group."""
+
+    epoch: int = -1
+    round: int = -1
+    __wire_tag_value__: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True)
+class EvictedPush(Push):
+    """The coordinator removed this peer (or refuses its websocket), for ``reason``."""
+
+    __wire_tag_value__: ClassVar[str] = "evicted"
+
+
+@dataclass(frozen=True)
+class HeartbeatLost(Push):
+    """Not sent by the coordinator: the client's own notice that its websocket closed."""
+
+    __wire_tag_value__: ClassVar[str] = "heartbeat_lost"
+
+
+Push.__wire_tags__.update(
+    (c.__wire_tag_value__, c) for c in (AbortPush, EvictedPush, HeartbeatLost)
+)
+Heartbeat.__wire_tags__.update({"hb": Heartbeat})

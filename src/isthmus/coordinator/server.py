@@ -1,12 +1,14 @@
 """The coordinator: an HTTP+JSON membership server, standalone or embedded in a process.
 
-Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``):
+Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``; bodies, answers and
+frames are the messages of :mod:`.protocol`, and a malformed field is answered 400 naming it):
 
-* ``POST /v1/register`` ``{name, info}`` -> ``{peer_id, run_id, store_port, ...}``
-* ``GET  /v1/ws?peer=<id>&run=<run_id>`` websocket: the peer sends heartbeats, the coordinator
-  pushes ``{"type": "abort", ...}`` when a round the peer is in aborts. A closed websocket evicts
-  the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL is noticed in
-  milliseconds; a stopped or partitioned peer is noticed after ``heartbeat_timeout``.
+* ``POST /v1/register``: a peer of another protocol version is answered 426, naming both.
+* ``GET  /v1/ws?peer=<id>&run=<run_id>&protocol=<version>`` websocket: the peer sends
+  heartbeats, the coordinator pushes ``abort`` when a round the peer is in aborts. A closed
+  websocket evicts the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL
+  is noticed in milliseconds; a stopped or partitioned peer is noticed after
+  ``heartbeat_timeout``.
 * ``POST /v1/begin`` and ``POST /v1/commit``: long-polls (held up to ``poll_s``, then answered
   ``wait``; the client asks again). See :mod:`isthmus.coordinator.membership` for the rules.
   Requests from peers also carry ``run`` (the run id from ``register``); one naming another
@@ -30,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import json
 import logging
 import secrets
 import socket
@@ -41,6 +42,8 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import WSMsgType, web
 
+from isthmus.coordinator import protocol as msgs
+from isthmus.coordinator import wire
 from isthmus.coordinator.admin import AdminAPI
 from isthmus.coordinator.auth import Identities
 from isthmus.coordinator.bodies import read_json
@@ -49,7 +52,6 @@ from isthmus.coordinator.gate import BadRequest as _BadRequest
 from isthmus.coordinator.gate import Gate
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.membership import Membership, PeerState
-from isthmus.coordinator.protocol import Decision, RestorePoint, TensorSpec
 from isthmus.coordinator.server_config import CoordinatorConfig
 from isthmus.coordinator.store_service import RendezvousStore, StoreRoute
 from isthmus.coordinator.stragglers import StragglerDetector
@@ -61,13 +63,6 @@ __all__ = ["Coordinator", "CoordinatorConfig"]
 log = logging.getLogger("isthmus.coordinator")
 
 
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    if name not in body:
-        raise _BadRequest(f"missing field {name!r}")
-    v = body[name]
-    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        raise _BadRequest(f"field {name!r} has the wrong type ({type(v).__name__})")
-    return v
 
 
 class Coordinator:
@@ -254,60 +249,82 @@ class Coordinator:
 
     _json = staticmethod(read_json)
 
-    async def _hold(self, poll: Any) -> Decision:
+    async def _hold(self, poll: Any) -> msgs.Decision:
         return await self.hub.hold(poll, self.config.poll_s)
 
     def _stale_run(self, run: object) -> str | None:
         return self.hub.stale_run(run)
 
     # -- handlers -------------------------------------------------------------------------------
+    async def _read(self, request: web.Request, read: Any) -> Any:
+        """The request's body as message class ``read`` (or what function ``read`` makes of the
+        parsed body). A malformed one is answered 400 naming the field."""
+        body = await self._json(request)
+        try:
+            return wire.decode(read, body) if isinstance(read, type) else read(body)
+        except wire.WireError as e:
+            raise _BadRequest(str(e)) from None
+
+    @staticmethod
+    def _reply(msg: Any) -> web.Response:
+        return web.json_response(wire.encode(msg))
+
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
     async def _register(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        name = str(body.get("name") or "peer")[:200]
-        info = body.get("info") if isinstance(body.get("info"), dict) else {}
-        info = {**info, "address": request.remote}  # where the peer reached us from (dashboard)
+        msg: msgs.Register = await self._read(request, msgs.Register)
+        name = (msg.name or "peer")[:200]
+        why = wire.refusal(msg.protocol, them="peer", us="coordinator")
+        if why is not None:
+            log.warning("refused %s from %s: %s", name, request.remote, why)
+            return web.json_response(
+                {"error": why, "protocol": wire.PROTOCOL_VERSION},
+                status=426,
+                headers={"Upgrade": f"isthmus/{wire.PROTOCOL_VERSION}"},
+            )
+        info = {**msg.info, "address": request.remote}  # where the peer reached us from
         with self._lock:
             pid = self.membership.register(name, self._now(), info)
             restore = self.membership.restore_wanted()
         self.gate.bind(request, pid)
         self._mutated()
         m = self.config.membership
-        return web.json_response(
-            {
-                "restore": restore and restore.to_json(),
-                "peer_id": pid,
-                "run_id": self.run_id,
-                "store_port": self.store_port,
-                "rendezvous": self.config.rendezvous,
-                "heartbeat_interval": self.config.heartbeat_interval,
-                "heartbeat_timeout": m.heartbeat_timeout,
-                "parity_every": m.parity_every,
-                "min_peers": m.min_peers,
-            }
+        return self._reply(
+            msgs.Registered(
+                peer_id=pid,
+                run_id=self.run_id,
+                heartbeat_interval=self.config.heartbeat_interval,
+                store_port=self.store_port,
+                rendezvous=self.config.rendezvous,  # type: ignore[arg-type]
+                heartbeat_timeout=m.heartbeat_timeout,
+                parity_every=m.parity_every,
+                min_peers=m.min_peers,
+                restore=restore,
+                protocol=wire.PROTOCOL_VERSION,
+            )
         )
 
     async def _ws(self, request: web.Request) -> web.StreamResponse:
         try:
             pid = int(request.query.get("peer", ""))
+            protocol = int(request.query.get("protocol", wire.UNVERSIONED))
         except ValueError:
-            raise _BadRequest("query parameter 'peer' must be the peer id") from None
+            raise _BadRequest("query parameters 'peer' and 'protocol' must be integers") from None
         ws = web.WebSocketResponse(
             heartbeat=None, max_msg_size=self.config.limits.max_ws_message_bytes
         )
         bucket = self.gate.ws_bucket()
         await ws.prepare(request)
-        stale = self._stale_run(request.query.get("run"))
-        if stale is not None:
-            await ws.send_json({"type": "evicted", "reason": stale})
-            await ws.close()
-            return ws
-        with self._lock:
-            alive = self.membership.heartbeat(pid, self._now())
-        if not alive:
-            await ws.send_json({"type": "evicted", "reason": "unknown or removed peer"})
+        refusal = self._stale_run(request.query.get("run"))
+        if refusal is None:
+            refusal = wire.refusal(protocol, them="peer", us="coordinator")
+        if refusal is None:
+            with self._lock:
+                if not self.membership.heartbeat(pid, self._now()):
+                    refusal = "unknown or removed peer"
+        if refusal is not None:
+            await ws.send_json(wire.encode(msgs.EvictedPush(refusal)))
             await ws.close()
             return ws
         old = self._sockets.get(pid)
@@ -315,23 +332,20 @@ class Coordinator:
         if old is not None and not old.closed:
             await old.close()
         try:
-            async for msg in ws:
-                if msg.type != WSMsgType.TEXT or not bucket.take(time.monotonic()):
+            async for raw in ws:
+                if raw.type != WSMsgType.TEXT or not bucket.take(time.monotonic()):
                     break  # not a heartbeat, or a flood of them: the peer is dropped
                 try:
-                    data = json.loads(msg.data)
-                except json.JSONDecodeError:
+                    info = wire.decode(msgs.Heartbeat, raw.json()).info
+                except ValueError:  # not JSON, or not a heartbeat: not counted as one
                     continue
-                info = data.get("info") if isinstance(data, dict) else None
                 with self._lock:
-                    alive = self.membership.heartbeat(
-                        pid, self._now(), info if isinstance(info, dict) else None
-                    )
-                    evicted = alive and isinstance(info, dict) and self._watch_timing(pid, info)
+                    alive = self.membership.heartbeat(pid, self._now(), info)
+                    evicted = alive and self._watch_timing(pid, info)
                 if evicted:
                     self._mutated()
                 if not alive:
-                    await ws.send_json({"type": "evicted", "reason": "removed by the coordinator"})
+                    await ws.send_json(wire.encode(msgs.EvictedPush("removed by the coordinator")))
                     break
         finally:
             if self._sockets.get(pid) is ws:
@@ -346,101 +360,80 @@ class Coordinator:
         return ws
 
     async def _begin(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        pid = _field(body, "peer", int)
-        nonce = _field(body, "nonce", str)
-        stale = self._stale_run(body.get("run"))
-        if stale is not None:
-            return web.json_response(Decision("evicted", stale).to_json())
-        revision = _field(body, "revision", int)
-        hashes = body.get("hashes")
-        if hashes is not None and not (
-            isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())
-        ):
-            raise _BadRequest("field 'hashes' must map tensor names to hash strings")
-        schema_raw = body.get("schema")
-        schema = None
-        if schema_raw is not None:
-            try:
-                schema = [TensorSpec.from_json(x) for x in schema_raw]
-            except (TypeError, ValueError) as e:
-                raise _BadRequest(f"field 'schema' is malformed: {e}") from e
+        msg: msgs.Begin = await self._read(request, msgs.Begin)
+        if (stale := self._stale_run(msg.run)) is not None:
+            return self._reply(msgs.Evicted(reason=stale))
+        pid, nonce = msg.peer, msg.nonce
         with self._lock:
             d = self.membership.begin(
-                pid, self._now(), nonce=nonce, revision=revision, hashes=hashes, schema=schema
+                pid,
+                self._now(),
+                nonce=nonce,
+                revision=msg.revision,
+                hashes=msg.hashes,
+                schema=None if msg.schema is None else list(msg.schema),
             )
         self._mutated()
-        if d.kind == "wait":
+        if isinstance(d, msgs.Wait):
             d = await self._hold(lambda: self.membership.poll_begin(pid, nonce))
-        return web.json_response(d.to_json())
+        return self._reply(d)
 
     async def _commit(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        pid = _field(body, "peer", int)
-        epoch = _field(body, "epoch", int)
-        rnd = _field(body, "round", int)
-        ok = _field(body, "ok", bool)
-        error = str(body.get("error") or "")[:2000]
-        stale = self._stale_run(body.get("run"))
-        if stale is not None:
-            return web.json_response(Decision("evicted", stale).to_json())
+        msg: msgs.Commit = await self._read(request, msgs.Commit)
+        if (stale := self._stale_run(msg.run)) is not None:
+            return self._reply(msgs.Evicted(reason=stale))
+        epoch, rnd = msg.epoch, msg.round
         with self._lock:
-            d = self.membership.commit(pid, self._now(), epoch=epoch, round=rnd, ok=ok, error=error)
+            d = self.membership.commit(
+                msg.peer, self._now(), epoch=epoch, round=rnd, ok=msg.ok, error=msg.error[:2000]
+            )
         self._mutated()
-        if d.kind == "wait":
+        if isinstance(d, msgs.Wait):
             d = await self._hold(lambda: self.membership.poll_commit(epoch, rnd))
-        return web.json_response(d.to_json())
+        return self._reply(d)
 
     async def _leave(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        pid = _field(body, "peer", int)
-        if self._stale_run(body.get("run")) is not None:
+        msg: msgs.Leave = await self._read(request, msgs.Leave)
+        if self._stale_run(msg.run) is not None:
             return web.json_response({"ok": True})  # that peer id is someone else's here
-        digest, revision = body.get("digest"), body.get("revision")
         final = {}
-        if isinstance(digest, str) and isinstance(revision, int):
-            final = {"digest": digest[:64], "revision": revision}
-        info = body.get("info")
+        if msg.digest is not None and msg.revision is not None:
+            final = {"digest": msg.digest[:64], "revision": msg.revision}
         with self._lock:
-            if isinstance(info, dict):  # its last counters (bytes), for /metrics and the dashboard
-                self.membership.heartbeat(pid, self._now(), info)
-            self.membership.leave(pid, self._now(), **final)
+            if msg.info is not None:  # its last counters (bytes), for /metrics and the dashboard
+                self.membership.heartbeat(msg.peer, self._now(), msg.info)
+            self.membership.leave(msg.peer, self._now(), **final)
         self._mutated()
         return web.json_response({"ok": True})
 
     async def _checkpoint(self, request: web.Request) -> web.Response:
         """A peer wrote (or failed to write) its part of a checkpoint, or its manifest."""
-        body = await self._json(request)
-        revision = _field(body, "revision", int)
-        if self._stale_run(body.get("run")) is not None:
+        msg = await self._read(request, msgs.checkpoint_report)
+        if self._stale_run(msg.run) is not None:
             return web.json_response({"complete": False, "failed": "another run"})
-        if "manifest" in body:
-            path = str(_field(body, "manifest", str))[:4096]
-            url = body.get("url")
+        now = self._now()
+        if isinstance(msg, msgs.CheckpointManifest):
+            path = msg.manifest[:4096]
             with self._lock:
-                if isinstance(url, str) and url:
-                    self.membership.set_restore_point(RestorePoint(url[:4096], revision), 0.0)
-                self.checkpoints.manifest(revision, path, self._now())
-                self.membership.note(
-                    self._now(), "checkpoint", checkpoint_revision=revision, path=path
-                )
+                if msg.url:
+                    point = msgs.RestorePoint(msg.url[:4096], msg.revision)
+                    self.membership.set_restore_point(point, 0.0)
+                self.checkpoints.manifest(msg.revision, path, now)
+                self.membership.note(now, "checkpoint", checkpoint_revision=msg.revision, path=path)
             return web.json_response({"ok": True})
-        hashes = body.get("hashes") or {}
-        if not (isinstance(hashes, dict) and all(isinstance(v, str) for v in hashes.values())):
-            raise _BadRequest("field 'hashes' must map tensor names to hash strings")
         report = PartReport(
-            revision=revision,
-            part=_field(body, "part", int),
-            parts=_field(body, "parts", int),
-            ok=_field(body, "ok", bool),
-            hashes=hashes,
-            nbytes=int(body.get("bytes") or 0),
-            writer=str(body.get("writer") or "")[:200],
-            local=str(body.get("local") or "")[:200],
-            error=str(body.get("error") or "")[:500],
+            revision=msg.revision,
+            part=msg.part,
+            parts=msg.parts,
+            ok=msg.ok,
+            hashes=msg.hashes,
+            nbytes=msg.bytes,
+            writer=msg.writer[:200],
+            local=msg.local[:200],
+            error=msg.error[:500],
         )
         with self._lock:
-            answer = self.checkpoints.part(report, self._now())
+            answer = self.checkpoints.part(report, now)
         return web.json_response(answer)
 
     def _watch_timing(self, pid: int, info: dict[str, Any]) -> bool:

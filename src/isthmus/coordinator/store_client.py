@@ -15,7 +15,6 @@ torch passes on to whoever was forming the group.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import concurrent.futures
 import datetime
@@ -65,9 +64,7 @@ class CoordinatorStore(dist.Store):
         body = {**body, "peer": self._peer, "run": self._run}
         hold = max(0.0, min(2.0, deadline - time.monotonic()))
         body["hold_s"] = hold
-        fut = asyncio.run_coroutine_threadsafe(
-            self._client._post("/v1/store", body, hold + 10.0), self._client._loop
-        )
+        fut = self._client.submit("/v1/store", body, hold + 10.0)
         self._inflight.add(fut)
         self.requests += 1
         try:

@@ -8,8 +8,8 @@
 * :class:`Corpus`: byte corpora (the Python stdlib by default) with deterministic sharding.
 
 data is part of the floor: it imports numpy and torch, and nothing of isthmus outside data. Never
-imports coordinator, comm, testing, reduce, checkpoint, strategies, lab, run or cli
-(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
+imports coordinator, comm, reduce, testing, checkpoint, runconfig, strategies, lab, run or
+cli(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 
 from isthmus.data.corpus import SHARD_MODES, Corpus, evaluate, stdlib_files

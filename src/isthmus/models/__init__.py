@@ -4,8 +4,8 @@
 nothing in isthmus depends on this model except the built-in job that trains it.
 
 models is part of the floor: it imports torch and nothing of isthmus. Never imports coordinator,
-comm, testing, reduce, checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers";
-tools/structure.py checks it).
+comm, reduce, testing, checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md,
+"Layers"; tools/structure.py checks it).
 """
 
 from isthmus.models.gpt import GPT, GPTConfig

@@ -9,7 +9,7 @@
 * Strategies' own math as pure functions: zeroth-order (:mod:`.zo_math`, :mod:`.zo_log`),
   SparseLoCo's (:mod:`.sparseloco_math`) and DeMo's (:mod:`.demo_math`) codecs.
 
-Pure tensor math with a small distributed interface: reduce may import comm (its ``Group``)
-and the floor. Never imports checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md,
+Pure tensor math with a small distributed interface: reduce may import comm (its ``Group``) and the
+floor. Never imports checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md,
 "Layers"; tools/structure.py checks it).
 """

@@ -5,8 +5,8 @@ run's recent history; the page itself is ``static/`` (plain HTML, CSS and JavaSc
 library, no network access beyond this coordinator).
 
 web belongs to the coordinator's layer: it may import the rest of the coordinator and the floor.
-Never imports comm, testing, reduce, checkpoint, strategies, lab, run or cli
-(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
+Never imports comm, reduce, testing, checkpoint, runconfig, strategies, lab, run or
+cli(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 
 from isthmus.coordinator.web.app import Dashboard

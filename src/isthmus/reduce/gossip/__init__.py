@@ -15,7 +15,7 @@
 * :mod:`.codec`: quantizers as per-message codecs for compressed gossip.
 
 gossip's math belongs to reduce's layer: it may import comm (its ``Group``), the compressors and
-the floor. Never imports checkpoint, strategies, lab, run or cli (docs/ARCHITECTURE.md,
+the floor. Never imports checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md,
 "Layers"; tools/structure.py checks it).
 """
 
