@@ -6,20 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.reduce.gossip.codec import codec_for
-from isthmus.reduce.gossip.exchange import (
+from isthmus.strategies.gossip.codec import codec_for
+from isthmus.strategies.gossip.exchange import (
     MAX_ITERS_PER_ROUND,
     edge_tag,
     global_average,
     gossip,
-    gossip_reference,
     gossip_step,
     send_copies,
-    variance_corrected_gossip_reference,
     variance_corrected_gossip_step,
 )
-from isthmus.reduce.gossip.topology import OnePeerExponential, RandomMatching, make_topology
-from isthmus.reduce.gossip.variance import segment_variances
+from isthmus.strategies.gossip.math.averaging import (
+    gossip_reference,
+    variance_corrected_gossip_reference,
+)
+from isthmus.strategies.gossip.math.topology import (
+    OnePeerExponential,
+    RandomMatching,
+    make_topology,
+)
+from isthmus.strategies.gossip.math.variance import segment_variances
 from isthmus.testing import local_groups, run_parallel
 
 TRANSPORTS = ["p2p", "all_to_all"]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from isthmus.reduce.gossip.sampling import (
+from isthmus.strategies.gossip.sampling import (
     aggregation_ready,
     modest_aggregate,
     modest_aggregate_reference,

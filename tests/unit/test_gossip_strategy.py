@@ -16,18 +16,18 @@ import torch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CommStats, Group
 from isthmus.comm.state import SharedState
-from isthmus.reduce.gossip import (
+from isthmus.strategies import make_strategy
+from isthmus.strategies.gossip import Gossip, GossipConfig
+from isthmus.strategies.gossip.consensus import consensus_distance
+from isthmus.strategies.gossip.math import (
     LateHeavySchedule,
     PoissonSchedule,
     TopologySpec,
-    consensus_distance,
     gossip_reference,
     make_topology,
     sam_step,
     variance_corrected_gossip_reference,
 )
-from isthmus.strategies import make_strategy
-from isthmus.strategies.gossip import Gossip, GossipConfig
 from isthmus.testing import local_groups, run_parallel
 
 Layout = Callable[[int], tuple[Group, tuple[int, ...]]]

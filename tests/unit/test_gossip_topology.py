@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from isthmus.reduce.gossip._rng import Rng, derive_seed
-from isthmus.reduce.gossip.rebuild import TopologySpec, rebuild_topology, repair_topology
-from isthmus.reduce.gossip.topology import (
+from isthmus.strategies.gossip.math._rng import Rng, derive_seed
+from isthmus.strategies.gossip.math.rebuild import TopologySpec, rebuild_topology, repair_topology
+from isthmus.strategies.gossip.math.topology import (
     STATIC_TOPOLOGIES,
     DisconnectedGraphError,
     OnePeerExponential,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from isthmus.reduce.gossip.consensus import consensus_distance, consensus_distance_group
-from isthmus.reduce.gossip.variance import (
+from isthmus.strategies.gossip.consensus import consensus_distance, consensus_distance_group
+from isthmus.strategies.gossip.math.variance import (
     corrected_average,
     segment_variances,
     variance_correct,

@@ -3,7 +3,7 @@
 de Vos et al., "MoDeST: Bridging the Gap between Federated and Decentralized Learning with
 Decentralized Sampling" (2023): each round a seeded sample of trainers sends its models to a
 seeded sample of aggregators, who average them and hand the result to everyone. The math (the
-samples, the aggregation over a group) is :mod:`isthmus.reduce.gossip.sampling`; this module
+samples, the aggregation over a group) is :mod:`isthmus.strategies.gossip.sampling`; this module
 holds what the strategy keeps between rounds and shares with joiners.
 
 Shared state (identical on every in-sync peer, registered with the session): the last aggregate
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from isthmus.comm.session import Round, Session
-from isthmus.reduce.gossip import modest_aggregate, sample_round
-from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
+from isthmus.strategies.gossip.exchange import MAX_ITERS_PER_ROUND
 from isthmus.strategies.gossip.options import GossipConfig
+from isthmus.strategies.gossip.sampling import modest_aggregate, sample_round
 
 __all__ = ["Modest"]
 

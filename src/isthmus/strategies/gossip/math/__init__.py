@@ -1,36 +1,36 @@
-"""Building blocks for decentralized (gossip) training.
+"""The gossip strategy's pure math: everything about graphs, weights, schedules and averaging
+that needs no network, tested in one process.
+
+Nothing in this package imports :mod:`isthmus.comm` or :mod:`torch.distributed`
+(``tools/structure.py`` checks it); the modules beside it in :mod:`isthmus.strategies.gossip`
+(``exchange``, ``sampling``, ``consensus``, ``codec``) run the same math over a
+:class:`~isthmus.comm.group.Group`, and their tests compare them with the references here. It is
+a subpackage rather than one ``math.py`` because the math is several independent pieces:
 
 * :mod:`.topology`: communication graphs (ring, torus, exponential, random regular,
   Barabasi-Albert, complete; time-varying one-peer exponential and random matchings).
 * :mod:`.rebuild`: a run's topology spec (:data:`TOPOLOGIES`), its rebuild or repair when
   membership changes, and its embedding over the peers that take part in a round.
-* :mod:`.mixing`: Metropolis-Hastings mixing weights, checks and spectral gap.
-* :mod:`.schedule`: when to gossip (constant, late-heavy, single merge, Poisson).
-* :mod:`.exchange`: gossip steps and the exact global average over a ``Group``.
-* :mod:`.variance`: variance-corrected averaging (vanishing variance).
-* :mod:`.consensus`: consensus distance, pure and distributed.
-* :mod:`.sampling`: MoDeST per-round trainer/aggregator sampling.
-* :mod:`.sam`: DFedSAM's sharpness-aware local step (with a closure, or in two phases).
 * :mod:`.peergraph`: the run's graph over peer ids, regenerated or repaired as membership changes.
-* :mod:`.codec`: quantizers as per-message codecs for compressed gossip.
+* :mod:`.mixing`: Metropolis-Hastings mixing weights, checks and spectral gap.
+* :mod:`.averaging`: one gossip step's arithmetic (plain and CHOCO difference form) and the
+  all-ranks references the distributed steps must reproduce bit for bit.
+* :mod:`.variance`: variance-corrected averaging (vanishing variance).
+* :mod:`.schedule`: when to gossip (constant, late-heavy, single merge, Poisson).
+* :mod:`.sam`: DFedSAM's sharpness-aware local step (with a closure, or in two phases).
+
+Errors are ``ValueError`` (or :class:`DisconnectedGraphError`, a ``ValueError``) naming the
+offending argument.
 """
 
-from isthmus.reduce.gossip.codec import codec_for, quantizer_codec
-from isthmus.reduce.gossip.consensus import consensus_distance, consensus_distance_group
-from isthmus.reduce.gossip.exchange import (
-    edge_tag,
-    exchange_with_neighbors,
-    global_average,
-    gossip,
+from isthmus.strategies.gossip.math.averaging import (
+    Decode,
+    Encode,
     gossip_reference,
-    gossip_step,
     mix,
-    send_copies,
-    variance_corrected_gossip,
     variance_corrected_gossip_reference,
-    variance_corrected_gossip_step,
 )
-from isthmus.reduce.gossip.mixing import (
+from isthmus.strategies.gossip.math.mixing import (
     check_mixing_matrix,
     is_doubly_stochastic,
     is_symmetric,
@@ -38,8 +38,8 @@ from isthmus.reduce.gossip.mixing import (
     metropolis_row,
     spectral_gap,
 )
-from isthmus.reduce.gossip.peergraph import REBUILD_MODES, GraphReport, PeerGraph
-from isthmus.reduce.gossip.rebuild import (
+from isthmus.strategies.gossip.math.peergraph import REBUILD_MODES, GraphReport, PeerGraph
+from isthmus.strategies.gossip.math.rebuild import (
     TOPOLOGIES,
     EmbeddedSequence,
     TopologySpec,
@@ -47,15 +47,8 @@ from isthmus.reduce.gossip.rebuild import (
     rebuild_topology,
     repair_topology,
 )
-from isthmus.reduce.gossip.sam import sam_perturb, sam_restore, sam_step
-from isthmus.reduce.gossip.sampling import (
-    RoundSample,
-    aggregation_ready,
-    modest_aggregate,
-    modest_aggregate_reference,
-    sample_round,
-)
-from isthmus.reduce.gossip.schedule import (
+from isthmus.strategies.gossip.math.sam import sam_perturb, sam_restore, sam_step
+from isthmus.strategies.gossip.math.schedule import (
     SCHEDULES,
     CommDecision,
     ConstantSchedule,
@@ -65,7 +58,8 @@ from isthmus.reduce.gossip.schedule import (
     comm_steps,
     make_schedule,
 )
-from isthmus.reduce.gossip.topology import (
+from isthmus.strategies.gossip.math.topology import (
+    TIME_VARYING_TOPOLOGIES,
     DisconnectedGraphError,
     OnePeerExponential,
     RandomMatching,
@@ -78,7 +72,7 @@ from isthmus.reduce.gossip.topology import (
     make_topology_sequence,
     union_topology,
 )
-from isthmus.reduce.gossip.variance import (
+from isthmus.strategies.gossip.math.variance import (
     corrected_average,
     segment_variances,
     variance_correct,
@@ -89,38 +83,31 @@ from isthmus.reduce.gossip.variance import (
 __all__ = [
     "REBUILD_MODES",
     "SCHEDULES",
+    "TIME_VARYING_TOPOLOGIES",
     "TOPOLOGIES",
     "CommDecision",
     "ConstantSchedule",
+    "Decode",
     "DisconnectedGraphError",
     "EmbeddedSequence",
+    "Encode",
     "GraphReport",
     "LateHeavySchedule",
     "OnePeerExponential",
     "PeerGraph",
     "PoissonSchedule",
     "RandomMatching",
-    "RoundSample",
     "SingleMergeSchedule",
     "StaticSequence",
     "Topology",
     "TopologySequence",
     "TopologySpec",
-    "aggregation_ready",
     "check_mixing_matrix",
-    "codec_for",
     "comm_steps",
     "connected_components",
-    "consensus_distance",
-    "consensus_distance_group",
     "corrected_average",
-    "edge_tag",
     "embed_topology",
-    "exchange_with_neighbors",
-    "global_average",
-    "gossip",
     "gossip_reference",
-    "gossip_step",
     "is_connected",
     "is_doubly_stochastic",
     "is_symmetric",
@@ -130,23 +117,16 @@ __all__ = [
     "metropolis_matrix",
     "metropolis_row",
     "mix",
-    "modest_aggregate",
-    "modest_aggregate_reference",
-    "quantizer_codec",
     "rebuild_topology",
     "repair_topology",
     "sam_perturb",
     "sam_restore",
     "sam_step",
-    "sample_round",
     "segment_variances",
-    "send_copies",
     "spectral_gap",
     "union_topology",
     "variance_correct",
     "variance_correct_flat",
-    "variance_corrected_gossip",
     "variance_corrected_gossip_reference",
-    "variance_corrected_gossip_step",
     "variance_target",
 ]

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.gossip._rng import derive_seed
-from isthmus.reduce.gossip.rebuild import TopologySpec, repair_topology
-from isthmus.reduce.gossip.topology import (
+from isthmus.strategies.gossip.math._rng import derive_seed
+from isthmus.strategies.gossip.math.rebuild import TopologySpec, repair_topology
+from isthmus.strategies.gossip.math.topology import (
     TIME_VARYING_TOPOLOGIES,
     StaticSequence,
     Topology,

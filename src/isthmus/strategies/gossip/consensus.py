@@ -5,7 +5,7 @@ Kong, Lin, Koloskova, Jaggi and Stich, "Consensus Control for Decentralized Deep
 long as the consensus distance stays below a critical value, which makes it the quantity to log
 when tuning gossip schedules. Two forms:
 
-* ``kind="mean"``: ``(1/n) sum_i ||x_i - x_bar||`` (the form in the brief of this package);
+* ``kind="mean"``: ``(1/n) sum_i ||x_i - x_bar||`` (the form the gossip strategy reports);
 * ``kind="rms"``:  ``sqrt((1/n) sum_i ||x_i - x_bar||^2)`` (Kong et al.'s Xi).
 
 All arithmetic is float64. The distributed RMS form needs a single all-reduce of

@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from isthmus.reduce.gossip._rng import Rng, derive_seed
-from isthmus.reduce.gossip.topology import (
+from isthmus.spec import Registry
+from isthmus.strategies.gossip.math._rng import Rng, derive_seed
+from isthmus.strategies.gossip.math.topology import (
     STATIC_TOPOLOGIES,
     TIME_VARYING_TOPOLOGIES,
     TOPOLOGY_OPTIONS,
@@ -32,7 +33,6 @@ from isthmus.reduce.gossip.topology import (
     connected_components,
     make_topology_sequence,
 )
-from isthmus.spec import Registry
 
 __all__ = [
     "TOPOLOGIES",

@@ -1,10 +1,9 @@
 """Seeded per-round sampling of trainers and aggregators (MoDeST).
 
 "MoDeST: Bridging the Gap between Federated and Decentralized Learning with Decentralized
-Sampling" (2023): every round a random sample
-of ``s`` nodes trains and a random sample of ``a`` nodes aggregates; aggregators move on once a
-success fraction of the expected models arrived, which keeps training going when most nodes are
-unresponsive. Every peer must compute the same sample without talking to anyone, so the sample is
+Sampling" (de Vos et al., 2023): every round a random sample of ``s`` nodes trains and a random
+sample of ``a`` nodes aggregates; aggregators move on once a success fraction of the expected
+models arrived, which keeps training going when most nodes are unresponsive. Every peer must compute the same sample without talking to anyone, so the sample is
 a pure function of ``(seed, round, members)``.
 
 We use rendezvous (highest-random-weight) hashing: each member gets a 64-bit key from
@@ -30,8 +29,9 @@ from fractions import Fraction
 import torch
 
 from isthmus.comm.group import Group, Handle
-from isthmus.reduce.gossip._rng import derive_seed
-from isthmus.reduce.gossip.exchange import _check_received, _flat, _wait, edge_tag
+from isthmus.strategies.gossip.exchange import _wait, edge_tag
+from isthmus.strategies.gossip.math._rng import derive_seed
+from isthmus.strategies.gossip.math.averaging import _check_received, _flat
 
 __all__ = [
     "RoundSample",

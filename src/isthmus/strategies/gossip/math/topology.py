@@ -22,8 +22,8 @@ Families and where they come from:
   Decentralized Learning in Disaster Scenarios" to study peers dropping out.
 * random matching (time-varying): a fresh seeded perfect (or near-perfect) matching every round.
 
-How a run names its graph (:class:`~isthmus.reduce.gossip.rebuild.TopologySpec`) and carries it
-across membership changes is :mod:`.rebuild`.
+How a run names its graph (:class:`~.rebuild.TopologySpec`) and carries it across membership
+changes is :mod:`.rebuild`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from isthmus.reduce.gossip._rng import Rng, derive_seed
 from isthmus.spec import option_names
+from isthmus.strategies.gossip.math._rng import Rng, derive_seed
 
 __all__ = [
     "STATIC_TOPOLOGIES",
