@@ -1,11 +1,13 @@
 """The tree keeps its architecture (docs/ARCHITECTURE.md): imports point down the layers, no two
-folders import each other, no module grows past about 600 lines. tools/structure.py prints the
-same findings for a person."""
+folders and no two files import each other, a strategy's pure math never imports the network, no
+module grows past about 600 lines. tools/structure.py prints the same findings for a person."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +24,85 @@ def test_imports_point_downward_and_folders_do_not_import_each_other() -> None:
     back, cycles, _ = _tool().check(ROOT / "src" / "isthmus")
     assert back == [], "imports that point up the layers:\n" + "\n".join(back)
     assert cycles == [], f"folders that import each other: {cycles}"
+
+
+_GATE_CYCLE = [
+    "isthmus.coordinator.gate",
+    "isthmus.coordinator.server",
+    "isthmus.coordinator.web",
+    "isthmus.coordinator.web.app",
+]
+
+
+# The coordinator's gate/server/web cycle is broken on a branch of its own; until that lands this
+# test is expected to fail on exactly that cycle, and it asserts zero cycles as soon as it is gone.
+@pytest.mark.xfail(
+    condition=_GATE_CYCLE in _tool().file_cycles(ROOT / "src" / "isthmus"),
+    reason="coordinator gate <-> server <-> web cycle not yet broken",
+    strict=True,
+)
+def test_no_two_files_import_each_other() -> None:
+    cycles = _tool().file_cycles(ROOT / "src" / "isthmus")
+    assert cycles == [], f"modules that import each other (TYPE_CHECKING included): {cycles}"
+
+
+def test_pure_math_imports_neither_comm_nor_torch_distributed() -> None:
+    impure = _tool().impure_math(ROOT / "src" / "isthmus")
+    assert impure == [], "pure math modules that import the network:\n" + "\n".join(impure)
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "isthmus" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "isthmus"
+
+
+def test_file_cycles_are_found_behind_type_checking_but_not_in_functions(tmp_path: Path) -> None:
+    src = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "run/__init__.py": "",
+            "run/a.py": "from isthmus.run.b import B\n",
+            "run/b.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from isthmus.run import a\n"
+            ),
+            "run/c.py": "from .d import D\n",
+            "run/d.py": "def f():\n    from isthmus.run.c import C\n",
+            "lab/__init__.py": "",
+            "lab/e.py": "from isthmus.lab import f\n",
+            "lab/f.py": "import isthmus.lab.e\n",
+        },
+    )
+    assert _tool().file_cycles(src) == [
+        ["isthmus.lab.e", "isthmus.lab.f"],
+        ["isthmus.run.a", "isthmus.run.b"],
+    ]
+
+
+def test_impure_math_is_found_by_module_name_and_at_any_depth(tmp_path: Path) -> None:
+    src = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "strategies/__init__.py": "",
+            "strategies/x/__init__.py": "",
+            "strategies/x/math.py": "import torch.distributed as dist\n",
+            "strategies/y_math.py": "def f():\n    from isthmus.comm.group import Group\n",
+            "strategies/z/math/__init__.py": "from torch import distributed\n",
+            "strategies/z/math/ok.py": "import torch\nfrom isthmus.spec import parse\n",
+            "strategies/z/exchange.py": "from isthmus.comm.group import Group\n",
+        },
+    )
+    found = [line.split(":")[0] for line in _tool().impure_math(src)]
+    assert found == [
+        "isthmus/strategies/x/math.py",
+        "isthmus/strategies/y_math.py",
+        "isthmus/strategies/z/math/__init__.py",
+    ]
 
 
 def test_every_top_level_unit_has_a_layer() -> None:
