@@ -4,14 +4,17 @@ module grows past about 600 lines. tools/structure.py prints the same findings f
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "isthmus"
 
 
+@functools.cache
 def _tool():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("structure", ROOT / "tools" / "structure.py")
     assert spec is not None and spec.loader is not None
@@ -20,8 +23,19 @@ def _tool():  # type: ignore[no-untyped-def]
     return mod
 
 
+@functools.cache
+def _check():  # type: ignore[no-untyped-def]
+    # every module parsed once for the tests below (read-only results)
+    return _tool().check(SRC)
+
+
+@functools.cache
+def _file_cycles() -> list[list[str]]:
+    return _tool().file_cycles(SRC)
+
+
 def test_imports_point_downward_and_folders_do_not_import_each_other() -> None:
-    back, cycles, _ = _tool().check(ROOT / "src" / "isthmus")
+    back, cycles, _ = _check()
     assert back == [], "imports that point up the layers:\n" + "\n".join(back)
     assert cycles == [], f"folders that import each other: {cycles}"
 
@@ -37,17 +51,17 @@ _GATE_CYCLE = [
 # The coordinator's gate/server/web cycle is broken on a branch of its own; until that lands this
 # test is expected to fail on exactly that cycle, and it asserts zero cycles as soon as it is gone.
 @pytest.mark.xfail(
-    condition=_GATE_CYCLE in _tool().file_cycles(ROOT / "src" / "isthmus"),
+    condition=_GATE_CYCLE in _file_cycles(),
     reason="coordinator gate <-> server <-> web cycle not yet broken",
     strict=True,
 )
 def test_no_two_files_import_each_other() -> None:
-    cycles = _tool().file_cycles(ROOT / "src" / "isthmus")
+    cycles = _file_cycles()
     assert cycles == [], f"modules that import each other (TYPE_CHECKING included): {cycles}"
 
 
 def test_pure_math_imports_neither_comm_nor_torch_distributed() -> None:
-    impure = _tool().impure_math(ROOT / "src" / "isthmus")
+    impure = _tool().impure_math(SRC)
     assert impure == [], "pure math modules that import the network:\n" + "\n".join(impure)
 
 
@@ -107,7 +121,7 @@ def test_impure_math_is_found_by_module_name_and_at_any_depth(tmp_path: Path) ->
 
 def test_every_top_level_unit_has_a_layer() -> None:
     tool = _tool()
-    units = {p.name.removesuffix(".py") for p in (ROOT / "src" / "isthmus").iterdir()}
+    units = {p.name.removesuffix(".py") for p in SRC.iterdir()}
     units -= {"__pycache__", "py.typed", *tool.EXEMPT}
     assert units <= set(tool.LAYERS), (
         f"give these a layer in tools/structure.py: {units - set(tool.LAYERS)}"
@@ -115,7 +129,7 @@ def test_every_top_level_unit_has_a_layer() -> None:
 
 
 def test_no_module_is_two_things() -> None:
-    _, _, long = _tool().check(ROOT / "src" / "isthmus")
+    _, _, long = _check()
     assert long == [], f"modules over 600 lines (split them): {long}"
 
 
