@@ -18,11 +18,8 @@ from isthmus.strategies.gossip.math.averaging import (
     gossip_reference,
     variance_corrected_gossip_reference,
 )
-from isthmus.strategies.gossip.math.topology import (
-    OnePeerExponential,
-    RandomMatching,
-    make_topology,
-)
+from isthmus.strategies.gossip.math.sequence import OnePeerExponential, RandomMatching
+from isthmus.strategies.gossip.math.topology import make_topology
 from isthmus.strategies.gossip.math.variance import segment_variances
 from isthmus.testing import local_groups, run_parallel
 

@@ -14,13 +14,8 @@ from isthmus.strategies.gossip.math.mixing import (
     second_largest_eigenvalue,
     spectral_gap,
 )
-from isthmus.strategies.gossip.math.topology import (
-    STATIC_TOPOLOGIES,
-    OnePeerExponential,
-    Topology,
-    make_topology,
-    ring,
-)
+from isthmus.strategies.gossip.math.sequence import OnePeerExponential
+from isthmus.strategies.gossip.math.topology import STATIC_TOPOLOGIES, Topology, make_topology, ring
 
 
 @pytest.mark.parametrize("name", sorted(STATIC_TOPOLOGIES))

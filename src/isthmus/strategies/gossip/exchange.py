@@ -40,7 +40,8 @@ from isthmus.strategies.gossip.math.averaging import (
     mix,
 )
 from isthmus.strategies.gossip.math.mixing import metropolis_row
-from isthmus.strategies.gossip.math.topology import Topology, TopologySequence
+from isthmus.strategies.gossip.math.sequence import TopologySequence
+from isthmus.strategies.gossip.math.topology import Topology
 from isthmus.strategies.gossip.math.variance import VARIANCE_EPS, variance_correct_flat
 
 __all__ = [

@@ -10,7 +10,7 @@ from isthmus.spec import SpecError, parse
 from isthmus.strategies.gossip.exchange import MAX_ITERS_PER_ROUND
 from isthmus.strategies.gossip.math import REBUILD_MODES, SCHEDULES, TopologySpec
 from isthmus.strategies.gossip.math.schedule import Schedule
-from isthmus.strategies.gossip.math.topology import TIME_VARYING_TOPOLOGIES
+from isthmus.strategies.gossip.math.sequence import TIME_VARYING_TOPOLOGIES
 
 __all__ = ["COPY_SLOT", "GossipConfig"]
 

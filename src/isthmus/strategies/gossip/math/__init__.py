@@ -7,8 +7,10 @@ Nothing in this package imports :mod:`isthmus.comm` or :mod:`torch.distributed`
 :class:`~isthmus.comm.group.Group`, and their tests compare them with the references here. It is
 a subpackage rather than one ``math.py`` because the math is several independent pieces:
 
-* :mod:`.topology`: communication graphs (ring, torus, exponential, random regular,
-  Barabasi-Albert, complete; time-varying one-peer exponential and random matchings).
+* :mod:`.topology`: static communication graphs (ring, torus, exponential, random regular,
+  Barabasi-Albert, complete).
+* :mod:`.sequence`: a graph per round (time-varying one-peer exponential and random matchings;
+  a static graph as the constant sequence).
 * :mod:`.rebuild`: a run's topology spec (:data:`TOPOLOGIES`), its rebuild or repair when
   membership changes, and its embedding over the peers that take part in a round.
 * :mod:`.peergraph`: the run's graph over peer ids, regenerated or repaired as membership changes.
@@ -58,19 +60,21 @@ from isthmus.strategies.gossip.math.schedule import (
     comm_steps,
     make_schedule,
 )
-from isthmus.strategies.gossip.math.topology import (
+from isthmus.strategies.gossip.math.sequence import (
     TIME_VARYING_TOPOLOGIES,
-    DisconnectedGraphError,
     OnePeerExponential,
     RandomMatching,
     StaticSequence,
-    Topology,
     TopologySequence,
+    make_topology_sequence,
+    union_topology,
+)
+from isthmus.strategies.gossip.math.topology import (
+    DisconnectedGraphError,
+    Topology,
     connected_components,
     is_connected,
     make_topology,
-    make_topology_sequence,
-    union_topology,
 )
 from isthmus.strategies.gossip.math.variance import (
     corrected_average,

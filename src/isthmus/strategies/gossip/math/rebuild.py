@@ -21,17 +21,19 @@ from typing import Any
 
 from isthmus.spec import Registry
 from isthmus.strategies.gossip.math._rng import Rng, derive_seed
+from isthmus.strategies.gossip.math.sequence import (
+    TIME_VARYING_TOPOLOGIES,
+    StaticSequence,
+    TopologySequence,
+    make_topology_sequence,
+)
 from isthmus.strategies.gossip.math.topology import (
     STATIC_TOPOLOGIES,
-    TIME_VARYING_TOPOLOGIES,
     TOPOLOGY_OPTIONS,
-    StaticSequence,
     Topology,
-    TopologySequence,
     check_ranks,
     check_topology_options,
     connected_components,
-    make_topology_sequence,
 )
 
 __all__ = [
