@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.strategies.gossip.consensus import consensus_distance, consensus_distance_group
+from isthmus.strategies.gossip.exchange import consensus_distance_group
+from isthmus.strategies.gossip.math.consensus import consensus_distance
 from isthmus.testing import local_groups, run_parallel
 
 

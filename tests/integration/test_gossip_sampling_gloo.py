@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.strategies.gossip.sampling import (
-    modest_aggregate,
-    modest_aggregate_reference,
-)
+from isthmus.strategies.gossip.math.sampling import modest_aggregate_reference
+from isthmus.strategies.gossip.modest import modest_aggregate
 from isthmus.testing import local_groups, run_parallel
 
 

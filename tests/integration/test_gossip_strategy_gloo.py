@@ -17,12 +17,12 @@ from isthmus.comm.group import CommStats, Group
 from isthmus.comm.state import SharedState
 from isthmus.strategies import make_strategy
 from isthmus.strategies.gossip import Gossip, GossipConfig
-from isthmus.strategies.gossip.consensus import consensus_distance
 from isthmus.strategies.gossip.math import (
     gossip_reference,
     make_topology,
     variance_corrected_gossip_reference,
 )
+from isthmus.strategies.gossip.math.consensus import consensus_distance
 from isthmus.testing import local_groups, run_parallel
 
 Layout = Callable[[int], tuple[Group, tuple[int, ...]]]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from isthmus.strategies.gossip.sampling import (
+from isthmus.strategies.gossip.math.sampling import (
     aggregation_ready,
     sample_round,
 )

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from isthmus.strategies.gossip.consensus import consensus_distance
+from isthmus.strategies.gossip.math.consensus import consensus_distance
 from isthmus.strategies.gossip.math.variance import (
     corrected_average,
     segment_variances,

@@ -1,5 +1,6 @@
 """Gossip over a :class:`~isthmus.comm.group.Group`: the exchange with graph neighbours, the
-distributed gossip steps (plain, compressed and variance-corrected), and the exact global merge.
+distributed gossip steps (plain, compressed and variance-corrected), the exact global merge, and
+the consensus distance measured over the group (:mod:`.math.consensus` defines it).
 
 Each step sends this rank's vector to its neighbours, receives theirs and combines them with
 :func:`~isthmus.strategies.gossip.math.averaging.mix`; it returns exactly the bits the
@@ -39,6 +40,7 @@ from isthmus.strategies.gossip.math.averaging import (
     _flat,
     mix,
 )
+from isthmus.strategies.gossip.math.consensus import _KINDS, _count, _flat64
 from isthmus.strategies.gossip.math.mixing import metropolis_row
 from isthmus.strategies.gossip.math.sequence import TopologySequence
 from isthmus.strategies.gossip.math.topology import Topology
@@ -46,6 +48,7 @@ from isthmus.strategies.gossip.math.variance import VARIANCE_EPS, variance_corre
 
 __all__ = [
     "MAX_ITERS_PER_ROUND",
+    "consensus_distance_group",
     "edge_tag",
     "exchange_with_neighbors",
     "global_average",
@@ -428,3 +431,57 @@ def send_copies(
     if received is not None:
         _check_received(received, src_of_me if src_of_me is not None else -1)
     return received
+
+
+def consensus_distance_group(
+    group: Group,
+    vec: torch.Tensor,
+    *,
+    kind: str = "rms",
+    reference: torch.Tensor | None = None,
+    contribute: bool = True,
+) -> float:
+    """The same value as :func:`consensus_distance` over the contributing ranks' ``vec``, on
+    every rank.
+
+    ``kind="rms"`` costs one all-reduce of ``numel + 2`` float64s; ``kind="mean"`` one of
+    ``numel + 1`` float64s plus one scalar all-reduce. ``reference`` (identical on every rank)
+    only improves the accuracy of the RMS form. A rank with ``contribute=False`` (a joiner whose
+    model is stale) takes part in the collectives but is left out of the average and the
+    distance; its ``vec`` only gives the size.
+
+    Raises ``ValueError`` for a non-finite contributing ``vec`` before anything is sent and when
+    no rank contributed; :class:`~isthmus.comm.group.CollectiveError` if a collective fails.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if contribute:
+        x = _flat64(vec, f"rank {group.rank}'s vector")
+    else:
+        x = torch.zeros(vec.numel(), dtype=torch.float64)
+    one = 1.0 if contribute else 0.0
+    if kind == "mean":
+        total = torch.empty(x.numel() + 1, dtype=torch.float64)
+        total[:-1] = x
+        total[-1] = one
+        group.all_reduce(total, "sum")
+        n = _count(total[-1])
+        d = torch.linalg.vector_norm(x - total[:-1] / n).reshape(1) * one
+        group.all_reduce(d, "sum")
+        return float(d[0]) / n
+    y = x
+    if reference is not None:
+        ref = _flat64(reference, "reference")
+        if ref.numel() != x.numel():
+            raise ValueError(f"reference has {ref.numel()} elements, vector has {x.numel()}")
+        y = (x - ref) * one
+    payload = torch.empty(y.numel() + 2, dtype=torch.float64)
+    payload[:-2] = y
+    payload[-2] = torch.dot(y, y)
+    payload[-1] = one
+    group.all_reduce(payload, "sum")
+    n = _count(payload[-1])
+    ybar = payload[:-2] / n
+    # clamp: rounding can push a tiny true value below zero
+    sq = float(payload[-2]) / n - float(torch.dot(ybar, ybar))
+    return max(sq, 0.0) ** 0.5

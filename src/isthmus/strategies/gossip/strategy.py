@@ -16,9 +16,9 @@ import torch
 from isthmus.comm.session import Round
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.gossip.codec import codec_for
-from isthmus.strategies.gossip.consensus import consensus_distance_group
 from isthmus.strategies.gossip.exchange import (
     MAX_ITERS_PER_ROUND,
+    consensus_distance_group,
     global_average,
     gossip,
     send_copies,

@@ -3,7 +3,7 @@ that needs no network, tested in one process.
 
 Nothing in this package imports :mod:`isthmus.comm` or :mod:`torch.distributed`
 (``tools/structure.py`` checks it); the modules beside it in :mod:`isthmus.strategies.gossip`
-(``exchange``, ``sampling``, ``consensus``, ``codec``) run the same math over a
+(``exchange``, ``modest``, ``codec``) run the same math over a
 :class:`~isthmus.comm.group.Group`, and their tests compare them with the references here. It is
 a subpackage rather than one ``math.py`` because the math is several independent pieces:
 
@@ -18,6 +18,9 @@ a subpackage rather than one ``math.py`` because the math is several independent
 * :mod:`.averaging`: one gossip step's arithmetic (plain and CHOCO difference form) and the
   all-ranks references the distributed steps must reproduce bit for bit.
 * :mod:`.variance`: variance-corrected averaging (vanishing variance).
+* :mod:`.consensus`: the consensus distance of the peers' models (how far from their average).
+* :mod:`.sampling`: MoDeST's seeded per-round trainers and aggregators, its success fraction, and
+  the one-process reference of a round's aggregate.
 * :mod:`.schedule`: when to gossip (constant, late-heavy, single merge, Poisson).
 * :mod:`.sam`: DFedSAM's sharpness-aware local step (with a closure, or in two phases).
 
@@ -32,6 +35,7 @@ from isthmus.strategies.gossip.math.averaging import (
     mix,
     variance_corrected_gossip_reference,
 )
+from isthmus.strategies.gossip.math.consensus import consensus_distance
 from isthmus.strategies.gossip.math.mixing import (
     check_mixing_matrix,
     is_doubly_stochastic,
@@ -50,6 +54,12 @@ from isthmus.strategies.gossip.math.rebuild import (
     repair_topology,
 )
 from isthmus.strategies.gossip.math.sam import sam_perturb, sam_restore, sam_step
+from isthmus.strategies.gossip.math.sampling import (
+    RoundSample,
+    aggregation_ready,
+    modest_aggregate_reference,
+    sample_round,
+)
 from isthmus.strategies.gossip.math.schedule import (
     SCHEDULES,
     CommDecision,
@@ -101,14 +111,17 @@ __all__ = [
     "PeerGraph",
     "PoissonSchedule",
     "RandomMatching",
+    "RoundSample",
     "SingleMergeSchedule",
     "StaticSequence",
     "Topology",
     "TopologySequence",
     "TopologySpec",
+    "aggregation_ready",
     "check_mixing_matrix",
     "comm_steps",
     "connected_components",
+    "consensus_distance",
     "corrected_average",
     "embed_topology",
     "gossip_reference",
@@ -121,11 +134,13 @@ __all__ = [
     "metropolis_matrix",
     "metropolis_row",
     "mix",
+    "modest_aggregate_reference",
     "rebuild_topology",
     "repair_topology",
     "sam_perturb",
     "sam_restore",
     "sam_step",
+    "sample_round",
     "segment_variances",
     "spectral_gap",
     "union_topology",
