@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k parity -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-slow test-browser lint bench bench-peers-env clean
+.PHONY: all demo test test-unit test-integration test-slow test-browser lint bench bench-peers-env clean
 
 all: test
 
@@ -27,6 +27,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# One process, no sockets or subprocesses (tests/unit/conftest.py refuses them): under a minute.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# Gloo groups, servers, peer processes, network namespaces.
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
+
 # The dashboard in a real browser: Debian's chromium (installed here with apt, as root, when it is
 # missing), driven by Playwright. `make test` runs the same test when chromium is present.
 test-browser: $(STAMP)
@@ -37,7 +45,7 @@ test-slow: $(STAMP)
 	ISTHMUS_SLOW=1 $(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
 
 # benchmarks/peers.py (isthmus beside torchft and hivemind, docs/BENCHMARKS.md): a second venv
 # with the other systems, pinned, and isthmus from this checkout. torch first and pinned, so that

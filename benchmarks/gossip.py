@@ -405,7 +405,7 @@ def summarize(
 def _ba_graph(peers: int, m: int, seed: int) -> tuple[list[int], list[list[int]]]:
     """The initial Barabasi-Albert graph over peer ids 0..peers-1 (a fresh coordinator numbers
     the peers in registration order, so the ids are exactly these)."""
-    from isthmus.reduce.gossip import PeerGraph, TopologySpec
+    from isthmus.strategies.gossip.math import PeerGraph, TopologySpec
 
     seq, _ = PeerGraph(TopologySpec(name="barabasi_albert", seed=seed, options={"m": m})).plan(
         range(peers)

@@ -100,7 +100,7 @@ def test_sigkill_inside_a_compressed_collective_with_error_feedback(cluster):
 @pytest.mark.parametrize(
     ("strategy", "spec"),
     [
-        # joiners and shared compressor state: tests/unit/test_compress_reducer.py in make test
+        # joiners and shared compressor state: tests/integration/test_compress_reducer.py
         pytest.param("diloco", "powersgd:rank=2", marks=SLOW),
         pytest.param("ddp", "randk:0.2+ef21", marks=SLOW),
         pytest.param("ddp", "sketch:0.05", marks=SLOW),

@@ -1,6 +1,7 @@
 """Striping over several connections per peer pair with real processes: a SIGKILL inside a
-striped collective ends in a retried round and bit parity (comm/stripes.py; the striping math
-and the bits of plain and quantized all-reduce are in tests/unit/test_stripes.py)."""
+striped collective ends in a retried round and bit parity (comm/stripes.py; its spans are in
+tests/unit/test_stripes.py, the bits of plain and quantized all-reduce in
+tests/integration/test_stripes_gloo.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isthmus.reduce.gossip.mixing import (
+from isthmus.strategies.gossip.math.mixing import (
     check_mixing_matrix,
     is_doubly_stochastic,
     is_symmetric,
@@ -14,13 +14,8 @@ from isthmus.reduce.gossip.mixing import (
     second_largest_eigenvalue,
     spectral_gap,
 )
-from isthmus.reduce.gossip.topology import (
-    STATIC_TOPOLOGIES,
-    OnePeerExponential,
-    Topology,
-    make_topology,
-    ring,
-)
+from isthmus.strategies.gossip.math.sequence import OnePeerExponential
+from isthmus.strategies.gossip.math.topology import STATIC_TOPOLOGIES, Topology, make_topology, ring
 
 
 @pytest.mark.parametrize("name", sorted(STATIC_TOPOLOGIES))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from isthmus.reduce.gossip import (
+from isthmus.strategies.gossip.math import (
     EmbeddedSequence,
     OnePeerExponential,
     PeerGraph,
@@ -16,7 +16,7 @@ from isthmus.reduce.gossip import (
     make_topology,
     metropolis_matrix,
 )
-from isthmus.reduce.gossip.mixing import check_mixing_matrix
+from isthmus.strategies.gossip.math.mixing import check_mixing_matrix
 
 
 def _edges(seq, members):

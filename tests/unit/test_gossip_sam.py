@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.reduce.gossip.sam import sam_perturb, sam_restore, sam_step
+from isthmus.strategies.gossip.math.sam import sam_perturb, sam_restore, sam_step
 
 A = torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64)
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from isthmus.reduce.gossip.schedule import (
+from isthmus.strategies.gossip.math.schedule import (
     CommDecision,
     ConstantSchedule,
     LateHeavySchedule,

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from isthmus.reduce.gossip._rng import Rng, derive_seed
-from isthmus.reduce.gossip.rebuild import TopologySpec, rebuild_topology, repair_topology
-from isthmus.reduce.gossip.topology import (
-    STATIC_TOPOLOGIES,
-    DisconnectedGraphError,
+from isthmus.strategies.gossip.math._rng import Rng, derive_seed
+from isthmus.strategies.gossip.math.rebuild import TopologySpec, rebuild_topology, repair_topology
+from isthmus.strategies.gossip.math.sequence import (
     OnePeerExponential,
     RandomMatching,
+    make_topology_sequence,
+    union_topology,
+)
+from isthmus.strategies.gossip.math.topology import (
+    STATIC_TOPOLOGIES,
+    DisconnectedGraphError,
     Topology,
     barabasi_albert,
     connected_components,
     exponential,
     is_connected,
     make_topology,
-    make_topology_sequence,
     random_regular,
     ring,
     torus,
     torus_shape,
-    union_topology,
 )
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 12, 13, 16, 33]

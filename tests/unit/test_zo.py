@@ -1,6 +1,5 @@
 """Zeroth-order training (``zo``) in one process: MeZO's step against a hand-written reference,
-bit for bit; the perturbation generator; the quantizer and the bytes on the wire; several members
-over in-process groups (threads, no coordinator) ending bitwise equal.
+bit for bit; the perturbation generator; the quantizer and the bytes on the wire.
 
 The hand-written references re-derive the seeds and ``z`` from the documented rules
 (:mod:`isthmus.reduce.zo_math`'s docstring) with hashlib and ``torch.randn`` rather than calling
@@ -20,8 +19,6 @@ import torch
 from torch import nn
 
 from isthmus.comm.accounting import wire_bytes
-from isthmus.comm.faults import FaultInjector
-from isthmus.comm.group import CommStats, Group
 from isthmus.comm.state import SharedState
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
@@ -36,7 +33,6 @@ from isthmus.reduce.zo_math import (
 )
 from isthmus.strategies import STRATEGIES, make_strategy
 from isthmus.strategies.zo import ZO, ZOConfig
-from isthmus.testing import local_groups, run_parallel
 
 TINY = GPTConfig.tiny()
 
@@ -377,91 +373,6 @@ def test_bytes_per_step_per_peer():
         assert st.metrics()["zo_payload_bytes"] == payload
         for world in (1, 2, 4):
             assert wire_bytes("all_gather", payload, world) == (world - 1) * payload
-
-
-# -- several members ----------------------------------------------------------------------------
-class _Round:
-    def __init__(self, group: Group, number: int, resynced: bool) -> None:
-        self.group, self.number, self.resynced = group, number, resynced
-        self.rank, self.world, self.epoch = group.rank, group.world, 0
-
-    def check_faults(self, point: str, *, step: int | None = None) -> None:
-        pass
-
-
-class FakeSession:
-    """What the strategy uses of a Session, over an in-process group whose rounds always
-    commit; ``resynced`` names the rounds in which this peer was repaired."""
-
-    def __init__(self, group: Group, resynced: frozenset[int] = frozenset()) -> None:
-        self.group, self.resynced_in = group, resynced
-        self.state, self.faults, self.stats = SharedState(), FaultInjector(), group.stats
-        self.revision = 0
-
-    def register(self, name: str, tensor: torch.Tensor) -> None:
-        self.state.register(name, tensor)
-
-    def run_round(self, fn: Callable[[Any], Any]) -> Any:
-        out = fn(_Round(self.group, self.revision, self.revision in self.resynced_in))
-        self.revision += 1
-        return out
-
-
-def _members(
-    corpus: Corpus, world: int, steps: int, cfg: ZOConfig, resynced: dict[int, set[int]]
-) -> list[tuple[GPT, CommStats, int]]:
-    groups = local_groups(world)
-    models = [GPT(TINY, seed=5) for _ in range(world)]  # built here: one global RNG
-
-    def peer(g: Group) -> tuple[GPT, CommStats, int]:
-        model = models[g.rank]
-        session = FakeSession(g, frozenset(resynced.get(g.rank, set())))
-        st = ZO(session, model, sgd(model), cfg)  # type: ignore[arg-type]
-        for step in range(steps):
-            x, y = batch(corpus, step, g.rank, world)
-            st.step(lambda x=x, y=y: model(x, y)[1])
-        return model, g.stats, st.absent_seen
-
-    return run_parallel(groups, peer)
-
-
-@pytest.mark.parametrize("resynced", [{}, {1: {1}}], ids=["all-count", "rank1-resynced-in-round1"])
-def test_three_members_end_bitwise_equal_to_the_pure_update(corpus, resynced):
-    cfg = ZOConfig(lr=1e-3, seed=11)
-    steps, world = 3, 3
-    out = _members(corpus, world, steps, cfg, resynced)
-    for model, _, _ in out[1:]:
-        assert bits_equal(model, out[0][0])
-    assert all(absent == sum(map(len, resynced.values())) for _, _, absent in out)
-    # the same rounds by hand: each member's estimate on its own batch, quantized, applied by
-    # every peer in rank order, members resynced in a round left out
-    ref = GPT(TINY, seed=5)
-    for rnd in range(steps):
-        gs: list[float | None] = []
-        for rank in range(world):
-            if rnd in resynced.get(rank, set()):
-                gs.append(None)
-                continue
-            x, y = batch(corpus, rnd, rank, world)
-            g = hand_estimate(
-                list(ref.parameters()),
-                lambda x=x, y=y: ref(x, y)[1],
-                seed=11,
-                rnd=rnd,
-                rank=rank,
-                eps=1e-3,
-            )
-            gs.append(quantized(g, 8))
-        seeds = [perturbation_seed(11, rnd, rank, 0) for rank in range(world)]
-        params = list(ref.parameters())
-        with torch.no_grad():
-            applied = apply_update(params, range(len(params)), seeds, gs, lr=cfg.lr)
-        assert applied == sum(g is not None for g in gs)
-    assert bits_equal(out[0][0], ref)
-    # bytes: one byte per step per member, (world - 1) copies of it sent by each
-    for _, stats, _ in out:
-        assert stats.bytes_sent == steps * (world - 1) * 1
-        assert stats.by_op == {"all_gather": steps * (world - 1)}
 
 
 def test_the_pure_update_is_the_same_in_any_member_and_equals_mezo_averaged():

@@ -1,8 +1,9 @@
 """Reports for a run directory: plots a person would rather look at than read, and a page.
 
-Works on any run directory written by the launcher (demo, lab, ``isthmus run``) (``metrics.jsonl`` with one record per
-peer and step, ``events.jsonl`` with the coordinator's membership events, ``summary.json``, and in
-lab runs ``links.jsonl`` with interface counters). Writes:
+Works on any run directory written by the launcher (demo, lab, ``isthmus run``): ``metrics.jsonl``
+with one record per peer and step, ``events.jsonl`` with the coordinator's membership events,
+``summary.json``, and in lab runs ``links.jsonl`` with interface counters; they are read by
+:func:`~isthmus.run.report_data.load_run`. Writes:
 
 * ``loss_vs_step.png``, ``loss_vs_time.png``, ``loss_vs_bytes.png``: training loss of every peer
   (thin lines) and their mean per step (thick), with eval loss points when recorded;
@@ -22,44 +23,13 @@ import itertools
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isthmus.run.record import RunDir, Summary
+from isthmus.run.report_data import LoadedRun, load_run
 from isthmus.run.report_html import write_compare_html, write_html_report
 
 __all__ = ["LoadedRun", "compare_runs", "load_run", "plot_run", "write_report"]
-
-
-@dataclass
-class LoadedRun:
-    """A run directory's records, read once for plotting."""
-
-    dir: Path
-    metrics: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    links: list[dict[str, Any]]
-    churn: list[dict[str, Any]]
-    summary: Summary | None
-
-
-def load_run(run_dir: str | Path) -> LoadedRun:
-    """Read a run directory's records (its summary too, if it has one).
-
-    Raises FileNotFoundError naming the directory if it holds no ``metrics.jsonl``.
-    """
-    d = RunDir(run_dir)
-    if not (d.path / "metrics.jsonl").exists():
-        raise FileNotFoundError(f"{d} is not a run directory (no metrics.jsonl)")
-    return LoadedRun(
-        dir=d.path,
-        metrics=d.metrics(),
-        events=d.events(),
-        links=d.links(),
-        churn=d.churn(),
-        summary=d.summary() if d.summary_path.exists() else None,
-    )
 
 
 def _t0(run: LoadedRun) -> float:

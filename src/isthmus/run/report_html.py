@@ -18,10 +18,9 @@ import datetime
 import html
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from isthmus.run.report import LoadedRun
+from isthmus.run.report_data import LoadedRun
 
 __all__ = ["timeline_svg", "write_compare_html", "write_html_report"]
 

@@ -26,8 +26,8 @@
   Compressed Communication" (CHOCO, Koloskova, Stich and Jaggi, ICML 2019): with a quantizer
   (``--compression int8``), messages are quantized and mixed in difference form so the mean of
   the models survives the quantization error.
-* Topologies and their behaviour when peers drop out: see :mod:`isthmus.reduce.gossip.topology`
-  and "Exploring the Impact of Disrupted Peer-to-Peer Communications on Fully Decentralized
+* Topologies and their behaviour when peers drop out: see
+  :mod:`isthmus.strategies.gossip.math.topology` and "Exploring the Impact of Disrupted Peer-to-Peer Communications on Fully Decentralized
   Learning in Disaster Scenarios" (2023).
 
 How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
@@ -55,8 +55,8 @@ How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
   and checks that they agree on the step counter and on what the round does.
 * **The graph** is derived identically on every peer from ``(topology spec, seed, member list)``
   of the round (regenerate mode), or from the shared previous graph and the member list (repair
-  mode); see :class:`isthmus.reduce.gossip.PeerGraph`. A split graph is reported in the logs
-  and metrics.
+  mode); see :class:`isthmus.strategies.gossip.math.PeerGraph`. A split graph is reported in the
+  logs and metrics.
 * **Joiners and stale peers.** A peer's first ``step()`` is a round (its gradient is dropped).
   At the start of a run that round broadcasts rank 0's initial model (``initial_sync``). A
   joiner instead waits for the members' next round, receives the step counter through the

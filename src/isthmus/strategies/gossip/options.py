@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from isthmus.reduce.gossip import REBUILD_MODES, SCHEDULES, TopologySpec
-from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
-from isthmus.reduce.gossip.schedule import Schedule
-from isthmus.reduce.gossip.topology import TIME_VARYING_TOPOLOGIES
 from isthmus.spec import SpecError, parse
+from isthmus.strategies.gossip.exchange import MAX_ITERS_PER_ROUND
+from isthmus.strategies.gossip.math import REBUILD_MODES, SCHEDULES, TopologySpec
+from isthmus.strategies.gossip.math.schedule import Schedule
+from isthmus.strategies.gossip.math.sequence import TIME_VARYING_TOPOLOGIES
 
 __all__ = ["COPY_SLOT", "GossipConfig"]
 
@@ -58,7 +58,8 @@ class GossipConfig:
     variance_correction: bool = False
     """Rescale each layer after mixing to the received models' variance (vanishing variance)."""
     variance_target: str = "received"
-    """``received``, ``own`` or ``mix`` (see :func:`isthmus.reduce.gossip.variance_target`)."""
+    """``received``, ``own`` or ``mix`` (see
+    :func:`isthmus.strategies.gossip.math.variance_target`)."""
     sam_rho: float = 0.0
     """DFedSAM: SAM radius of the local steps (0: plain optimizer steps)."""
     modest_trainers: int = 0

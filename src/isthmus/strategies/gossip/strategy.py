@@ -14,25 +14,27 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.reduce.gossip import (
+from isthmus.strategies.base import Strategy
+from isthmus.strategies.gossip.codec import codec_for
+from isthmus.strategies.gossip.exchange import (
+    MAX_ITERS_PER_ROUND,
+    consensus_distance_group,
+    global_average,
+    gossip,
+    send_copies,
+    variance_corrected_gossip,
+)
+from isthmus.strategies.gossip.math import (
+    TIME_VARYING_TOPOLOGIES,
     EmbeddedSequence,
     GraphReport,
     PeerGraph,
     TopologySequence,
-    codec_for,
-    consensus_distance_group,
-    global_average,
-    gossip,
     metropolis_matrix,
     sam_perturb,
     sam_restore,
-    send_copies,
     spectral_gap,
-    variance_corrected_gossip,
 )
-from isthmus.reduce.gossip.exchange import MAX_ITERS_PER_ROUND
-from isthmus.reduce.gossip.topology import TIME_VARYING_TOPOLOGIES
-from isthmus.strategies.base import Strategy
 from isthmus.strategies.gossip.modest import Modest
 from isthmus.strategies.gossip.options import COPY_SLOT, GossipConfig
 

@@ -19,20 +19,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from isthmus.reduce.gossip._rng import Rng, derive_seed
-from isthmus.reduce.gossip.topology import (
-    STATIC_TOPOLOGIES,
+from isthmus.spec import Registry
+from isthmus.strategies.gossip.math._rng import Rng, derive_seed
+from isthmus.strategies.gossip.math.sequence import (
     TIME_VARYING_TOPOLOGIES,
-    TOPOLOGY_OPTIONS,
     StaticSequence,
-    Topology,
     TopologySequence,
+    make_topology_sequence,
+)
+from isthmus.strategies.gossip.math.topology import (
+    STATIC_TOPOLOGIES,
+    TOPOLOGY_OPTIONS,
+    Topology,
     check_ranks,
     check_topology_options,
     connected_components,
-    make_topology_sequence,
 )
-from isthmus.spec import Registry
 
 __all__ = [
     "TOPOLOGIES",

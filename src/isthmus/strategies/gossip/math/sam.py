@@ -1,9 +1,9 @@
 """Sharpness-aware local steps for decentralized training (DFedSAM).
 
-"Improving the Model Consistency of Decentralized Federated Learning" (DFedSAM, 2023) runs Sharpness Aware Minimization (Foret, Kleiner, Mobahi
-and Neyshabur, ICLR 2021) for the local steps of decentralized FL, so each client drifts toward a
-flat region, and then gossips (DFedSAM-MGS: ``Q`` gossip steps per round, see
-:func:`isthmus.reduce.gossip.exchange.gossip`). One SAM step:
+"Improving the Model Consistency of Decentralized Federated Learning" (DFedSAM, Shi et al., ICML
+2023) runs Sharpness Aware Minimization (Foret, Kleiner, Mobahi and Neyshabur, ICLR 2021) for the
+local steps of decentralized FL, so each client drifts toward a flat region, and then gossips (DFedSAM-MGS: ``Q`` gossip steps per round, see
+:func:`isthmus.strategies.gossip.exchange.gossip`). One SAM step:
 
     g = grad L(w);  e = rho * g / ||g||;  g_sam = grad L(w + e);  w <- optimizer step with g_sam
 

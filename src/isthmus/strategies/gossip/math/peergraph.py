@@ -31,15 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.gossip._rng import derive_seed
-from isthmus.reduce.gossip.rebuild import TopologySpec, repair_topology
-from isthmus.reduce.gossip.topology import (
+from isthmus.strategies.gossip.math._rng import derive_seed
+from isthmus.strategies.gossip.math.rebuild import TopologySpec, repair_topology
+from isthmus.strategies.gossip.math.sequence import (
     TIME_VARYING_TOPOLOGIES,
     StaticSequence,
-    Topology,
     TopologySequence,
-    connected_components,
 )
+from isthmus.strategies.gossip.math.topology import Topology, connected_components
 
 __all__ = ["REBUILD_MODES", "GraphReport", "PeerGraph"]
 

@@ -3,8 +3,8 @@
 A gossip message is one peer's whole model sent to one neighbour, so compressing it needs a
 *codec*: ``encode(flat) -> payload`` on the sender and a deterministic
 ``decode(payload, n) -> flat`` that the sender and every receiver apply to the same bytes (see
-:mod:`.exchange`, which mixes in the CHOCO difference form so the network-wide mean survives the
-compression error).
+:mod:`.math.averaging`, which mixes in the CHOCO difference form so the network-wide mean
+survives the compression error).
 
 Only the block quantizers (``uint8``, ``int8``, ``fp8_e4m3``, ``fp8_e5m2``, ``int4``, ``e3m0``;
 :mod:`isthmus.reduce.compress.formats`) are stateless codecs of a single vector. The other
@@ -21,7 +21,7 @@ import torch
 
 from isthmus.reduce.compress.formats import Packed, QuantFormat
 from isthmus.reduce.compress.quantize import QuantizedAllReduce
-from isthmus.reduce.gossip.exchange import Decode, Encode
+from isthmus.strategies.gossip.math.averaging import Decode, Encode
 
 __all__ = ["codec_for", "quantizer_codec"]
 

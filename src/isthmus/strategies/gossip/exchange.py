@@ -1,26 +1,10 @@
-"""Gossip averaging over a :class:`~isthmus.comm.group.Group`, and the exact global merge.
+"""Gossip over a :class:`~isthmus.comm.group.Group`: the exchange with graph neighbours, the
+distributed gossip steps (plain, compressed and variance-corrected), the exact global merge, and
+the consensus distance measured over the group (:mod:`.math.consensus` defines it).
 
-One gossip step (Boyd et al., "Randomized gossip algorithms", 2006; D-PSGD in Lian et al., "Can
-Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017) replaces each rank's
-vector by a weighted average of itself and its neighbours, with the Metropolis-Hastings weights
-of :mod:`.mixing`:
-
-    x_i <- W_ii x_i + sum_j W_ij x_j
-
-Because ``W`` is symmetric and doubly stochastic, the mean over ranks is preserved and repeated
-steps converge to it on a connected graph.
-
-With a compressor (``encode``/``decode`` hooks; the compressors themselves live in
-``isthmus.reduce.compress``) a rank only sees ``x_hat_j = decode(encode(x_j))``. The plain form
-would then drift away from the true mean, so the compressed step uses the difference form of
-CHOCO-Gossip (Koloskova, Stich and Jaggi, ICML 2019, arXiv 1902.00340, without its error memory):
-
-    x_i <- x_i + gamma * sum_j W_ij (x_hat_j - x_hat_i)
-
-which preserves the mean exactly in exact arithmetic for any deterministic ``decode`` (the sum
-over all ranks cancels because ``W`` is symmetric), while consensus is only reached up to the
-compression error. ``x_hat_i`` is decoded from the very payload this rank sent, so it is the
-same value its neighbours use.
+Each step sends this rank's vector to its neighbours, receives theirs and combines them with
+:func:`~isthmus.strategies.gossip.math.averaging.mix`; it returns exactly the bits the
+in-process references of :mod:`isthmus.strategies.gossip.math.averaging` compute for this rank.
 
 Transport. ``transport="p2p"`` posts every send and receive of a step with ``group.send`` /
 ``group.recv`` (``async_op=True``) before waiting on any, so no ordering of ranks can deadlock.
@@ -33,48 +17,47 @@ per neighbour in memory.
 
 :func:`global_average` is the single final merge: one all-reduce sum, then a division by the
 world size. Gloo's ring all-reduce reduces each element on one rank and forwards the result, so
-every rank ends up with the same bits (checked by the tests).
+every rank ends up with the same bits.
+
+A failed send, receive or collective raises the group's
+:class:`~isthmus.comm.group.CollectiveError`; a vector with NaN or Inf (sent or received) raises
+``ValueError`` before it is mixed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from isthmus.comm.group import Group, Handle
-from isthmus.reduce.gossip.mixing import metropolis_row
-from isthmus.reduce.gossip.topology import Topology, TopologySequence
-from isthmus.reduce.gossip.variance import (
-    VARIANCE_EPS,
-    segment_variances,
-    variance_correct_flat,
-    variance_target,
+from isthmus.strategies.gossip.math.averaging import (
+    Decode,
+    Encode,
+    _check_received,
+    _codec_pair,
+    _corrected_targets,
+    _flat,
+    mix,
 )
+from isthmus.strategies.gossip.math.consensus import _KINDS, _count, _flat64
+from isthmus.strategies.gossip.math.mixing import metropolis_row
+from isthmus.strategies.gossip.math.sequence import TopologySequence
+from isthmus.strategies.gossip.math.topology import Topology
+from isthmus.strategies.gossip.math.variance import VARIANCE_EPS, variance_correct_flat
 
 __all__ = [
     "MAX_ITERS_PER_ROUND",
-    "Decode",
-    "Encode",
+    "consensus_distance_group",
     "edge_tag",
     "exchange_with_neighbors",
     "global_average",
     "gossip",
-    "gossip_reference",
     "gossip_step",
-    "mix",
     "send_copies",
     "variance_corrected_gossip",
-    "variance_corrected_gossip_reference",
     "variance_corrected_gossip_step",
 ]
-
-Encode = Callable[[torch.Tensor], torch.Tensor]
-"""Flat vector -> 1-D payload tensor. The payload dtype must be the same on every rank; its
-length may vary between calls and ranks (it is sent ahead in a header)."""
-Decode = Callable[[torch.Tensor, int], torch.Tensor]
-"""(payload, number of elements of the original vector) -> flat vector. Must be deterministic:
-the sender and every receiver decode the same payload and must get the same result."""
 
 _TAG_SPACE = 1 << 31
 _PARTS = 2  # header and payload
@@ -101,34 +84,11 @@ def edge_tag(exchange: int, src: int, dst: int, world: int, part: int = 0) -> in
     return (((exchange * world + src) * world + dst) * _PARTS + part) % _TAG_SPACE
 
 
-def _flat(vec: torch.Tensor, what: str) -> torch.Tensor:
-    if not vec.is_floating_point():
-        raise ValueError(f"{what} has dtype {vec.dtype}; gossip averages floating-point vectors")
-    flat = vec.detach().reshape(-1).contiguous()
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError(f"{what} contains NaN or Inf; refusing to send it to other peers")
-    return flat
-
-
-def _check_received(t: torch.Tensor, src: int) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise ValueError(
-            f"vector received from rank {src} contains NaN or Inf; not mixing it in (that peer's "
-            f"model diverged; abort the round and resync it)"
-        )
-
-
 def _wait(handles: Sequence[Handle]) -> None:
     # the first failed wait aborts the group and raises; the remaining handles are left behind on
     # purpose (their buffers are private to this exchange and never reused)
     for h in handles:
         h.wait()
-
-
-def _codec_pair(encode: Encode | None, decode: Decode | None) -> bool:
-    if (encode is None) != (decode is None):
-        raise ValueError("pass both encode and decode, or neither")
-    return encode is not None
 
 
 def _exchange_p2p(
@@ -239,36 +199,6 @@ def exchange_with_neighbors(
     return own, got
 
 
-def mix(
-    own: torch.Tensor,
-    received: dict[int, torch.Tensor],
-    self_weight: float,
-    weights: dict[int, float],
-    *,
-    base: torch.Tensor | None = None,
-    gamma: float = 1.0,
-) -> torch.Tensor:
-    """Combine one rank's vector with its neighbours' (a new tensor, dtype of ``own``).
-
-    Without ``base``: ``self_weight * own + sum_j weights[j] * received[j]``. With ``base`` (the
-    compressed form, ``own`` being the decoded ``x_hat_i``): ``base + gamma * sum_j weights[j] *
-    (received[j] - own)``. Neighbours are added in increasing rank order, so the result is
-    reproducible bit for bit. Raises ``ValueError`` if ``received`` and ``weights`` name
-    different neighbours.
-    """
-    if set(received) != set(weights):
-        raise ValueError(f"received from {sorted(received)} but have weights for {sorted(weights)}")
-    if base is None:
-        out = own * self_weight
-        for j in sorted(weights):
-            out.add_(received[j], alpha=weights[j])
-        return out
-    delta = torch.zeros_like(own)
-    for j in sorted(weights):
-        delta.add_(received[j] - own, alpha=weights[j])
-    return base.reshape(-1) + delta * gamma
-
-
 def gossip_step(
     group: Group,
     vec: torch.Tensor,
@@ -347,54 +277,6 @@ def gossip(
     return x.reshape(vec.shape)
 
 
-def gossip_reference(
-    vectors: Sequence[torch.Tensor],
-    topology: Topology,
-    *,
-    encode: Encode | None = None,
-    decode: Decode | None = None,
-    gamma: float = 1.0,
-) -> list[torch.Tensor]:
-    """One gossip step for every rank at once, in one process: the pure reference that
-    :func:`gossip_step` must reproduce bit for bit. ``encode`` is called once per rank, in rank
-    order, like the distributed version does on each rank. Raises ``ValueError`` like
-    :func:`gossip_step`."""
-    if len(vectors) != topology.n:
-        raise ValueError(f"{len(vectors)} vectors for a topology of {topology.n} ranks")
-    coded = _codec_pair(encode, decode)
-    flats = [_flat(v, f"vector {i}") for i, v in enumerate(vectors)]
-    seen = flats
-    if coded:
-        assert encode is not None and decode is not None
-        seen = [decode(encode(f).reshape(-1).contiguous(), f.numel()).reshape(-1) for f in flats]
-    for i, s in enumerate(seen):
-        _check_received(s, i)
-    out = []
-    for i in range(topology.n):
-        self_w, weights = metropolis_row(topology, i)
-        got = {j: seen[j] for j in weights}
-        if coded:
-            out.append(mix(seen[i], got, self_w, weights, base=flats[i], gamma=gamma))
-        else:
-            out.append(mix(flats[i], got, self_w, weights))
-    return out
-
-
-def _corrected_targets(
-    own: torch.Tensor,
-    received: Sequence[torch.Tensor],
-    sizes: Sequence[int],
-    target: str,
-    mix_weight: float,
-) -> list[float]:
-    own_v = segment_variances(own, sizes).tolist()
-    recv_v = [segment_variances(r, sizes).tolist() for r in received]
-    return [
-        variance_target(own_v[k], [rv[k] for rv in recv_v], target=target, mix=mix_weight)
-        for k in range(len(sizes))
-    ]
-
-
 def variance_corrected_gossip_step(
     group: Group,
     vec: torch.Tensor,
@@ -465,28 +347,6 @@ def variance_corrected_gossip(
             transport=transport,
         )
     return x.reshape(vec.shape)
-
-
-def variance_corrected_gossip_reference(
-    vectors: Sequence[torch.Tensor],
-    topology: Topology,
-    sizes: Sequence[int],
-    *,
-    target: str = "received",
-    mix_weight: float = 0.5,
-    min_numel: int = 2,
-    eps: float = VARIANCE_EPS,
-) -> list[torch.Tensor]:
-    """Pure reference of :func:`variance_corrected_gossip_step` for all ranks at once."""
-    mixed = gossip_reference(vectors, topology)
-    flats = [_flat(v, f"vector {i}") for i, v in enumerate(vectors)]
-    out = []
-    for i in range(topology.n):
-        targets = _corrected_targets(
-            flats[i], [flats[j] for j in topology.neighbors(i)], sizes, target, mix_weight
-        )
-        out.append(variance_correct_flat(mixed[i], sizes, targets, min_numel=min_numel, eps=eps))
-    return out
 
 
 def global_average(group: Group, vec: torch.Tensor, *, contribute: bool = True) -> torch.Tensor:
@@ -571,3 +431,57 @@ def send_copies(
     if received is not None:
         _check_received(received, src_of_me if src_of_me is not None else -1)
     return received
+
+
+def consensus_distance_group(
+    group: Group,
+    vec: torch.Tensor,
+    *,
+    kind: str = "rms",
+    reference: torch.Tensor | None = None,
+    contribute: bool = True,
+) -> float:
+    """The same value as :func:`consensus_distance` over the contributing ranks' ``vec``, on
+    every rank.
+
+    ``kind="rms"`` costs one all-reduce of ``numel + 2`` float64s; ``kind="mean"`` one of
+    ``numel + 1`` float64s plus one scalar all-reduce. ``reference`` (identical on every rank)
+    only improves the accuracy of the RMS form. A rank with ``contribute=False`` (a joiner whose
+    model is stale) takes part in the collectives but is left out of the average and the
+    distance; its ``vec`` only gives the size.
+
+    Raises ``ValueError`` for a non-finite contributing ``vec`` before anything is sent and when
+    no rank contributed; :class:`~isthmus.comm.group.CollectiveError` if a collective fails.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if contribute:
+        x = _flat64(vec, f"rank {group.rank}'s vector")
+    else:
+        x = torch.zeros(vec.numel(), dtype=torch.float64)
+    one = 1.0 if contribute else 0.0
+    if kind == "mean":
+        total = torch.empty(x.numel() + 1, dtype=torch.float64)
+        total[:-1] = x
+        total[-1] = one
+        group.all_reduce(total, "sum")
+        n = _count(total[-1])
+        d = torch.linalg.vector_norm(x - total[:-1] / n).reshape(1) * one
+        group.all_reduce(d, "sum")
+        return float(d[0]) / n
+    y = x
+    if reference is not None:
+        ref = _flat64(reference, "reference")
+        if ref.numel() != x.numel():
+            raise ValueError(f"reference has {ref.numel()} elements, vector has {x.numel()}")
+        y = (x - ref) * one
+    payload = torch.empty(y.numel() + 2, dtype=torch.float64)
+    payload[:-2] = y
+    payload[-2] = torch.dot(y, y)
+    payload[-1] = one
+    group.all_reduce(payload, "sum")
+    n = _count(payload[-1])
+    ybar = payload[:-2] / n
+    # clamp: rounding can push a tiny true value below zero
+    sq = float(payload[-2]) / n - float(torch.dot(ybar, ybar))
+    return max(sq, 0.0) ** 0.5

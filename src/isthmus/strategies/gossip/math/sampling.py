@@ -1,10 +1,9 @@
 """Seeded per-round sampling of trainers and aggregators (MoDeST).
 
 "MoDeST: Bridging the Gap between Federated and Decentralized Learning with Decentralized
-Sampling" (2023): every round a random sample
-of ``s`` nodes trains and a random sample of ``a`` nodes aggregates; aggregators move on once a
-success fraction of the expected models arrived, which keeps training going when most nodes are
-unresponsive. Every peer must compute the same sample without talking to anyone, so the sample is
+Sampling" (de Vos et al., 2023): every round a random sample of ``s`` nodes trains and a random
+sample of ``a`` nodes aggregates; aggregators move on once a success fraction of the expected
+models arrived, which keeps training going when most nodes are unresponsive. Every peer must compute the same sample without talking to anyone, so the sample is
 a pure function of ``(seed, round, members)``.
 
 We use rendezvous (highest-random-weight) hashing: each member gets a 64-bit key from
@@ -12,12 +11,9 @@ We use rendezvous (highest-random-weight) hashing: each member gets a 64-bit key
 without replacement, identical on every platform and Python version, and stable under membership
 change: a member leaving never reorders the others.
 
-:func:`modest_aggregate` is one synchronous MoDeST round over a
-:class:`~isthmus.comm.group.Group`: the trainers send their models to every aggregator, each
-aggregator averages what it received (or keeps the previous aggregate when fewer than the
-success fraction arrived), and the aggregators hand the result to everyone else, so every rank
-ends the round with the same bits. :func:`modest_aggregate_reference` is its one-process
-reference.
+:func:`modest_aggregate_reference` is the aggregate of one round computed in one process: the
+round over a group (:func:`isthmus.strategies.gossip.modest.modest_aggregate`) must give every
+rank exactly its bits.
 """
 
 from __future__ import annotations
@@ -29,14 +25,11 @@ from fractions import Fraction
 
 import torch
 
-from isthmus.comm.group import Group, Handle
-from isthmus.reduce.gossip._rng import derive_seed
-from isthmus.reduce.gossip.exchange import _check_received, _flat, _wait, edge_tag
+from isthmus.strategies.gossip.math._rng import derive_seed
 
 __all__ = [
     "RoundSample",
     "aggregation_ready",
-    "modest_aggregate",
     "modest_aggregate_reference",
     "sample_round",
 ]
@@ -149,90 +142,3 @@ def modest_aggregate_reference(
     if ts and aggregation_ready(len(ts), expected, success_fraction):
         return _average_in_order([vectors[t].detach().reshape(-1) for t in ts]), len(ts)
     return fallback.detach().reshape(-1).clone(), 0
-
-
-def modest_aggregate(
-    group: Group,
-    vec: torch.Tensor,
-    *,
-    trainers: Sequence[int],
-    aggregators: Sequence[int],
-    expected: int,
-    success_fraction: float,
-    fallback: torch.Tensor,
-    exchange: int,
-) -> tuple[torch.Tensor, int]:
-    """One synchronous MoDeST round; returns ``(aggregate, models averaged)``, the aggregate
-    identical bit for bit on every rank (0 models: ``fallback`` was kept).
-
-    ``trainers`` and ``aggregators`` are ranks of ``group``, the same on every rank. Each trainer
-    sends its flat ``vec`` to every aggregator (``len(trainers) * len(aggregators)`` messages);
-    aggregators average them in rank order when at least ``success_fraction`` of ``expected``
-    trainer models arrived, else take ``fallback`` (the previous aggregate, identical on the
-    aggregators); then every other rank receives the result from one aggregator, chosen round
-    robin. ``vec`` matters only on trainers, ``fallback`` only on aggregators.
-
-    Raises ``ValueError`` for bad role lists, a non-finite vector sent or received;
-    :class:`~isthmus.comm.group.CollectiveError` if a partner fails.
-    """
-    me, world = group.rank, group.world
-    _check_roles(trainers, aggregators, world)
-    ts, aggs = sorted(trainers), list(aggregators)
-    numel = vec.numel()
-    handles: list[Handle] = []
-    got: dict[int, torch.Tensor] = {}
-    if me in ts:
-        flat = _flat(vec, f"trainer rank {me}'s vector")
-        got[me] = flat
-        for a in aggs:
-            if a != me:
-                handles.append(group.send(flat, a, edge_tag(exchange, me, a, world), async_op=True))
-    if me in aggs:
-        for t in ts:
-            if t != me:
-                got[t] = torch.empty(numel, dtype=vec.dtype)
-                handles.append(
-                    group.recv(got[t], t, edge_tag(exchange, t, me, world), async_op=True)
-                )
-    _wait(handles)
-    others = [r for r in range(world) if r not in set(aggs)]
-    # who serves whom in the hand-out: the k-th non-aggregator gets it from aggregator k mod a
-    server = {r: aggs[k % len(aggs)] for k, r in enumerate(others)}
-    handles = []
-    if me in aggs:
-        error: ValueError | None = None
-        try:
-            for t in ts:
-                _check_received(got[t], t)
-            result, used = modest_aggregate_reference(
-                [got.get(r, vec) for r in range(world)],
-                ts,
-                expected=expected,
-                success_fraction=success_fraction,
-                fallback=fallback,
-            )
-            if not bool(torch.isfinite(result).all()):
-                raise ValueError(
-                    "MoDeST aggregate is not finite (the fallback or a sum overflowed)"
-                )
-        except ValueError as e:
-            # The ranks this aggregator serves are waiting for its send: hand them NaN, which
-            # they reject with the same kind of error at once, rather than leave them to time
-            # out as if this peer had died.
-            error = e
-            result, used = torch.full((numel,), float("nan"), dtype=vec.dtype), 0
-        for r, a in server.items():
-            if a == me:
-                handles.append(
-                    group.send(result, r, edge_tag(exchange, me, r, world, 1), async_op=True)
-                )
-        _wait(handles)
-        if error is not None:
-            raise error
-        return result, used
-    result = torch.empty(numel, dtype=vec.dtype)
-    src = server[me]
-    _wait([group.recv(result, src, edge_tag(exchange, src, me, world, 1), async_op=True)])
-    _check_received(result, src)
-    used = len(ts) if ts and aggregation_ready(len(ts), expected, success_fraction) else 0
-    return result, used

@@ -27,8 +27,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from isthmus.reduce.gossip._rng import Rng, derive_seed
 from isthmus.spec import Registry
+from isthmus.strategies.gossip.math._rng import Rng, derive_seed
 
 __all__ = [
     "SCHEDULES",

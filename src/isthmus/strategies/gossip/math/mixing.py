@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from isthmus.reduce.gossip.topology import Topology
+from isthmus.strategies.gossip.math.topology import Topology
 
 __all__ = [
     "check_mixing_matrix",
