@@ -105,3 +105,13 @@ def test_payload_bytes_helper_compares_formats():
     assert payload_bytes("sign", d, world) < dense / 25
     assert payload_bytes("topk:0.01", d, world) == 3 * 8 * 10486
     assert payload_bytes("powersgd:rank=4", (1024, 1024), world) < dense / 50
+
+
+def test_a_compressor_that_reduces_nothing_is_refused_when_defined():
+    from isthmus.reduce.compress import Compressor
+
+    with pytest.raises(TypeError, match="must define _reduce_one or _reduce_many"):
+
+        class Nothing(Compressor):  # neither reduction: each would call the other forever
+            def predict_bytes(self, shape, world):
+                return 0

@@ -162,8 +162,9 @@ class StagedState:
 class Compressor(ABC):
     """One instance per strategy; reduces tensors by key and keeps per-key state across rounds.
 
-    Subclasses implement :meth:`_reduce_one` (or override :meth:`_reduce_many` to batch several
-    tensors into the same collectives) and :meth:`predict_bytes`. The public entry points check
+    Subclasses implement :meth:`_reduce_one`, or :meth:`_reduce_many` to batch several tensors
+    into the same collectives (each defaults to the other; a class that defines neither is
+    refused when it is defined), and :meth:`predict_bytes`. The public entry points check
     inputs, convert to the working dtype, and check results.
 
     Rules every implementation follows:
@@ -244,17 +245,27 @@ class Compressor(ABC):
             results.append(out.reshape(t.shape).to(t.dtype))
         return results
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if (
+            cls._reduce_one is Compressor._reduce_one
+            and cls._reduce_many is Compressor._reduce_many
+        ):
+            raise TypeError(f"{cls.__name__} must define _reduce_one or _reduce_many")
+
     def _reduce_many(
         self, group: Group, items: list[tuple[str, torch.Tensor]], contribute: bool
     ) -> list[torch.Tensor]:
+        """Reduce several tensors, in order (by default one :meth:`_reduce_one` each)."""
         return [self._reduce_one(group, key, x, contribute) for key, x in items]
 
-    @abstractmethod
     def _reduce_one(
         self, group: Group, key: str, x: torch.Tensor, contribute: bool
     ) -> torch.Tensor:
         """Reduce one finite tensor ``x`` (already in the working dtype; zeros when not
-        contributing). Must not modify ``x``. Returns a tensor with ``x``'s numel."""
+        contributing). Must not modify ``x``. Returns a tensor with ``x``'s numel. By default a
+        batch of one for :meth:`_reduce_many`."""
+        return self._reduce_many(group, [(key, x)], contribute)[0]
 
     @abstractmethod
     def predict_bytes(self, shape: int | Sequence[int], world: int) -> int:

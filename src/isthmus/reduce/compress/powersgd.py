@@ -195,11 +195,6 @@ class PowerSGD(Compressor):
         return sum(wire_bytes("all_reduce", 4 * n, world) for n in (unc, ps, qs) if n)
 
     # -- reduction -----------------------------------------------------------------------------------
-    def _reduce_one(
-        self, group: Group, key: str, x: torch.Tensor, contribute: bool
-    ) -> torch.Tensor:
-        return self._reduce_many(group, [(key, x)], contribute)[0]
-
     def _reduce_many(
         self, group: Group, items: list[tuple[str, torch.Tensor]], contribute: bool
     ) -> list[torch.Tensor]:

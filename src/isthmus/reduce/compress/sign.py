@@ -149,11 +149,6 @@ class SignEF(Compressor):
         rb = shard // 8 + 4
         return wire_bytes("all_to_all", world * rb, world) + wire_bytes("all_gather", rb, world)
 
-    def _reduce_one(
-        self, group: Group, key: str, x: torch.Tensor, contribute: bool
-    ) -> torch.Tensor:
-        return self._reduce_many(group, [(key, x)], contribute)[0]
-
     def _reduce_many(
         self, group: Group, items: list[tuple[str, torch.Tensor]], contribute: bool
     ) -> list[torch.Tensor]:

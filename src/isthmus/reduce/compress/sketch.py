@@ -143,11 +143,6 @@ class SketchReducer(Compressor):
         )
         return wire_bytes("all_reduce", 4 * cells, world) if cells else 0
 
-    def _reduce_one(
-        self, group: Group, key: str, x: torch.Tensor, contribute: bool
-    ) -> torch.Tensor:
-        return self._reduce_many(group, [(key, x)], contribute)[0]
-
     def _reduce_many(
         self, group: Group, items: list[tuple[str, torch.Tensor]], contribute: bool
     ) -> list[torch.Tensor]:
