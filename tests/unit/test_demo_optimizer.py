@@ -11,8 +11,8 @@ import torch
 
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
-from isthmus.reduce.demo_math import DCTCodec, dct_basis, tile_size
 from isthmus.strategies import DeMo, DeMoConfig, make_strategy
+from isthmus.strategies.decoupled_momentum.math import DCTCodec, dct_basis, tile_size
 
 TINY = GPTConfig.tiny()
 

@@ -141,7 +141,8 @@ class StrategySpec:
             raise ScenarioError(
                 f"must be true or false, got {self.probe_links!r}", key="probe_links"
             )
-        one_of(self.name, STRATEGIES, "strategy", "name")
+        if self.name not in _strategy_registry:  # a deprecated name is accepted (and warned of)
+            one_of(self.name, STRATEGIES, "strategy", "name")
         object.__setattr__(self, "options", check_options(self.options, "options"))
         if self.compression is not None:
             check_spec(self.compression, "compression", "compression")

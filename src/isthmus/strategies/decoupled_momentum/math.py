@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import torch
 
-from isthmus.reduce.sparseloco_math import Decoded, read_as, topk_rows
+from isthmus.strategies.sparseloco.math import Decoded, read_as, topk_rows
 
 __all__ = ["DCTCodec", "dct_basis", "tile_size"]
 
