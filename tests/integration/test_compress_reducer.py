@@ -251,3 +251,40 @@ def test_non_finite_update_is_not_sent(epochs):
     assert [o[2] for o in out] == [0, 1, 0]
     for o in out:
         assert _same(o[0], out[0][0]) and all(bool(torch.isfinite(t).all()) for t in o[0])
+
+
+class HookSession:
+    """The commit hooks of a session, fired by hand as a committed round fires them."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Any] = []
+
+    def add_commit_hook(self, fn: Any) -> None:
+        self.hooks.append(fn)
+
+    def committed(self) -> None:
+        for hook in self.hooks:
+            hook(None)
+
+
+def test_an_attached_reducer_keeps_a_rounds_state_when_the_session_commits(epochs):
+    """No strategy commits the reducer: the session's commit hook does, for the rounds in which
+    it reduced; a committed round without a reduction leaves its state as it is."""
+    g1s, _ = epochs
+
+    def body(g: Group) -> list[bool]:
+        ref = Reducer(compression="topk:0.1+ef")
+        ref.mean(FakeRound(g, 1, 1), _items(g.rank, 1), contribute=True)
+        ref.commit()
+        session, red = HookSession(), Reducer(compression="topk:0.1+ef")
+        red.attach(session)
+        fresh = red.compressor.state_dict()
+        red.mean(FakeRound(g, 1, 1), _items(g.rank, 1), contribute=True)
+        staged_only = _state_equal(red.compressor.state_dict(), fresh)
+        session.committed()
+        kept = _state_equal(red.compressor.state_dict(), ref.compressor.state_dict())
+        session.committed()  # a round that reduced nothing through this reducer
+        unchanged = _state_equal(red.compressor.state_dict(), ref.compressor.state_dict())
+        return [staged_only, kept, not red._served, unchanged]
+
+    assert run_parallel(g1s, body) == [[True, True, True, True]] * 3

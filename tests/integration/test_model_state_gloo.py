@@ -30,9 +30,13 @@ class Registry:
 
     def __init__(self) -> None:
         self.state = SharedState()
+        self.hooks: list[Any] = []
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)
+
+    def add_commit_hook(self, fn: Any) -> None:
+        self.hooks.append(fn)
 
 
 class _Plan:
@@ -57,8 +61,11 @@ class Rounds(Registry):
         self.group, self.revision, self.faults = group, 0, FaultInjector()
 
     def run_round(self, fn: Any) -> Any:
-        out = fn(_Round(self.group, self.revision))
+        rnd = _Round(self.group, self.revision)
+        out = fn(rnd)
         self.revision += 1
+        for hook in self.hooks:
+            hook(rnd.plan)
         return out
 
 

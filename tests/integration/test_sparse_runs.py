@@ -20,7 +20,7 @@ RUNS = {
         18,
         11,
     ),
-    "demo": ("demo", {}, 12, 5),
+    "decoupled_momentum": ("decoupled_momentum", {}, 12, 5),
 }
 
 

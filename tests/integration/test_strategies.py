@@ -164,7 +164,7 @@ MULTI = {
 }
 
 
-# make test runs Streaming DiLoCo (the overlapped skeleton of overlap.py with fragments); the
+# make test runs Streaming DiLoCo (the round pipeline of pipeline.py with fragments); the
 # others share that skeleton and are slow tests (make test-slow)
 @pytest.mark.parametrize(
     "strategy",

@@ -17,13 +17,13 @@ from isthmus.comm.group import CommStats, Group
 from isthmus.comm.state import SharedState
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
-from isthmus.reduce.zo_math import (
+from isthmus.strategies.zo import ZO, ZOConfig
+from isthmus.strategies.zo.math import (
     ScalarCodec,
     apply_update,
     float32,
     perturbation_seed,
 )
-from isthmus.strategies.zo import ZO, ZOConfig
 from isthmus.testing import local_groups, run_parallel
 
 TINY = GPTConfig.tiny()
@@ -116,6 +116,9 @@ class FakeSession:
         self.group, self.resynced_in = group, resynced
         self.state, self.faults, self.stats = SharedState(), FaultInjector(), group.stats
         self.revision = 0
+
+    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
+        pass  # ZO's rounds reduce nothing through the reducer
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)

@@ -17,8 +17,14 @@ from isthmus.comm.state import SharedState
 from isthmus.coordinator.protocol import RoundPlan
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
-from isthmus.reduce.zo_math import ScalarCodec, apply_update, float32, perturb_, perturbation_seed
 from isthmus.strategies.zo import ZO, ZOConfig
+from isthmus.strategies.zo.math import (
+    ScalarCodec,
+    apply_update,
+    float32,
+    perturb_,
+    perturbation_seed,
+)
 from isthmus.testing import local_groups, run_parallel
 
 TINY = GPTConfig.tiny()
@@ -64,6 +70,9 @@ class FakeSession:
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)
+
+    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
+        pass  # ZO's rounds reduce nothing through the reducer
 
     def run_round(self, fn: Callable[[Any], Any]) -> Any:
         out = fn(_Round(self.group, self.revision))

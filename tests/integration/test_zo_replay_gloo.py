@@ -53,6 +53,9 @@ class FakeSession:
         )
         self.revision = 0
 
+    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
+        pass  # ZO's rounds reduce nothing through the reducer
+
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)
 

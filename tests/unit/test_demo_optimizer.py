@@ -11,8 +11,8 @@ import torch
 
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
-from isthmus.reduce.demo_math import DCTCodec, dct_basis, tile_size
 from isthmus.strategies import DeMo, DeMoConfig, make_strategy
+from isthmus.strategies.decoupled_momentum.math import DCTCodec, dct_basis, tile_size
 
 TINY = GPTConfig.tiny()
 
@@ -122,9 +122,9 @@ def test_options_and_refusals():
     with pytest.raises(ValueError, match="decay"):
         DeMoConfig(decay=1.5)
     with pytest.raises(ValueError, match="aggregator"):
-        make_strategy("demo", None, model, opt, aggregator="median")
+        make_strategy("decoupled_momentum", None, model, opt, aggregator="median")
     partial = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
     with pytest.raises(ValueError, match="lr from the optimizer"):
         DeMo(None, model, partial)
-    st = make_strategy("demo", None, model, opt, top_k="4", sign="false")
+    st = make_strategy("decoupled_momentum", None, model, opt, top_k="4", sign="false")
     assert isinstance(st, DeMo) and st.codec.k == 4 and not st.config.sign

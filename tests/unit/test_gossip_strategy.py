@@ -59,6 +59,10 @@ class FakeSession:
         self.peer_id, self.layout, self.revision, self.resync = peer_id, layout, revision, resync
         self.state, self.faults, self.stats = SharedState(), FaultInjector(), CommStats()
         self.rounds: list[tuple[int, int]] = []
+        self.hooks: list[Callable[[Any], None]] = []
+
+    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
+        self.hooks.append(fn)
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)
@@ -70,8 +74,11 @@ class FakeSession:
             for name, value in self.resync[1].items():
                 self.state[name].copy_(value)
             resynced = True
-        out = fn(_Round(self, group, members, resynced))
+        rnd = _Round(self, group, members, resynced)
+        out = fn(rnd)
         self.rounds.append((self.revision, group.world))
+        for hook in self.hooks:
+            hook(rnd.plan)
         self.revision += 1
         return out
 

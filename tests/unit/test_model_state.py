@@ -26,7 +26,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "zo": {},
     # on Streaming's fragments with a round in flight: the form with the most state
     "sparseloco": {"sync_every": 4, "fragments": 2, "overlap": 1, "pattern": "balanced"},
-    "demo": {},
+    "decoupled_momentum": {},
 }
 
 
@@ -86,9 +86,13 @@ class Registry:
 
     def __init__(self) -> None:
         self.state = SharedState()
+        self.hooks: list[Any] = []
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)
+
+    def add_commit_hook(self, fn: Any) -> None:
+        self.hooks.append(fn)
 
 
 def build(name: str, session: Any, model: nn.Module, **extra: Any) -> Strategy:
@@ -139,7 +143,7 @@ def test_every_strategy_shares_the_whole_state_dict_and_names_its_keys(name):
     names = list(reg.state)
     assert all("inv_freq" not in n for n in names)  # non-persistent buffers stay local
     assert "model/frozen" in names and "model/block.bn.num_batches_tracked" in names
-    assert reg.first_round_uses_work is (name in ("ddp", "zo", "demo"))  # type: ignore[attr-defined]
+    assert reg.first_round_uses_work is (name in ("ddp", "zo", "decoupled_momentum"))  # type: ignore[attr-defined]
     keys = st.model_keys()
     if name == "gossip":
         # parameters and floating buffers are mixed, not shared: no shared copy holds them
@@ -148,7 +152,7 @@ def test_every_strategy_shares_the_whole_state_dict_and_names_its_keys(name):
     assert list(keys) == list(model.state_dict())
     assert set(keys.values()) <= set(names)
     assert keys["head.weight"] == keys["emb.weight"]
-    params = "model" if name in ("ddp", "zo", "demo") else "global"
+    params = "model" if name in ("ddp", "zo", "decoupled_momentum") else "global"
     assert keys["emb.weight"] == f"{params}/emb.weight"
     assert keys["block.bn.running_mean"] == "global/block.bn.running_mean"
     assert keys["frozen"] == "model/frozen"
@@ -188,8 +192,8 @@ def test_schema_order_and_names_of_ddp_and_diloco():
 def test_the_registry_names_each_strategys_first_round():
     for entry in STRATEGIES.names():
         cls = type(build(entry, None, net()))
-        # ddp, zo and demo train on the batch drawn before their first round
-        assert cls.first_round_uses_work is (entry in ("ddp", "zo", "demo")), entry
+        # ddp, zo and decoupled_momentum train on the batch drawn before their first round
+        assert cls.first_round_uses_work is (entry in ("ddp", "zo", "decoupled_momentum")), entry
 
 
 # -- the buffers' global copy -------------------------------------------------------------------
@@ -362,7 +366,7 @@ def layout(obj: Any, path: str = "") -> dict[str, Any]:
 @pytest.mark.parametrize("name", [n for n in OPTIONS if n != "zo"])
 def test_local_state_has_the_same_structure_before_the_first_step_as_after(name):
     # gossip compresses with quantizers only; sparseloco and demo compress their own messages
-    comp = None if name in ("gossip", "sparseloco", "demo") else "topk:0.1+ef"
+    comp = None if name in ("gossip", "sparseloco", "decoupled_momentum") else "topk:0.1+ef"
     fresh = build(name, None, net(), compression=comp)
     trained = build(name, None, net(), compression=comp)
     drive(trained, 5)
@@ -371,7 +375,7 @@ def test_local_state_has_the_same_structure_before_the_first_step_as_after(name)
     assert state["progress"]["local_steps"] == 5
     # DDP's optimizer state and parameters are shared; DeMo's momentum is its local state and
     # it never steps the optimizer
-    if name not in ("ddp", "demo"):
+    if name not in ("ddp", "decoupled_momentum"):
         assert state["optimizer"]["state"] and "emb.weight" in state["model"]
         assert "block.bn.running_mean" in state["model"] and "frozen" not in state["model"]
 

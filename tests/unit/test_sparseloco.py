@@ -12,14 +12,14 @@ import torch
 
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
-from isthmus.reduce.sparseloco_math import (
+from isthmus.strategies import SparseLoCo, SparseLoCoConfig, make_strategy
+from isthmus.strategies.sparseloco.math import (
     SparseCodec,
     pack_codes,
     quantize,
     sum_messages,
     unpack_codes,
 )
-from isthmus.strategies import SparseLoCo, SparseLoCoConfig, make_strategy
 from isthmus.strategies.streaming import layer_of
 
 TINY = GPTConfig.tiny()

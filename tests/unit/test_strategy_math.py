@@ -616,7 +616,7 @@ def test_non_finite_outer_gradient_is_dropped_and_the_peer_restarts_from_theta(c
 
 def test_steady_overlap_leaves_out_the_blocking_start_and_end():
     from isthmus.reduce.reducer import OverlapTiming
-    from isthmus.strategies.overlap import SteadyOverlap
+    from isthmus.strategies.pipeline import SteadyOverlap
 
     t = OverlapTiming()
     steady = SteadyOverlap(t)

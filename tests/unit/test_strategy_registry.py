@@ -3,15 +3,22 @@ the base constructor and from_options."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from isthmus.lab.scenario import STRATEGIES as SCENARIO_STRATEGIES
+from isthmus.lab.scenario import parse_scenario
 from isthmus.reduce.reducer import Reducer
+from isthmus.spec import SpecError
 from isthmus.strategies import (
     DDP,
     STRATEGIES,
     DDPConfig,
+    DeMo,
+    DeMoConfig,
     DiLoCo,
     DiLoCoConfig,
     Gossip,
@@ -41,12 +48,34 @@ def test_names_are_written_once() -> None:
         "gossip",
         "zo",
         "sparseloco",
-        "demo",
+        "decoupled_momentum",
     ]
     assert tuple(STRATEGIES.names()) == SCENARIO_STRATEGIES
     for name in STRATEGIES.names():
         cls = STRATEGIES.lookup(name).config_cls
         assert cls is not None and cls.__name__.endswith("Config")
+
+
+def test_the_old_name_of_decoupled_momentum_works_with_a_deprecation() -> None:
+    """``demo`` named both a command and a strategy: it still finds the strategy, everywhere a
+    strategy name is read, and the warning names the new name."""
+    model, opt = _setup()
+    new = "'decoupled_momentum'"
+    with pytest.warns(DeprecationWarning, match=f"strategy name 'demo' is deprecated: use {new}"):
+        assert STRATEGIES.lookup("demo") is STRATEGIES.lookup("decoupled_momentum")
+    with pytest.warns(DeprecationWarning, match=new):
+        st = make_strategy("demo", None, model, opt, top_k="4")
+    assert isinstance(st, DeMo) and st.name == "decoupled_momentum" and st.config.top_k == 4
+    with pytest.warns(DeprecationWarning, match=new):  # a spec string, as the grammar reads it
+        entry, cfg = STRATEGIES.resolve("demo:top_k=8")
+    assert entry.name == "decoupled_momentum" and cfg == DeMoConfig(top_k=8)
+    scenario = '[run]\nname = "x"\nsteps = 3\n[network]\npeers = 2\nrate = "10mbit"\n'
+    with pytest.warns(DeprecationWarning, match=new):  # a scenario file's [strategy]
+        s = parse_scenario(scenario + '[strategy]\nname = "demo"\n')
+    assert s.config.strategy.name == "demo"
+    with pytest.raises(SpecError, match=r"strategy.name: unknown strategy 'demoo'"):
+        parse_scenario(scenario + '[strategy]\nname = "demoo"\n')
+    assert "demo" not in STRATEGIES.names()  # listed under its new name only
 
 
 def test_options_are_validated_without_a_model() -> None:
@@ -113,3 +142,26 @@ def test_one_constructor_for_every_strategy() -> None:
     assert s.fragments == [[0, 1], [2, 3]]
     custom = StreamingDiLoCo(None, model, opt, s.config, fragment_of=lambda n: 1 - int(n[0]))
     assert custom.fragments == [[2, 3], [0, 1]]
+
+
+def test_a_strategys_math_is_pure_and_lives_with_its_strategy() -> None:
+    """Every folder strategy's math module (and ZO's round log) imports neither the network
+    layer nor torch.distributed, and no strategy's math is left in the generic reduce package."""
+    src = Path(__file__).resolve().parents[2] / "src" / "isthmus"
+    pure = [*sorted((src / "strategies").rglob("math.py")), src / "strategies/zo/replay.py"]
+    assert {p.parent.name for p in pure} >= {"sparseloco", "zo", "decoupled_momentum"}
+    for path in pure:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for n in names:
+                assert not n.startswith(("isthmus.comm", "torch.distributed")), (path, n)
+                if n.startswith("isthmus."):  # only other strategies' pure math
+                    assert n.endswith(".math"), (path, n)
+    leftovers = sorted(
+        p.name for p in (src / "reduce").glob("*.py") if p.stem.endswith(("_math", "_log"))
+    )
+    assert leftovers == []

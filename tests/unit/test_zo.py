@@ -2,7 +2,7 @@
 bit for bit; the perturbation generator; the quantizer and the bytes on the wire.
 
 The hand-written references re-derive the seeds and ``z`` from the documented rules
-(:mod:`isthmus.reduce.zo_math`'s docstring) with hashlib and ``torch.randn`` rather than calling
+(:mod:`isthmus.strategies.zo.math`'s docstring) with hashlib and ``torch.randn`` rather than calling
 the module's generator.
 """
 
@@ -22,7 +22,9 @@ from isthmus.comm.accounting import wire_bytes
 from isthmus.comm.state import SharedState
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
-from isthmus.reduce.zo_math import (
+from isthmus.strategies import STRATEGIES, make_strategy
+from isthmus.strategies.zo import ZO, ZOConfig
+from isthmus.strategies.zo.math import (
     ScalarCodec,
     apply_update,
     distinct,
@@ -31,8 +33,6 @@ from isthmus.reduce.zo_math import (
     perturbation,
     perturbation_seed,
 )
-from isthmus.strategies import STRATEGIES, make_strategy
-from isthmus.strategies.zo import ZO, ZOConfig
 
 TINY = GPTConfig.tiny()
 
@@ -200,6 +200,9 @@ class Registry:
 
     def register(self, name: str, tensor: torch.Tensor) -> None:
         self.state.register(name, tensor)
+
+    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
+        pass  # no rounds are run
 
 
 def test_zo_shares_parameters_and_buffers_and_leaves_buffers_untrained():

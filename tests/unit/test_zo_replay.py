@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.reduce.zo_log import (
+from isthmus.strategies.zo.math import ScalarCodec
+from isthmus.strategies.zo.replay import (
     LoggedRound,
     RoundLog,
     decode_rounds,
@@ -14,7 +15,6 @@ from isthmus.reduce.zo_log import (
     nonzero_estimates,
     replay_is_cheaper,
 )
-from isthmus.reduce.zo_math import ScalarCodec
 
 
 @pytest.fixture(autouse=True, scope="module")

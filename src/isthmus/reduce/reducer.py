@@ -9,7 +9,8 @@ Three modes behind one interface, :meth:`Reducer.start` (and its blocking form :
   :func:`isthmus.reduce.compress.make_compressor`): the compressor sums the named tensors
   (PowerSGD needs their matrix shapes); the count travels in a small exact all-reduce. Compressor
   state (error feedback, warm starts) is staged: an aborted attempt's changes are discarded
-  when the round is retried, and :meth:`commit` keeps them once the round committed. At every new
+  when the round is retried, and :meth:`commit` keeps them once the round committed (called by
+  the session's commit hook, see :meth:`Reducer.attach`). At every new
   epoch the compressor's *shared* state is reset on every member, so a joiner and the members
   restart it from identical (empty) state instead of shipping it around; error feedback kept per
   peer (local state) survives membership changes.
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 from isthmus.comm.group import Handle
-from isthmus.comm.session import Round
+from isthmus.comm.session import Round, Session
 from isthmus.reduce.aggregate import AggregationError, make_aggregator
 from isthmus.reduce.compress import Compressor, NonFiniteError, make_compressor
 from isthmus.reduce.compress.compressor import all_finite
@@ -180,6 +181,7 @@ class Reducer:
         self._epoch: int | None = None
         self._attempt: weakref.ref[Round] | None = None  # the round the compressor last served
         self._worker: ThreadPoolExecutor | None = None
+        self._served = False  # a reduction started since the last commit
 
     @property
     def mode(self) -> str:
@@ -215,6 +217,7 @@ class Reducer:
             raise ValueError(f"a peer's weight must be a finite number >= 0, got {weight}")
         if weight != 1.0 and self.aggregator is not None:
             raise ValueError("robust aggregators take one vote per peer: weights do not apply")
+        self._served = True
         contribute = self._check(rnd, items, contribute) and weight > 0
         if weight != 1.0 and contribute:
             items = [(n, t * weight) for n, t in items]
@@ -428,8 +431,19 @@ class Reducer:
         return Reduced(_split(result.vector.to(torch.float32), tensors), ex, round(n))
 
     # -- state across attempts --------------------------------------------------------------------
+    def attach(self, session: Session) -> None:
+        """Commit this reducer's staged state (:meth:`commit`) whenever a round of ``session``
+        commits in which it started a reduction, through the session's commit hook: a strategy
+        never commits the reducer itself. Rounds that reduce without it change nothing here."""
+        session.add_commit_hook(self._on_commit)
+
+    def _on_commit(self, plan: object) -> None:
+        if self._served:
+            self.commit()
+
     def commit(self) -> None:
         """The round committed: keep the state its reduction staged."""
+        self._served = False
         if self.compressor is not None:
             self.compressor.commit()
         self._committed, self._staged = self._staged, None

@@ -1,5 +1,12 @@
 """Training strategies: each plugs into a normal torch loop (call ``strategy.step()`` after
-``loss.backward()``) and decides what to communicate. One file per algorithm, citing its paper.
+``loss.backward()``) and decides what to communicate. Each strategy is one module, or one folder
+when it needs more (``sparseloco/``, ``zo/``, ``decoupled_momentum/``, ``gossip/``), citing its
+paper; a folder's pure math sits in its ``math.py``, which imports neither :mod:`isthmus.comm` nor
+``torch.distributed``. What strategies share: :mod:`.base` (the constructor, the model's state,
+checkpoints), :mod:`.phased` (the skeleton of the strategies that train in phases: inner steps,
+catch-up, boundary, progress), :mod:`.pipeline` (rounds that stay in flight across steps) and
+:mod:`.delayed` (the delayed outer round of eager DiLoCo and CO2). This package may import
+:mod:`isthmus.reduce`, :mod:`isthmus.comm` and :mod:`isthmus.checkpoint`, nothing above them.
 
 Every strategy shares the user's whole model, as :class:`~isthmus.strategies.base.ModelState`
 enumerates it: trainable parameters (a tied one once), frozen parameters and persistent buffers;
@@ -20,16 +27,21 @@ they gathered on top of the mean. **gossip**: floating buffers are mixed like pa
 the final merge averages them exactly. **zo**: buffers are not trained; every step puts them back
 (floating ones from their shared copy ``global/<name>``), since its forward passes only evaluate
 perturbed points. **sparseloco** follows Streaming DiLoCo (the buffers ride in its messages'
-exact values, all of them in every fragment's round); **demo** follows ddp (averaged every step over the peers present). In mixed
+exact values, all of them in every fragment's round); **decoupled_momentum** (DeMo) follows ddp
+(averaged every step over the peers present). In mixed
 precision the DiLoCo family keeps fp32 global state (theta, the outer optimizer, the buffers'
 copy) for bf16/fp16 tensors and casts it into the model; fp32 models are unchanged bit for bit.
 A catch-up round (the first step of the DiLoCo family and gossip with a session) drops its
-forward pass's statistics with its gradient, so with one peer every strategy equals its run without a session bit for bit, buffers included.
+forward pass's statistics with its gradient, so with one peer every strategy equals its run
+without a session bit for bit, buffers included.
 
-To add a strategy: subclass :class:`Strategy`, declare its ``name`` and ``Config`` (its options
-dataclass, validated in ``__post_init__``), create its state in ``setup`` (registering the model
-through :meth:`Strategy.share_model`) and implement ``step``, then add the class to the loop that
-fills :data:`STRATEGIES` below.
+To add a strategy: write one module (or folder) here with a subclass of :class:`PhasedStrategy`
+when it trains in phases (it then implements ``catch_up`` and ``boundary`` and keeps only its own
+rule), of :class:`Strategy` otherwise (it implements ``_step``); declare its ``name`` and
+``Config`` (its options dataclass, validated in ``__post_init__``), create its state in ``setup``
+(registering the model through :meth:`Strategy.share_model`), then add the class to the loop
+that fills :data:`STRATEGIES` below. The reducer's staged state is committed by the session's
+commit hook: a strategy never calls ``reducer.commit()``.
 
 strategies may import checkpoint, reduce, comm (the session), the coordinator and the floor, and
 never see a socket. Never imports lab, run or cli (docs/ARCHITECTURE.md, "Layers";
@@ -39,21 +51,24 @@ tools/structure.py checks it).
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from typing import Any
 
 import torch
 
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reducer
-from isthmus.spec import Registry
+from isthmus.spec import Entry, Registry
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.co2 import CO2, CO2Config
 from isthmus.strategies.ddp import DDP, DDPConfig
-from isthmus.strategies.demo import DeMo, DeMoConfig
+from isthmus.strategies.decoupled_momentum import DeMo, DeMoConfig
 from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
 from isthmus.strategies.eager import EagerConfig, EagerDiLoCo
 from isthmus.strategies.gossip import Gossip, GossipConfig
 from isthmus.strategies.localsgd import LocalSGD, LocalSGDConfig
+from isthmus.strategies.phased import PhasedStrategy
 from isthmus.strategies.sparseloco import SparseLoCo, SparseLoCoConfig
 from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
 from isthmus.strategies.zo import ZO, ZOConfig
@@ -75,6 +90,7 @@ __all__ = [
     "GossipConfig",
     "LocalSGD",
     "LocalSGDConfig",
+    "PhasedStrategy",
     "Reducer",
     "SparseLoCo",
     "SparseLoCoConfig",
@@ -98,7 +114,32 @@ def _construct(
     return cls(session, model, optimizer, config, **reduction)
 
 
-STRATEGIES: Registry[Strategy] = Registry("strategy")
+log = logging.getLogger("isthmus.strategy")
+
+DEPRECATED_NAMES: dict[str, str] = {"demo": "decoupled_momentum"}
+"""Old strategy names that still work -> the name that replaced them. ``demo`` named the DeMo
+strategy and the ``isthmus demo`` command alike."""
+
+_warned: set[str] = set()
+
+
+class StrategyRegistry(Registry[Strategy]):
+    """The strategies' registry: a name of :data:`DEPRECATED_NAMES` finds the strategy that
+    replaced it, with a DeprecationWarning and (once per process) a logged warning naming the new
+    name; everything else is :class:`~isthmus.spec.Registry`'s."""
+
+    def lookup(self, name: str, *, spec: str = "") -> Entry[Strategy]:
+        new = DEPRECATED_NAMES.get(name.strip().lower().replace("-", "_"))
+        if new is not None:
+            message = f"strategy name {name!r} is deprecated: use {new!r}"
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            if name not in _warned:
+                _warned.add(name)
+                log.warning("%s", message)
+        return super().lookup(name, spec=spec)
+
+
+STRATEGIES: StrategyRegistry = StrategyRegistry("strategy")
 """Every strategy by name. An entry's config is the strategy's ``Config``, so
 ``STRATEGIES.lookup(name).config(options)`` validates a strategy's options without building a
 model; ``build(config, session=, model=, optimizer=, reducer=...)`` makes the strategy."""
@@ -119,6 +160,7 @@ for _cls in (
         _cls.name,
         config=_cls.Config,
         build=functools.partial(_construct, _cls),
+        aliases=[old for old, new in DEPRECATED_NAMES.items() if new == _cls.name],
         help=" ".join((_cls.__doc__ or "").split(".")[0].split()),  # the first sentence
     )
 
@@ -137,9 +179,10 @@ def make_strategy(
     """Build a strategy by name with its options (as in the demo's and scenarios' settings) and
     a reducer for ``compression`` / ``aggregator`` (see :class:`Reducer`).
 
-    Raises :class:`~isthmus.spec.SpecError` (a ValueError) naming an unknown strategy or option
-    (with the closest valid one) or a bad value, and ValueError for a bad compression or
-    aggregator spec or a combination the strategy refuses.
+    A name of :data:`DEPRECATED_NAMES` builds the strategy that replaced it, with a
+    DeprecationWarning. Raises :class:`~isthmus.spec.SpecError` (a ValueError) naming an unknown
+    strategy or option (with the closest valid one) or a bad value, and ValueError for a bad
+    compression or aggregator spec or a combination the strategy refuses.
     """
     entry = STRATEGIES.lookup(name)
     config = entry.config(options)

@@ -196,6 +196,8 @@ class Strategy(ABC):
             compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
         )
         if session is not None:
+            # The reducer keeps what a round's reduction staged once the round committed.
+            self.reducer.attach(session)
             # Session does not declare it: the sampler reads it with getattr (False if unset).
             session.first_round_uses_work = self.first_round_uses_work  # type: ignore[attr-defined]
         self.setup()

@@ -26,27 +26,21 @@ Per boundary (every tau local steps), on every peer, with ``x_old`` the shared g
 4. restart locally: ``x_i <- x_old``.
 
 Defaults: ``outer_lr`` 1.0 (the public code's), ``outer_momentum`` (beta) 0.2, the low end of the
-code's 0.2-0.6 ("less for fewer workers": on the tiny GPT with 4 peers, tau = 20, 300 steps, beta
-0.5 reached an eval loss of 3.32 and 0.2 reached 2.95), and a constant ``gap_penalty`` of 2.0, the
-best measured: at 3000 steps (tiny GPT, 4 peers, tau = 20, 4-bit outer gradients) the eval loss was
-53.0% above DDP's with 1.0 (the public code's), 21.8% with 1.5, 15.9% with 2, 20.9% with 3 and 24.7%
-with 4. A constant penalty ``p`` is the same as ``outer_lr / p`` while the clip does not bite. The
-gap is the staleness: CO2's outer step applied at once (DiLoCo with beta 0.2, lr 1.0) reached +6.2%
-(docs/STRATEGIES.md has the ablation and the paper-vs-isthmus table). A second search over beta (0
-to 0.5, the penalty retuned) and tau (10, 40) found nothing within 2% of DDP either: the best of 18
-settings was +14.5% (beta 0, penalty 1.4), next to a cliff (an outer step ``outer_lr / (gap_penalty
-(1 - beta))`` above 0.8 loses 3 to 37 points more), so the defaults stay mid-plateau. The paper's
-penalty is an adaptive, layer-wise measure of the staleness gap; that rule is not confirmed and not
-implemented here. ``clip`` defaults to 1.0 (the public code's threshold; it never bit on the tiny
-GPT, whose largest outer-momentum element was 0.046); ``clip=None`` disables it.
+code's 0.2-0.6 ("less for fewer workers"), and a constant ``gap_penalty`` of 2.0, the best of a
+search (docs/BENCHMARKS.md; docs/STRATEGIES.md has the ablation and the paper-vs-isthmus table).
+A constant penalty ``p`` is the same as ``outer_lr / p`` while the clip does not bite. An outer
+step ``outer_lr / (gap_penalty (1 - beta))`` far above the default's sits next to a cliff, so the
+defaults stay mid-plateau. The paper's penalty is an adaptive, layer-wise measure of the staleness
+gap; that rule is not implemented here. ``clip`` defaults to 1.0 (the public code's threshold);
+``clip=None`` disables it.
 
 Shared state: ``x_old`` (registered as ``global/*``), the buffers' global copy, the frozen
 parameters and integer buffers, the outer momentum ``m`` and the step counter (``x_old`` and
 ``m`` in fp32 for bf16/fp16 models). Local: the inner optimizer and the local parameters and
 buffers. Buffers as for eager DiLoCo: the mean of each boundary's snapshot is applied when its
-round settles, one boundary later (see :class:`~isthmus.strategies.overlap.DelayedOuter`).
+round settles, one boundary later (see :class:`~isthmus.strategies.delayed.DelayedOuter`).
 
-Joining and failures: as for eager DiLoCo (see :mod:`isthmus.strategies.overlap`): a joiner is
+Joining and failures: as for eager DiLoCo (see :mod:`isthmus.strategies.pipeline`): a joiner is
 admitted when a round begins, after the previous result was applied, and receives the result of
 the round in flight with the members; a failure during an in-flight all-reduce aborts that round
 for everyone, and the survivors reduce the snapshot taken when it was issued again (the local steps
@@ -62,7 +56,7 @@ import torch
 
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.overlap import DelayedOuter
+from isthmus.strategies.delayed import DelayedOuter
 
 __all__ = ["CO2", "CO2Config"]
 
@@ -70,8 +64,7 @@ __all__ = ["CO2", "CO2Config"]
 @dataclass(kw_only=True)
 class CO2Config:
     sync_every: int = 20
-    """tau: local steps per round (the paper's code uses 20-48; 20 is the one measured on the tiny
-    GPT, with every gap penalty of the search)."""
+    """tau: local steps per round (the paper's code uses 20-48)."""
     outer_lr: float = 1.0
     """Outer learning rate (public code: 1.0)."""
     outer_momentum: float = 0.2
@@ -79,7 +72,7 @@ class CO2Config:
     clusters), less for fewer workers; 0.2 suits a handful of peers."""
     gap_penalty: float = 2.0
     """Divides the one-round-stale outer gradient (a constant, as in the public code, whose
-    value is 1.0; 2.0 measured best, see the module docstring)."""
+    value is 1.0; see the module docstring for this default)."""
     clip: float | None = 1.0
     """Clamp the outer momentum element-wise to [-clip, clip]; None: no clipping."""
 

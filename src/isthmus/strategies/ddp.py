@@ -22,7 +22,7 @@ peer (one forward pass per step) and are kept equal by the parity check; a joine
 The user's optimizer state is shared, so a peer keeps no local state but the RNG and error
 feedback (:meth:`~isthmus.strategies.base.Strategy.local_state`).
 
-**Fixed global batch** (``DDPConfig(global_batch=B)``, after ElasWave, in ../shared/seeds): the
+**Fixed global batch** (``DDPConfig(global_batch=B)``, after ElasWave): the
 optimization no longer depends on who is in the run. ``step(loss_fn)`` takes a function from a
 list of global-stream positions to the mean loss over their samples, and each committed step
 consumes exactly the positions ``[t B, (t + 1) B)`` (:mod:`isthmus.data.global_batch`): inside
@@ -163,7 +163,6 @@ class DDP(Strategy):
                 return pending.wait()
 
             result = self.session.run_round(reduce)
-            reducer.commit()
             # Committed on every peer; every peer holds the same result, so takes the same branch.
             if result is not None:
                 for p, g in zip(self.params, result.tensors, strict=True):
@@ -215,7 +214,6 @@ class DDP(Strategy):
             return pending.wait()
 
         result = session.run_round(reduce)
-        reducer.commit()
         self.last_share = shares[-1]
         self.last_loss = math.nan
         if result is not None:

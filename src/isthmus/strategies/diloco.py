@@ -7,7 +7,8 @@ Every peer runs ``sync_every`` (H) inner optimizer steps on its own data, starti
 shared global parameters theta. Then one round: each peer's *outer gradient* (pseudo-gradient)
 delta_i = theta - theta_i is averaged across peers, and an outer optimizer (SGD with Nesterov
 momentum, lr 0.7, momentum 0.9 in the paper) applies the mean to theta. Every peer then restarts
-from the new theta. Communication drops by a factor of about H against data parallel.
+from the new theta. One round every H steps instead of one every step: communication drops by a
+factor of about H against data parallel.
 
 Shared state: the global parameters theta, the outer optimizer's momentum and the step counter.
 The inner optimizer's state and the local parameters belong to each peer.
@@ -24,7 +25,7 @@ round carries zero outer gradients and doubles as the parity check of the initia
 step counter advances by the mean of the contributors' inner-step counts, which rides in the
 same all-reduce, so every peer agrees on it.
 
-**Heterogeneous peers** (issue 17). Outer gradients are weighted by the tokens each peer
+**Heterogeneous peers.** Outer gradients are weighted by the tokens each peer
 processed in the phase (``step(tokens=n)``; by default one per inner step, so inner steps count
 when batches are equal): the reducer's ``weight`` is tokens per inner step with a step budget
 (every contributor ran the same steps; exactly 1 by default, so a run of equal peers keeps its
@@ -43,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -52,8 +52,9 @@ import torch
 from isthmus.comm.session import Round
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.base import Strategy, outer_sgd, register_optimizer
+from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
+from isthmus.strategies.phased import PhasedStrategy
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -63,10 +64,9 @@ log = logging.getLogger("isthmus.diloco")
 @dataclass(kw_only=True)
 class DiLoCoConfig:
     sync_every: int = 20
-    """H: inner steps between outer rounds. 20 is the best measured on the tiny GPT (4 peers, 3000
-    steps, 4-bit outer gradients: H = 10 / 20 / 40 / 100 ended -1.0% / -1.4% / +1.4% / +6.9%
-    against DDP); the paper uses 500 on models 10,000 times larger, where each inner step costs
-    that much more and fewer rounds save that many more bytes."""
+    """H: inner steps between outer rounds (the default is the best of a search,
+    docs/BENCHMARKS.md; the paper uses 500 on far larger models, where each inner step costs
+    more and fewer rounds save more bytes)."""
     outer_lr: float = 0.7
     """Outer learning rate (paper: 0.7)."""
     outer_momentum: float = 0.9
@@ -100,7 +100,7 @@ class DiLoCoConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
 
-class DiLoCo(Strategy):
+class DiLoCo(PhasedStrategy):
     """DiLoCo around the user's inner optimizer. Call :meth:`step` after every backward."""
 
     name = "diloco"
@@ -108,47 +108,43 @@ class DiLoCo(Strategy):
     config: DiLoCoConfig
 
     def setup(self) -> None:
+        super().setup()
         cfg = self.config
         self.global_params = [global_copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.buffers = SharedBuffers(self.model_state.float_buffers)
-        self.since_sync = 0
-        self.outer_rounds = 0
-        self.joined = self.session is None
         self.phase_tokens = 0.0
         self.phase_steps: list[int] = []
         """This peer's inner steps in each phase it synced (the last 1,000)."""
         self._phase_start = time.monotonic()
         self._fastest = 0.0  # the fastest member's inner steps per second in the last round
-        self._materialize_inner()  # a fixed local-state structure from the start (checkpoints)
         self.share_model(self.global_params, "global", self.buffers)
         if self.session is not None:
             register_optimizer(self.session, "outer", self.outer)
             self._register_counter()
-
-    @property
-    def step_count(self) -> int:
-        return int(self.global_step) + self.since_sync
 
     def _step(self, tokens: float = 1.0) -> None:
         """One inner step that processed ``tokens`` (the outer gradient's weight; by default
         one per step). Raises ValueError for a negative or non-finite count."""
         if not (math.isfinite(tokens) and tokens >= 0):
             raise ValueError(f"tokens must be a finite number >= 0, got {tokens}")
-        self.check_faults("step")
-        if not self.joined:
-            self.joined = True
-            self.drop_catch_up_forward()
-            self.sync(catch_up=True)  # catch up with the run; this gradient is dropped
-            self._phase_start = time.monotonic()
-            return
+        super()._step(tokens)
+
+    def catch_up(self) -> None:
+        self.sync(catch_up=True)
+        self._phase_start = time.monotonic()
+
+    def inner_step(self, tokens: float = 1.0) -> bool:
         self.optimizer.step()
-        self.local_steps += 1
-        self.since_sync += 1
         self.phase_tokens += tokens
-        if self.since_sync >= self.config.sync_every or self._past_deadline():
-            self.sync()
-            self._phase_start = time.monotonic()
+        return True
+
+    def boundary_due(self) -> bool:
+        return self.since >= self.config.sync_every or self._past_deadline()
+
+    def boundary(self) -> None:
+        self.sync()
+        self._phase_start = time.monotonic()
 
     def _past_deadline(self) -> bool:
         cfg = self.config
@@ -177,19 +173,19 @@ class DiLoCo(Strategy):
         (a peer resumed without its local state); at the start of a run nobody contributes, which
         leaves theta as a zero outer gradient would."""
         snap = self.buffers.snapshot()
-        steps = torch.tensor([float(self.since_sync)])
+        steps = torch.tensor([float(self.since)])
         if self.buffers:
             steps = torch.cat([steps, self.buffers.flat(snap)])
         if not catch_up:
-            self.phase_steps = [*self.phase_steps[-999:], self.since_sync]
-            log.debug("phase of %d inner steps (%g tokens)", self.since_sync, self.phase_tokens)
+            self.phase_steps = [*self.phase_steps[-999:], self.since]
+            log.debug("phase of %d inner steps (%g tokens)", self.since, self.phase_tokens)
         # The outer gradient's weight. With a step budget every contributor ran the same number
         # of steps, so tokens per step carry the weighting (exactly 1 with unit steps: a run of
         # equal peers keeps its bits); with a time budget, tokens over H.
         timed = self.config.inner_budget == "time"
-        weight = self.phase_tokens / (self.config.sync_every if timed else max(1, self.since_sync))
+        weight = self.phase_tokens / (self.config.sync_every if timed else max(1, self.since))
         elapsed = time.monotonic() - self._phase_start
-        rate = self.since_sync / elapsed if elapsed > 0 and not catch_up else 0.0
+        rate = self.since / elapsed if elapsed > 0 and not catch_up else 0.0
         gathered: list[torch.Tensor] = []
         if self.session is None:
             delta = self.outer_gradient()
@@ -209,7 +205,7 @@ class DiLoCo(Strategy):
                 if timed:
                     # before the reducer's collectives, from this thread: the same order on
                     # every member
-                    mine = torch.tensor([rate, float(self.since_sync)] if ok else [0.0, 0.0])
+                    mine = torch.tensor([rate, float(self.since)] if ok else [0.0, 0.0])
                     device = self.params[0].device if self.params else torch.device("cpu")
                     gathered[:] = [rnd.group.all_gather_flat(mine.to(device)).cpu()]
                 pending = reducer.start(rnd, items, contribute=ok, exact=steps, weight=weight)
@@ -217,7 +213,6 @@ class DiLoCo(Strategy):
                 return pending.wait()
 
             result = self.session.run_round(reduce)
-            reducer.commit()
             if gathered:
                 table = gathered[0].view(-1, 2)
                 self._fastest = float(table[:, 0].max())
@@ -241,7 +236,7 @@ class DiLoCo(Strategy):
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.copy_(g)
         self.buffers.restart()
-        self.since_sync = 0
+        self.since = 0
         self.outer_rounds += 1
 
     def _outer_update(self, mean: list[torch.Tensor]) -> None:
@@ -258,35 +253,18 @@ class DiLoCo(Strategy):
             "phase_steps": list(self.phase_steps),
         }
 
-    def _finish(self) -> None:
+    def final_round(self) -> None:
         """Sync the inner steps done since the last outer round, so the run ends on theta."""
-        if self.since_sync > 0:
+        if self.since > 0:
             self.sync()
 
     # -- local state (checkpoints) ----------------------------------------------------------------
     def _progress(self) -> dict[str, float]:
-        return {
-            **super()._progress(),
-            "since": self.since_sync,
-            # the outer gradient's weight is phase_tokens / since: without it a peer resumed in
-            # the middle of a phase would weigh its next outer gradient differently
-            "phase_tokens": self.phase_tokens,
-            "joined": int(self.joined),
-            "outer_rounds": self.outer_rounds,
-        }
+        # the outer gradient's weight is phase_tokens / since: without it a peer resumed in the
+        # middle of a phase would weigh its next outer gradient differently
+        return {**super()._progress(), "phase_tokens": self.phase_tokens}
 
     def _load_progress(self, progress: dict[str, Any]) -> None:
         super()._load_progress(progress)
-        self.since_sync = int(progress["since"])
-        # a checkpoint from before tokens were counted: one token per inner step, the default
-        self.phase_tokens = float(progress.get("phase_tokens", self.since_sync))
-        # A peer with its local state is in step with the loaded shared state: no catch-up round
-        # (it would apply the outer momentum to a zero outer gradient and change theta).
-        self.joined = bool(progress["joined"])
-        self.outer_rounds = int(progress["outer_rounds"])
-
-    def _local_tensors(self) -> dict[str, Any]:
-        return self._inner_local()
-
-    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
-        self._load_inner_local(state)
+        # a checkpoint without a token count: one token per inner step, the default
+        self.phase_tokens = float(progress.get("phase_tokens", self.since))

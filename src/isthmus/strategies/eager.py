@@ -35,25 +35,22 @@ Why predict, and why ``anchor``: every start misses the true next theta by an er
 part of the mean it could not know). The inner optimizer partly undoes that error during the
 phase, so the progress it reports contains ``-e_i`` in the directions it corrects (steep ones),
 and the outer momentum amplifies that spurious part up to ``outer_lr / (1 - momentum)``, seven
-times with DiLoCo's (0.7, 0.9): with the paper's update those settings overshoot (eval loss +51%
-against DDP on the tiny GPT with 4 peers). Measured from theta instead (``anchor = 1``), the outer
+times with DiLoCo's (0.7, 0.9), so with the paper's update those settings overshoot. Measured
+from theta instead (``anchor = 1``), the outer
 gradient carries the error in the directions the phase did *not* correct (flat ones); measured
 from the midpoint, at most half of it gets through in any direction. Predicting the mean by the
 peer's whole outer gradient (not its 1/M share) makes the error average to zero over the peers,
-leaving only its noise part. On the tiny GPT (4 peers, H = 20, 3000 steps, 4-bit outer gradients;
-docs/BENCHMARKS.md, "Eager DiLoCo with a predicted start") these defaults reach DiLoCo's quality,
-where the paper's update stayed 10-11% behind DDP with the best outer settings found for it.
-The prediction and the anchor are isthmus's, not the paper's; ``start="paper", anchor=0`` (with
-``outer_lr=1.0, outer_momentum=0``) is the paper's scheme. It can be ahead on short runs, where
-DiLoCo's outer momentum has not built up yet: on the default GPT at 300 steps it was +21%
-against DDP, the defaults +34% (DiLoCo itself +32%).
+leaving only its noise part (docs/BENCHMARKS.md, "Eager DiLoCo with a predicted start", compares
+the starts). The prediction and the anchor are isthmus's, not the paper's; ``start="paper",
+anchor=0`` (with ``outer_lr=1.0, outer_momentum=0``) is the paper's scheme, which can be ahead on
+short runs, before DiLoCo's outer momentum has built up.
 
 Shared state: theta, the buffers' global copy, the frozen parameters and integer buffers, the
 outer momentum, the step counter (fp32 theta and momentum for bf16/fp16 models). Local: the inner
 optimizer, the local parameters and buffers and the phase's starting point. Buffers: the mean of
 the snapshot each peer took at a boundary is applied to the global copy when that round settles,
 one boundary later, and the model keeps what it gathered since on top of it (see
-:class:`~isthmus.strategies.overlap.DelayedOuter`).
+:class:`~isthmus.strategies.delayed.DelayedOuter`).
 
 Joining: a joiner is admitted when the members begin round t (after they applied D(t-1)); it
 receives theta, momentum and the step counter (equal to the members' step at that moment), takes
@@ -61,7 +58,7 @@ part in round t's reduction without contributing, trains phase t+1 from the pred
 gradient of its own (theta plus the momentum's step), and applies D(t) at the next boundary like
 everyone: it receives the in-flight result and stays in parity.
 
-On failure: see :mod:`isthmus.strategies.overlap`. A peer dying while round t is in flight
+On failure: see :mod:`isthmus.strategies.pipeline`. A peer dying while round t is in flight
 aborts round t for everyone at the next boundary (or at once if the coordinator pushes the
 abort); the survivors reduce their snapshots of delta(t) again, blocking, and apply the mean of
 the survivors. The inner steps of phase t+1 already taken stay in their local parameters.
@@ -83,8 +80,8 @@ from isthmus.strategies.base import (
     outer_sgd,
     register_optimizer,
 )
+from isthmus.strategies.delayed import DelayedOuter
 from isthmus.strategies.diloco import DiLoCoConfig
-from isthmus.strategies.overlap import DelayedOuter
 
 __all__ = ["EagerConfig", "EagerDiLoCo", "preview_sgd"]
 
@@ -102,9 +99,8 @@ class EagerConfig(DiLoCoConfig):
     time_budget: ClassVar[bool] = False  # inner_budget="time" is DiLoCo's and local SGD's
 
     sync_every: int = 20
-    """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase. 20
-    is the best measured on the tiny GPT (4 peers, 3000 steps: H = 10 / 20 / 40 ended -0.4% /
-    -0.5% / +1.3% against DDP)."""
+    """H: inner steps per phase; each outer all-reduce overlaps the H steps of the next phase
+    (the default is the best of a search, docs/BENCHMARKS.md)."""
     start: Start = "predicted"
     """Where each phase starts: ``"predicted"`` (the outer step on this peer's own fresh outer
     gradient), ``"paper"`` (theta plus the fresh own share, the paper's eager update) or
@@ -113,8 +109,8 @@ class EagerConfig(DiLoCoConfig):
     """Where the outer gradient is measured from, between the phase's start (0, the paper) and
     theta once the round in flight has landed (1); 0.5 is the midpoint. The start's error passes
     into the outer gradient with a factor up to ``max(anchor, 1 - anchor) * lr * (1 + momentum)``,
-    below 1 for anchors between 0.25 and 0.75 with DiLoCo's outer settings; on the tiny GPT 0.7
-    was best and 1 diverged (docs/BENCHMARKS.md)."""
+    below 1 for anchors between 0.25 and 0.75 with DiLoCo's outer settings (docs/BENCHMARKS.md
+    compares anchors)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -13,9 +13,10 @@ compression (``--compression``) meaningful: a quantizer's error is relative to w
 Each peer keeps its own inner optimizer state (only parameters are averaged, as in the papers).
 
 Shared state, buffers, joining and failures are DiLoCo's (see :mod:`isthmus.strategies.diloco`):
-theta, the buffers' global copy (averaged at every averaging) and the step counter are shared; the round blocks (nothing overlaps); if a peer dies during the
-averaging the survivors average again among themselves, keeping their H local steps; a joiner's
-first step is a catch-up round that hands it theta.
+theta, the buffers' global copy (averaged at every averaging) and the step counter are shared;
+the round blocks (nothing overlaps); if a peer dies during the averaging the survivors average
+again among themselves, keeping their H local steps; a joiner's first step is a catch-up round
+that hands it theta.
 """
 
 from __future__ import annotations
@@ -33,11 +34,9 @@ class LocalSGDConfig(DiLoCoConfig):
     ``sync_every`` is an option."""
 
     sync_every: int = 80
-    """H: local steps between two averagings. 80 by measurement: on the tiny GPT's 3000-step
-    budget (4 peers, 4-bit averages) local SGD ends 8.1% to 9.0% above DDP for every H from 10 to
-    320, so H buys bytes and nothing else there; 80 sends a quarter of 20's bytes while a peer's
-    death still loses at most 80 steps of its work and a joiner contributes within 80 steps
-    (docs/BENCHMARKS.md, "Defaults from a search")."""
+    """H: local steps between two averagings. Where the loss hardly depends on H (see
+    docs/BENCHMARKS.md, "Defaults from a search"), a larger H buys bytes; 80 keeps what a peer's
+    death loses, and how long a joiner waits before it contributes, to 80 steps of work."""
     outer_lr: float = field(default=1.0, init=False)
     outer_momentum: float = field(default=0.0, init=False)
     nesterov: bool = field(default=False, init=False)

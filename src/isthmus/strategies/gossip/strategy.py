@@ -1,20 +1,19 @@
 """The gossip strategy: its local step and its rounds (start, gossip, merge, membership).
 
 The package docstring (:mod:`isthmus.strategies.gossip`) cites the papers and describes how a run
-proceeds; MoDeST's rounds are :mod:`.modest`, the options :mod:`.config`.
+proceeds; MoDeST's rounds are :mod:`.modest`, the options :mod:`.options`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.strategies.base import Strategy
 from isthmus.strategies.gossip.codec import codec_for
 from isthmus.strategies.gossip.exchange import (
     MAX_ITERS_PER_ROUND,
@@ -37,6 +36,7 @@ from isthmus.strategies.gossip.math import (
 )
 from isthmus.strategies.gossip.modest import Modest
 from isthmus.strategies.gossip.options import COPY_SLOT, GossipConfig
+from isthmus.strategies.phased import PhasedStrategy
 
 __all__ = ["Gossip"]
 
@@ -65,7 +65,7 @@ class _Tentative:
     unusable_reason: str = ""
 
 
-class Gossip(Strategy):
+class Gossip(PhasedStrategy):
     """Gossip training around the user's (local) optimizer; call :meth:`step` after backward.
 
     With ``session=None`` it is exactly ``optimizer.step()`` (plus SAM if configured). The
@@ -73,14 +73,16 @@ class Gossip(Strategy):
     raises ``ValueError`` asking for it). Raises ``ValueError`` at construction for a robust
     aggregator (not supported with gossip) or
     a compressor that has no per-message codec (only the quantizers do; see
-    :func:`isthmus.reduce.gossip.codec_for`).
+    :func:`isthmus.strategies.gossip.codec.codec_for`).
     """
 
     name = "gossip"
     Config = GossipConfig
     config: GossipConfig
+    phase_counters = ()  # its rounds follow the shared step counter, which advances every step
 
     def setup(self) -> None:
+        super().setup()
         config, session = self.config, self.session
         if self.reducer.aggregator is not None:
             raise ValueError(
@@ -110,7 +112,6 @@ class Gossip(Strategy):
             capacity=config.graph_capacity,
             min_degree=config.repair_min_degree,
         )
-        self.joined = session is None
         self._stale = False  # this peer's parameters are not usable until a round hands it a copy
         self._sam_saved: list[torch.Tensor] | None = None
         self._merged_last = False
@@ -126,7 +127,7 @@ class Gossip(Strategy):
         self.graph_changes: list[dict[str, Any]] = []
         self.current_graph: dict[str, Any] = {}
         self._encode, self._decode = self.codec if self.codec is not None else (None, None)
-        self._materialize_inner()  # a fixed local-state structure from the start (checkpoints)
+        self._due: tuple[int, int] | None = None  # the round the schedule asks for after this step
         if session is not None:
             self._register_counter()
             for key, t in self.graph.shared_tensors().items():
@@ -135,6 +136,10 @@ class Gossip(Strategy):
                 self.modest.register(session)
         # frozen parameters and integer buffers are identical on every peer: shared as they are
         self.share_model(None)
+
+    @property
+    def step_count(self) -> int:
+        return int(self.global_step)
 
     # -- the local step ---------------------------------------------------------------------------
     def _step(self, closure: Callable[[], torch.Tensor] | None = None) -> None:
@@ -151,24 +156,31 @@ class Gossip(Strategy):
         Raises ``ValueError`` for a non-finite SAM gradient (weights unchanged), plus what the
         round raises (see :meth:`Session.run_round`).
         """
-        self.check_faults("step")
-        if not self.joined:
-            self.joined = True
-            # catch up with the run (or start it) before training; this call's gradient is dropped
-            self.drop_catch_up_forward()
-            self._run_round(None, 0)
-            return
+        super()._step(closure)
+
+    def catch_up(self) -> None:
+        """Start the run (the first round's kind is ``start`` at step 0) or catch up with it."""
+        self._run_round(None, 0)
+
+    def inner_step(self, closure: Callable[[], torch.Tensor] | None = None) -> bool:
         if self._takes_local_step():
             if not self._local_update(closure):
-                return  # SAM's first half: the same step again, at the perturbed weights
+                return False  # SAM's first half: the same step again, at the perturbed weights
             self.trained_steps += 1
         self.global_step += 1
-        self.local_steps += 1
         self._merged_last = False
+        return True
+
+    def boundary_due(self) -> bool:
+        self._due = None
         if self.session is not None:
-            decision = self._decision(int(self.global_step) - 1)
-            if decision is not None:
-                self._run_round(*decision)
+            self._due = self._decision(int(self.global_step) - 1)
+        return self._due is not None
+
+    def boundary(self) -> None:
+        assert self._due is not None
+        self._run_round(*self._due)
+        self.since = 0
 
     def _takes_local_step(self) -> bool:
         if not self.train:
@@ -215,8 +227,9 @@ class Gossip(Strategy):
         return None
 
     def _finish(self) -> None:
-        """End of training: drop a pending SAM perturbation, and hold the final merge now if the
-        run stopped before the schedule's last step (all peers must stop at the same step)."""
+        """End of training, whether or not this peer joined: drop a pending SAM perturbation,
+        and hold the final merge now if the run stopped before the schedule's last step (all
+        peers must stop at the same step)."""
         if self._sam_saved is not None:
             sam_restore(self.params, self._sam_saved)
             self._sam_saved = None
@@ -429,26 +442,17 @@ class Gossip(Strategy):
         :meth:`local_state` (``model``)."""
         return {}
 
-    def _progress(self) -> dict[str, int]:
+    def _progress(self) -> dict[str, float]:
         return {
             **super()._progress(),
-            "joined": int(self.joined),
             "stale": int(self._stale),
             "trained_steps": self.trained_steps,
         }
 
     def _load_progress(self, progress: dict[str, Any]) -> None:
         super()._load_progress(progress)
-        self.joined = bool(progress["joined"])
         self._stale = bool(progress["stale"])
         self.trained_steps = int(progress["trained_steps"])
-
-    def _local_tensors(self) -> dict[str, Any]:
-        """The (local) optimizer's state and the model's parameters and floating buffers."""
-        return self._inner_local()
-
-    def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
-        self._load_inner_local(state)
 
     # -- reporting --------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

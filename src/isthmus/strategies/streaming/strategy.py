@@ -12,10 +12,10 @@ still synced once per H steps but one sync moves about 1/P of the model:
 * **Fragments** (:func:`assign_fragments`): parameters are grouped by the numbered layer their
   name contains (``blocks.3.mlp.fc.weight`` is layer 3). ``strided`` puts layers j, j+P, j+2P, ...
   in fragment j (the paper found it slightly better); ``sequential`` cuts the layers into P
-  contiguous blocks. Parameters outside any numbered layer (the tiny GPT's token and position
+  contiguous blocks. Parameters outside any numbered layer (a GPT's token and position
   embeddings, the tied head, the final LayerNorm) all go to fragment ``nonlayer_fragment``
-  (default 0), which is therefore the largest: one sync moves a bit more than 1/P of the model
-  (0.28 of the default GPT with P = 4, 0.63 of the tiny one with P = 2). ``balanced`` (an isthmus
+  (default 0), which is therefore the largest: one sync moves more than 1/P of the model.
+  ``balanced`` (an isthmus
   addition, not in the paper) packs whole tensors into fragments of about equal size instead,
   for the smallest peak. A custom ``fragment_of(name) -> int`` may replace the rule.
 * **Schedule** (:func:`fragment_for_round`): the fragment a round syncs is ``round % P``, where
@@ -27,10 +27,8 @@ still synced once per H steps but one sync moves about 1/P of the model:
   one round is in flight).
 * **Mixing** (``alpha``): once the mean arrives, the outer optimizer (Nesterov SGD as in DiLoCo)
   updates theta_f, and the local fragment becomes ``(1 - alpha) theta_f + alpha x_f``; alpha = 0
-  restarts the fragment from theta_f (DiLoCo's rule, torchft's default). The default is 0, the
-  better measured on the benchmark budget (tiny GPT, 4 peers, 3000 steps, 4-bit: -0.9% of DDP's
-  eval loss against +3.5% with alpha 0.5); the paper's 0.5 did better on short runs (300 steps:
-  2.468 against 2.542).
+  restarts the fragment from theta_f (DiLoCo's rule). The default is 0, the better of the two on
+  long runs (docs/BENCHMARKS.md); the paper's 0.5 can do better on short ones.
 
 With ``fragments=1``, ``overlap=0`` and ``alpha=0`` this is DiLoCo bit for bit (same shared
 state, same operations in the same order).
@@ -57,7 +55,7 @@ blocks until the round commits (it does not train during the tau overlapped step
 fragment's update like the members and restarts its whole model from theta. It learns the step at
 which the round was applied from the reduction's exact values, so it continues in step.
 
-On failure: see :mod:`isthmus.strategies.overlap`. A peer dying while a fragment's all-reduce is
+On failure: see :mod:`isthmus.strategies.pipeline`. A peer dying while a fragment's all-reduce is
 in flight aborts that round for everyone; the survivors reduce the fragment's snapshot (taken at
 issue) again, blocking, and apply it; the tau inner steps taken meanwhile stay in the local
 parameters (mixed by alpha like any overlapped step). A peer resynced by a retry restarts its
@@ -69,124 +67,26 @@ bytes per round stay those of one fragment) and every peer ends on theta.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar
 
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.strategies.base import Strategy, outer_sgd, register_optimizer
+from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.diloco import DiLoCoConfig
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
-from isthmus.strategies.overlap import Planned, RoundPipeline, SteadyOverlap
+from isthmus.strategies.phased import PhasedStrategy
+from isthmus.strategies.pipeline import Planned, RoundPipeline, SteadyOverlap
+from isthmus.strategies.streaming.math import (
+    PATTERNS,
+    Pattern,
+    assign_fragments,
+    fragment_for_round,
+)
 
-__all__ = [
-    "StreamingConfig",
-    "StreamingDiLoCo",
-    "assign_fragments",
-    "fragment_for_round",
-    "layer_of",
-    "sync_schedule",
-]
-
-Pattern = Literal["strided", "sequential", "balanced"]
-PATTERNS: tuple[str, ...] = get_args(Pattern)
-_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-
-
-def layer_of(name: str) -> int | None:
-    """The first numbered component of a parameter name (``blocks.3.attn.qkv.weight`` -> 3),
-    or None for a parameter outside numbered layers (embeddings, final norm, head)."""
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
-
-
-def assign_fragments(
-    names: Sequence[str],
-    fragments: int,
-    *,
-    pattern: str = "strided",
-    nonlayer_fragment: int = 0,
-    fragment_of: Callable[[str], int] | None = None,
-    sizes: Sequence[int] | None = None,
-) -> list[list[int]]:
-    """Split parameters (by name, in order) into ``fragments`` groups; returns the parameter
-    indices of each fragment. Every parameter lands in exactly one fragment.
-
-    ``strided`` and ``sequential`` group whole numbered layers (see the module docstring).
-    ``balanced`` ignores layers and packs whole tensors (``sizes``: their element counts, needed)
-    greedily, largest first, each into the currently smallest fragment (ties: the lower index),
-    so that the largest fragment, and with it the peak bytes of one sync, is as close to 1/P of
-    the model as whole tensors allow. It is deterministic, so every peer gets the same split.
-
-    Raises ValueError if a fragment would be empty (more fragments than numbered layers, or than
-    tensors), if the pattern is unknown, or if ``fragment_of`` returns an index outside
-    ``0..fragments-1``.
-    """
-    if fragments < 1:
-        raise ValueError(f"fragments must be >= 1, got {fragments}")
-    if pattern not in PATTERNS:
-        raise ValueError(f"unknown fragment pattern {pattern!r}; use one of {PATTERNS}")
-    if not 0 <= nonlayer_fragment < fragments:
-        raise ValueError(
-            f"nonlayer_fragment must be in 0..{fragments - 1}, got {nonlayer_fragment}"
-        )
-    out: list[list[int]] = [[] for _ in range(fragments)]
-    if fragment_of is None and pattern == "balanced":
-        if sizes is None or len(sizes) != len(names):
-            raise ValueError("the balanced pattern needs the element count of every parameter")
-        load = [0] * fragments
-        for i in sorted(range(len(names)), key=lambda i: (-sizes[i], i)):
-            f = min(range(fragments), key=lambda f: (load[f], f))
-            out[f].append(i)
-            load[f] += sizes[i]
-        for idx in out:
-            idx.sort()
-    elif fragment_of is not None:
-        for i, n in enumerate(names):
-            f = fragment_of(n)
-            if not isinstance(f, int) or not 0 <= f < fragments:
-                raise ValueError(f"fragment_of({n!r}) returned {f!r}; expected 0..{fragments - 1}")
-            out[f].append(i)
-    else:
-        layers = sorted({x for x in map(layer_of, names) if x is not None})
-        position = {layer: k for k, layer in enumerate(layers)}
-        for i, n in enumerate(names):
-            layer = layer_of(n)
-            if layer is None:
-                out[nonlayer_fragment].append(i)
-            elif pattern == "strided":
-                out[position[layer] % fragments].append(i)
-            else:
-                out[position[layer] * fragments // len(layers)].append(i)
-        if len(layers) < fragments and fragments > 1:
-            raise ValueError(
-                f"{fragments} fragments but the model has {len(layers)} numbered layers "
-                f"(names like 'blocks.0.*'): use fragments <= {max(1, len(layers))} or pass "
-                f"fragment_of"
-            )
-    for f, idx in enumerate(out):
-        if not idx:
-            raise ValueError(
-                f"fragment {f} of {fragments} would hold no parameters; use fewer fragments"
-            )
-    return out
-
-
-def fragment_for_round(number: int, fragments: int) -> int:
-    """The fragment synced by committed round ``number``: the same on every peer."""
-    return number % fragments
-
-
-def sync_schedule(
-    sync_every: int, fragments: int, overlap: int, steps: int
-) -> list[tuple[int, int]]:
-    """(issue step, apply step) of every regular fragment sync up to ``steps``: applied every
-    H/P steps, issued ``overlap`` steps earlier. Steps count completed inner steps."""
-    interval = sync_every // fragments
-    return [(a - overlap, a) for a in range(interval, steps + 1, interval)]
+__all__ = ["StreamingConfig", "StreamingDiLoCo"]
 
 
 @dataclass(kw_only=True)
@@ -196,8 +96,7 @@ class StreamingConfig(DiLoCoConfig):
     time_budget: ClassVar[bool] = False  # inner_budget="time" is DiLoCo's and local SGD's
 
     sync_every: int = 20
-    """H: each fragment is synced once every H inner steps (20: DiLoCo's measured best, at which
-    Streaming with alpha 0 ended 0.9% below DDP on the tiny GPT)."""
+    """H: each fragment is synced once every H inner steps (DiLoCo's default)."""
     fragments: int = 2
     """P: number of fragments; one is synced every H/P steps. H must be a multiple of P."""
     pattern: Pattern = "strided"
@@ -207,9 +106,8 @@ class StreamingConfig(DiLoCoConfig):
     """tau: inner steps between starting a fragment's all-reduce and applying it (< H/P)."""
     alpha: float = 0.0
     """Mixing: local fragment <- (1 - alpha) theta_f + alpha x_f after its sync (0: DiLoCo's
-    restart from theta_f). The paper uses 0 and 0.5. On the tiny GPT (docs/BENCHMARKS.md) 0.5
-    was better for short runs (300 steps) and 0 for long ones (3000 steps: -0.9% against +3.5%
-    of DDP's loss): mixing keeps part of each replica's drift, which costs once they should agree."""
+    restart from theta_f). The paper uses 0 and 0.5; mixing keeps part of each replica's drift,
+    which helps short runs and costs once the replicas should agree (docs/BENCHMARKS.md)."""
     nonlayer_fragment: int = 0
     """The fragment that holds every parameter outside numbered layers (embeddings, norms)."""
 
@@ -253,7 +151,7 @@ class _Sync:
     """The buffer snapshot this round carries (None: this peer contributes nothing)."""
 
 
-class StreamingDiLoCo(Strategy):
+class StreamingDiLoCo(PhasedStrategy):
     """Streaming DiLoCo around the user's inner optimizer. Call :meth:`step` after every
     backward and :meth:`finish` once at the end."""
 
@@ -271,6 +169,7 @@ class StreamingDiLoCo(Strategy):
         super().__init__(*args, **kwargs)
 
     def setup(self) -> None:
+        super().setup()
         cfg, session = self.config, self.session
         self.fragments = assign_fragments(
             self.names,
@@ -283,51 +182,48 @@ class StreamingDiLoCo(Strategy):
         self.global_params = [global_copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.buffers = SharedBuffers(self.model_state.float_buffers)
-        self.since = 0
-        self.outer_rounds = 0
         # (step, fragment) of every applied round, in order: the schedule as it happened
         self.sync_log: list[tuple[int, int]] = []
-        self.joined = session is None
         self.pipeline = RoundPipeline(session, self.reducer, lambda: self.step_count)
         self.steady = SteadyOverlap(self.reducer.timing)
-        self._resume: dict[str, Any] | None = None  # a round in flight at a checkpoint
-        self._materialize_inner()
         # The same names as DiLoCo: with P=1, tau=0 the two share state bit for bit.
         self.share_model(self.global_params, "global", self.buffers)
         if session is not None:
             register_optimizer(session, "outer", self.outer)
             self._register_counter()
 
-    @property
-    def step_count(self) -> int:
-        return int(self.global_step) + self.since
-
     def fragment_sizes(self) -> list[int]:
         """Elements per fragment (what one sync moves, before compression)."""
         return [sum(self.params[i].numel() for i in idx) for idx in self.fragments]
 
-    def _step(self) -> None:
-        self.check_faults("step")
-        if self._resume is not None:
-            self._reissue(self._resume)
-        if not self.joined:
-            self.joined = True
-            self.drop_catch_up_forward()
-            # Catch-up round (blocking): a joiner receives theta and the members' step; at the
-            # start of a run it syncs fragment 0's zero outer gradient, exactly like DiLoCo.
-            self._issue(self.step_count, catch_up=True)
-            self._settle()
-            self.steady.mark_start()  # the catch-up round blocks by design
-            return
-        self.optimizer.step()
-        self.local_steps += 1
-        self.since += 1
-        s = self.step_count
+    def catch_up(self) -> None:
+        """A blocking round: a joiner receives theta and the members' step; at the start of a
+        run it syncs fragment 0's zero outer gradient, exactly like DiLoCo."""
+        self._issue(self.step_count, catch_up=True)
+        self._settle()
+        self.steady.mark_start()  # the catch-up round blocks by design
+
+    def _lands(self, step: int) -> bool:
+        """Whether the round in flight is applied at ``step``."""
         flight = self.pipeline.flight
-        if flight is not None and s >= flight.plan.tag.apply_step:
+        return flight is not None and step >= flight.plan.tag.apply_step
+
+    def _starts(self, step: int) -> bool:
+        """Whether a fragment's round is issued at ``step`` (tau steps before it is applied)."""
+        return (step + self.config.overlap) % self.config.interval == 0
+
+    def boundary_due(self) -> bool:
+        s = self.step_count
+        return self._lands(s) or self._starts(s)
+
+    def boundary(self) -> None:
+        """Settle the round in flight if it is due, then issue the next fragment's round if one
+        starts here (and settle it at once when nothing overlaps it)."""
+        s = self.step_count
+        if self._lands(s):
             self._settle()
         tau = self.config.overlap
-        if self.pipeline.flight is None and (s + tau) % self.config.interval == 0:
+        if self.pipeline.flight is None and self._starts(s):
             self._issue(s + tau)
             if tau == 0:
                 self._settle()
@@ -416,14 +312,12 @@ class StreamingDiLoCo(Strategy):
         self.outer_rounds += 1
         self.sync_log.append((step_at, tag.fragment))
 
-    def _finish(self) -> None:
+    def final_round(self) -> None:
         """Settle the sync in flight, then sync every fragment that has progress not yet synced
         (one round each), and end on theta (model included) on every peer. The fragment whose
         round was in flight is treated as every round treats it: the steps taken after its issue
         are mixed by ``alpha`` when it lands (dropped with alpha 0), not sent again; so with
         ``overlap`` > 0 a run's last (up to) tau steps of that fragment do not reach theta."""
-        if not self.joined:
-            return
         self.steady.mark_end()
         target = self.step_count
         just_synced = self.since == 0 and self.outer_rounds > 0
@@ -440,20 +334,11 @@ class StreamingDiLoCo(Strategy):
         self.buffers.restart()
 
     # -- local state (checkpoints) ----------------------------------------------------------------
-    def _progress(self) -> dict[str, int]:
-        return {
-            **super()._progress(),
-            "since": self.since,
-            "joined": int(self.joined),
-            "outer_rounds": self.outer_rounds,
-            "rounds": self.pipeline.rounds,
-        }
+    def _progress(self) -> dict[str, float]:
+        return {**super()._progress(), "rounds": self.pipeline.rounds}
 
     def _load_progress(self, progress: dict[str, Any]) -> None:
         super()._load_progress(progress)
-        self.since = int(progress["since"])
-        self.joined = bool(progress["joined"])  # in step with the loaded state: no catch-up
-        self.outer_rounds = int(progress["outer_rounds"])
         self.pipeline.rounds = int(progress["rounds"])
 
     def _local_tensors(self) -> dict[str, Any]:
@@ -486,10 +371,10 @@ class StreamingDiLoCo(Strategy):
             )
             if tag.ref is not None:
                 ref = dict(zip(self.buffers.names, tag.ref, strict=True))
-        return {**self._inner_local(), "flight": {**flight, "delta": delta, "ref": ref}}
+        return {**super()._local_tensors(), "flight": {**flight, "delta": delta, "ref": ref}}
 
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
-        self._load_inner_local(state)
+        super()._load_local_tensors(state)
         saved = state.get("flight")
         if not isinstance(saved, Mapping) or not saved.get("present"):
             self._resume = None
@@ -504,9 +389,8 @@ class StreamingDiLoCo(Strategy):
             "ref": tuple(saved["ref"][n].clone() for n in self.buffers.names),
         }
 
-    def _reissue(self, saved: dict[str, Any]) -> None:
+    def reissue(self, saved: dict[str, Any]) -> None:
         """Issue again the round a checkpoint caught in flight, with the snapshot it carried."""
-        self._resume = None
         frag = saved["fragment"]
         items = [(self.names[i], saved["delta"][i]) for i in self.fragments[frag]]
         ref = saved["ref"] if saved["contribute"] else None

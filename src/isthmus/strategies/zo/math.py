@@ -11,12 +11,11 @@ knows the round and the ranks (a round's members are ranked by peer name), so no
 
 **Identical z on every device** (:func:`perturbation`): ``z`` is drawn on the CPU in float64 with
 ``torch.randn``, cast to the parameter's dtype on the CPU, then moved to the parameter's device.
-float64 because torch's float32 ``randn`` on the CPU picks a kernel by instruction set (measured
-with torch 2.13: ``ATEN_CPU_CAPABILITY=default`` and ``avx2`` give float32 streams that differ in
-the last bits, while the float64 streams are equal), so float32 draws would differ between
-machines. The cost: a float64 draw and a cast of every parameter on the CPU, plus a host-to-device
-copy for an accelerator, for each perturbation applied; it is not hidden behind the forward
-passes.
+float64 because torch's float32 ``randn`` on the CPU picks a kernel by instruction set, and two
+kernels' float32 streams may differ in the last bits where their float64 streams agree, so float32
+draws could differ between machines. The cost: a float64 draw and a cast of every parameter on
+the CPU, plus a host-to-device copy for an accelerator, for each perturbation applied; it is not
+hidden behind the forward passes.
 
 **Tied parameters.** Parameters that are the same tensor (or views of the same memory with the
 same shape and strides) are perturbed and updated once: :func:`distinct` keeps the first of each.

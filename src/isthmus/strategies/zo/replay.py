@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.reduce.zo_math import ScalarCodec, apply_update, perturbation_seed
+from isthmus.strategies.zo.math import ScalarCodec, apply_update, perturbation_seed
 
 __all__ = [
     "LoggedRound",

@@ -39,7 +39,7 @@ peer, holding the same bytes, computes the same bits.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +49,9 @@ __all__ = [
     "SparseCodec",
     "pack_codes",
     "quantize",
+    "read_header",
     "sum_messages",
+    "sum_present",
     "topk_rows",
     "unpack_codes",
 ]
@@ -99,6 +101,15 @@ def quantize(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 def read_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bytes of a message as ``dtype`` (copied: a slice at an odd offset cannot be viewed)."""
     return raw.clone().view(dtype)
+
+
+def read_header(msg: torch.Tensor, size: int, header: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A message of ``size`` bytes, contiguous, and its float32 header (its first ``header``
+    bytes: present, exact values...). Raises ValueError for a message of another size."""
+    if msg.numel() != size:
+        raise ValueError(f"a message of {msg.numel()} bytes, expected {size}")
+    msg = msg.contiguous()
+    return msg, read_as(msg[:header], torch.float32)
 
 
 def dequantize(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -245,11 +256,8 @@ class SparseCodec:
     def decode(self, msg: torch.Tensor) -> Decoded:
         """Read one message (the bytes :meth:`encode` made). Raises ValueError for a message of
         another size."""
-        if msg.numel() != self.payload_bytes:
-            raise ValueError(f"a message of {msg.numel()} bytes, expected {self.payload_bytes}")
-        msg = msg.contiguous()
+        msg, head = read_header(msg, self.payload_bytes, self.header_bytes)
         off = self.header_bytes
-        head = read_as(msg[:off], torch.float32)
         entries = []
         for i, lay in enumerate(self.layouts):
             kept = lay.kept
@@ -283,13 +291,26 @@ def sum_messages(
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """Decode a round's messages (in rank order) and sum the present ones, in that order, into
     dense flat fp32 tensors (one per parameter) and the exact values. Returns (sums, exact sum,
-    number present). Positions are distinct within one message, so each addition is a plain
-    sum per element and the result depends only on the bytes and their order."""
-    sums = [torch.zeros(lay.numel) for lay in codec.layouts]
-    exact = torch.zeros(codec.exact)
+    number present)."""
+    return sum_present(codec.decode, [lay.numel for lay in codec.layouts], codec.exact, messages)
+
+
+def sum_present(
+    decode: Callable[[torch.Tensor], Decoded],
+    sizes: Sequence[int],
+    exact_len: int,
+    messages: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """Sum the present messages' entries (``decode``: a message's positions and values, one
+    pair per dense fp32 vector of ``sizes``) and exact values, in the messages' order. Returns
+    (sums, exact sum, number present). Positions are distinct within one message, so each
+    addition is a plain sum per element and the result depends only on the bytes and their
+    order."""
+    sums = [torch.zeros(n) for n in sizes]
+    exact = torch.zeros(exact_len)
     present = 0
     for msg in messages:
-        d = codec.decode(msg)
+        d = decode(msg)
         if not d.present:
             continue
         present += 1

@@ -1,33 +1,30 @@
-"""DeMo: decoupled momentum; every step, each peer sends the top DCT components of its momentum.
+"""DeMo (``decoupled_momentum``): each step, each peer sends the top DCT components of its momentum.
 
 Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", arXiv:2411.19870 (2024);
-reference optimizer bloc97/DeMo (Nous Research; the optimizer of the Psyche network's runs).
+reference optimizer bloc97/DeMo (Nous Research).
 
 Every step is one round. Each peer, per parameter, with its local momentum ``m`` (fp32):
 
 1. ``theta <- theta * (1 - lr * weight_decay)`` (decoupled; applied with the update, step 5);
 2. ``m <- decay * m + lr * g`` (g: this step's gradient);
-3. compresses ``m`` (:class:`~isthmus.reduce.demo_math.DCTCodec`): a 2-D orthonormal DCT over
-   tiles of at most ``chunk`` x ``chunk``, the ``top_k`` largest coefficients per tile;
+3. compresses ``m`` (:class:`~isthmus.strategies.decoupled_momentum.math.DCTCodec`): a 2-D
+   orthonormal DCT over tiles of at most ``chunk`` x ``chunk``, the ``top_k`` largest
+   coefficients per tile;
 4. keeps the residual: ``m <- m - q`` (``q``: the inverse DCT of what it sends);
 5. all-gathers the messages, sums the present ones' coefficients in rank order, inverts the DCT
    and applies ``theta <- theta - lr * sign(sum)`` (``sign=False``: ``lr * sum / R`` over the
    ``R`` peers present).
 
 The reference's defaults are this config's: ``decay`` 0.999, ``chunk`` 64, ``top_k`` 32, sign on,
-kept after a search (docs/BENCHMARKS.md, "Defaults from a search"): on the tiny GPT (4 peers, 3000
-steps) 16 per tile matched 32 at half the bytes (-0.9% and -0.9% of DDP's eval loss at lr 2e-3,
--1.9% and -2.4% at 3e-3; 8 per tile -0.5% at 35x fewer bytes than DDP, 4 per tile +0.9% at 70x), but
-on the default GPT's 200-step demo 16 ended at 2.55 where 32 ended at 2.21. The learning rate is the
-optimizer's: the sign step wanted more than AdamW on the tiny GPT (1e-3: +3.8%, 2e-3: -0.9%, 3e-3:
--2.4%, 4e-3: -2.5%, 5e-4: +12.8%), not on the demo's default GPT over 200 steps (3e-3: 2.50 against
-2.21), so tune it per model and run length. The chunk is a second knob for the same trade: a tile is
-at most ``chunk`` on a side but no wider than its matrix, so on a small model the chunk changes the
-density, and chunk 32 / top_k 8 and 128 / 128 landed on the front top_k drew at chunk 64 (-1.7% at
-24x, -3.0% at 5x). One departure: the reference averages each coefficient over the peers that *sent*
-it, so a coefficient one peer picked weighs as much as one every peer picked; isthmus sums them (the
-mean over the peers present, times their count, which the sign ignores), so each coefficient weighs
-by how many peers picked it. The two updates differ where the peers' selections differ.
+kept after a search (docs/BENCHMARKS.md, "Defaults from a search"). Fewer coefficients per tile
+cut the bytes in proportion and cost short runs more than long ones. The learning rate is the
+optimizer's, and the sign step may want another one than AdamW: tune it per model and run length.
+The chunk is a second knob for the same trade: a tile is at most ``chunk`` on a side but no wider
+than its matrix, so on a small model the chunk changes the density. One departure: the reference
+averages each coefficient over the peers that *sent* it, so a coefficient one peer picked weighs as
+much as one every peer picked; isthmus sums them (the mean over the peers present, times their
+count, which the sign ignores), so each coefficient weighs by how many peers picked it. The two
+updates differ where the peers' selections differ.
 
 Like the reference (a subclass of SGD), DeMo replaces the user's optimizer's update: isthmus
 reads each parameter's ``lr`` and ``weight_decay`` from the optimizer's param group at every
@@ -53,7 +50,8 @@ absent message, and that step's gradient is dropped. A resynced peer likewise se
 keeps its ``m``; a peer whose momentum or buffers are not finite sends nothing (logged).
 
 Bit parity: every peer applies the same bytes in the same order with the same operations (see
-:mod:`isthmus.reduce.demo_math` on CPU kinds). Refuses ``compression=`` and ``aggregator=``.
+:mod:`isthmus.strategies.decoupled_momentum.math` on CPU kinds). Refuses ``compression=`` and
+``aggregator=``.
 """
 
 from __future__ import annotations
@@ -66,14 +64,14 @@ from typing import Any
 import torch
 
 from isthmus.reduce.compress.compressor import all_finite
-from isthmus.reduce.demo_math import DCTCodec
 from isthmus.strategies.base import Strategy
+from isthmus.strategies.decoupled_momentum.math import DCTCodec
 from isthmus.strategies.model_state import SharedBuffers, load_tensors
 from isthmus.strategies.sparseloco import gather_messages
 
 __all__ = ["DeMo", "DeMoConfig"]
 
-log = logging.getLogger("isthmus.demo")
+log = logging.getLogger("isthmus.decoupled_momentum")
 
 
 @dataclass(kw_only=True)
@@ -86,7 +84,7 @@ class DeMoConfig:
     """Largest tile side of the DCT (the reference's ``compression_chunk``), at most 181."""
     top_k: int = 32
     """Coefficients kept per tile (the reference's ``compression_topk``). Fewer cut the bytes in
-    proportion: 8 ended within 1% of DDP on the tiny GPT's 3000 steps, but short runs lose more."""
+    proportion; short runs lose more to them than long ones."""
     sign: bool = True
     """Step along the sign of the summed components (the reference); False: their mean."""
 
@@ -99,7 +97,7 @@ class DeMoConfig:
 class DeMo(Strategy):
     """DeMo: call :meth:`step` after every backward (instead of ``optimizer.step()``)."""
 
-    name = "demo"
+    name = "decoupled_momentum"
     Config = DeMoConfig
     config: DeMoConfig
     first_round_uses_work = True  # the first step trains on its batch, as DDP's
@@ -113,8 +111,8 @@ class DeMo(Strategy):
         missing = [n for n, p in zip(self.names, self.params, strict=True) if id(p) not in groups]
         if missing:
             raise ValueError(
-                f"demo reads each parameter's lr from the optimizer, which does not hold "
-                f"{missing[:3]}: pass an optimizer over all trainable parameters"
+                f"decoupled_momentum reads each parameter's lr from the optimizer, which does "
+                f"not hold {missing[:3]}: pass an optimizer over all trainable parameters"
             )
         self.groups = [groups[id(p)] for p in self.params]
         self.buffers = SharedBuffers(self.model_state.float_buffers)

@@ -33,7 +33,13 @@ from functools import lru_cache
 
 import torch
 
-from isthmus.reduce.sparseloco_math import Decoded, read_as, topk_rows
+from isthmus.strategies.sparseloco.math import (
+    Decoded,
+    read_as,
+    read_header,
+    sum_present,
+    topk_rows,
+)
 
 __all__ = ["DCTCodec", "dct_basis", "tile_size"]
 
@@ -187,11 +193,8 @@ class DCTCodec:
     def decode(self, msg: torch.Tensor) -> Decoded:
         """Read a message: per tensor, the flat positions in its coefficient vector ``[tiles *
         s1 * s2]`` and the coefficients. Raises ValueError for a message of another size."""
-        if msg.numel() != self.payload_bytes:
-            raise ValueError(f"a message of {msg.numel()} bytes, expected {self.payload_bytes}")
-        msg = msg.contiguous()
+        msg, head = read_header(msg, self.payload_bytes, self.header_bytes)
         off = self.header_bytes
-        head = read_as(msg[:off], torch.float32)
         entries = []
         for t in self.tilings:
             local = read_as(msg[off : off + 2 * t.kept], torch.int16).to(torch.int64)
@@ -212,15 +215,5 @@ class DCTCodec:
     def sum(self, messages: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, int]:
         """Sum the present messages' coefficients in rank order; returns (coefficient sums,
         exact sum, number present)."""
-        sums = [torch.zeros(t.tiles * t.size) for t in self.tilings]
-        exact = torch.zeros(self.exact)
-        present = 0
-        for msg in messages:
-            d = self.decode(msg)
-            if not d.present:
-                continue
-            present += 1
-            exact += d.exact
-            for s, (pos, vals) in zip(sums, d.entries, strict=True):
-                s.index_add_(0, pos, vals)
-        return sums, exact, present
+        sizes = [t.tiles * t.size for t in self.tilings]
+        return sum_present(self.decode, sizes, self.exact, messages)

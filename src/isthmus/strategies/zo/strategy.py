@@ -14,7 +14,7 @@ One ``step(loss_fn)`` is one round (``loss_fn()`` returns the loss of the curren
 this step's batch; it is called ``2 * perturbations`` times under ``torch.no_grad()``):
 
 1. Each member draws perturbation ``k`` from the seed ``perturbation_seed(seed, round, rank, k)``
-   (:mod:`isthmus.reduce.zo_math`): the round's members are ranked by peer name, so every peer
+   (:mod:`isthmus.strategies.zo.math`): the round's members are ranked by peer name, so every peer
    knows every member's seeds and none travels (the rank, not the name itself: a round's plan
    lists peer ids, not names; a peer's perturbation thus depends on the round's membership,
    which is the same for every member). Members whose work must not count (resynced at
@@ -25,13 +25,13 @@ this step's batch; it is called ``2 * perturbations`` times under ``torch.no_gra
    point and would let each member's parameters drift by its own rounding). The forward passes
    see the same dropout masks (the RNG state is replayed for ``L-``, as MeZO resets its seed), and
    whatever they do to the model's buffers is undone.
-3. ``g`` is quantized to ``bits`` bits (:class:`~isthmus.reduce.zo_math.ScalarCodec`: sign and
+3. ``g`` is quantized to ``bits`` bits (:class:`~isthmus.strategies.zo.math.ScalarCodec`: sign and
    a logarithmic magnitude between ``g_min`` and ``g_max``, flushed to zero below, clipped
    above; ``bits=32`` sends the float32 itself) and the packed codes, ``ceil(bits *
    perturbations / 8)`` bytes, are all-gathered in the round.
 4. After the commit every peer decodes every member's codes and applies, in rank order then
    perturbation order, ``theta <- (1 - lr wd) theta - (lr / N) sum_m g_m z_m`` over the ``N``
-   present estimates (:func:`~isthmus.reduce.zo_math.apply_update` spells out the operations).
+   present estimates (:func:`~isthmus.strategies.zo.math.apply_update` spells out the operations).
    Weight decay applies to parameters of two or more dimensions.
 
 With ``session=None`` the same happens with one member (rank 0, round = the step counter): one
@@ -101,7 +101,17 @@ from typing import Any, ClassVar
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.reduce.zo_log import (
+from isthmus.strategies.base import Strategy
+from isthmus.strategies.model_state import SharedBuffers
+from isthmus.strategies.zo.math import (
+    ScalarCodec,
+    distinct,
+    perturb_,
+    perturbation,
+    perturbation_seed,
+    projected_gradient,
+)
+from isthmus.strategies.zo.replay import (
     LoggedRound,
     RoundLog,
     apply_round,
@@ -110,16 +120,6 @@ from isthmus.reduce.zo_log import (
     nonzero_estimates,
     replay_is_cheaper,
 )
-from isthmus.reduce.zo_math import (
-    ScalarCodec,
-    distinct,
-    perturb_,
-    perturbation,
-    perturbation_seed,
-    projected_gradient,
-)
-from isthmus.strategies.base import Strategy
-from isthmus.strategies.model_state import SharedBuffers
 
 __all__ = ["ZO", "ZOConfig"]
 
@@ -138,8 +138,7 @@ class ZOConfig:
     """Perturbation scale (MeZO: 1e-3)."""
     lr: float = 1e-6
     """Learning rate of the zeroth-order SGD step (MeZO: 1e-6 to 1e-7 for OPT fine-tuning).
-    The demo's GPT (1.3M parameters) from scratch barely moves at 1e-6 (one peer, 60 steps: eval
-    loss 5.365 -> 5.359); 1e-4 gives 4.97 and 3e-4 gives 4.78 (measured 2026-11-25)."""
+    A small model trained from scratch barely moves at such rates and needs a much larger one."""
     perturbations: int = 1
     """Perturbations per peer per step (MeZO's n-SPSA; MeZO: 1). Each costs two forward passes
     and ``bits`` bits on the wire."""
@@ -269,7 +268,7 @@ class ZO(Strategy):
         """This peer's estimates clipped to ``g_max``."""
         self._cache: tuple[int, int, list[int], float] | None = None  # round, rank, codes, loss
         self.log = RoundLog(self.config.log_rounds)
-        """The committed rounds this peer can serve replays of (see :mod:`isthmus.reduce.zo_log`)."""
+        """Committed rounds this peer can serve replays of (:mod:`isthmus.strategies.zo.replay`)."""
         self.replays = 0
         """Times this peer caught up by replaying rounds (not by a state transfer)."""
         self.replayed_rounds = 0
@@ -489,8 +488,8 @@ class ZO(Strategy):
 
 class _Replayer:
     """:class:`~isthmus.comm.state.CatchUp` for :class:`ZO`: a stale peer replays the rounds it
-    missed from the source's :class:`~isthmus.reduce.zo_log.RoundLog` (the choice and the
-    exchange are described in :mod:`isthmus.reduce.zo_log` and :mod:`isthmus.comm.transfer`).
+    missed from the source's :class:`~isthmus.strategies.zo.replay.RoundLog` (the choice and the
+    exchange are described in :mod:`isthmus.strategies.zo.replay` and :mod:`isthmus.comm.transfer`).
     The replay runs on copies of the parameters (one extra copy of the model while catching
     up); its time counts against the source's ``collective_timeout``, which waits for the
     destination's verdict."""

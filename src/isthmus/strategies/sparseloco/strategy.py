@@ -8,7 +8,7 @@ and measures its outer gradient ``delta_r = theta - theta_r``. There is no outer
 peer keeps an **error-feedback accumulator** ``e_r`` (fp32, local) and, per round,
 
 1. ``e_r <- error_decay * e_r + delta_r``;
-2. compresses it (:class:`~isthmus.reduce.sparseloco_math.SparseCodec`): in every chunk of
+2. compresses it (:class:`~isthmus.strategies.sparseloco.math.SparseCodec`): in every chunk of
    ``chunk`` elements the ``top_k`` of largest magnitude, quantized to ``bits`` bits;
 3. all-gathers the messages (a fixed size per fragment, the same on every peer; the largest
    is :attr:`SparseLoCo.payload_bytes`): sparse vectors do
@@ -37,23 +37,16 @@ so the tau steps overlapped with its round are dropped for that fragment (Stream
 Eager DiLoCo's whole-phase delay (tau = H) is another skeleton and is not composed here: the
 config refuses tau >= H/P.
 
-Defaults: 64 of every 4096 elements (1.56% density, the paper's denser setting) at 1 bit (the
-paper's is 2), and, the best of a search on the tiny GPT (4 peers, 3000 steps; docs/BENCHMARKS.md,
-"Defaults from a search"), H = 10, ``outer_lr`` 2.5 and ``error_decay`` 0.99: 1.3% above DDP's eval
-loss at 207x fewer bytes (1.7% at 185x with 2 bits). The values ALGORITHMS.md records for the paper
-(``outer_lr`` 1.0, ``error_decay`` 0.95, H = 20, 2 bits) ended 13.0% above: without outer momentum
-an outer step of 1.0 is plain averaging (local SGD with 4-bit averages: +8.8%), and a larger outer
-step stands in for the momentum DiLoCo's Nesterov step gives (2 to 3 is best; 4 and 6 are worse); a
-slower decay keeps more of the unsent progress (0.99 beats 0.95, 0.995, 0.999 and 1). H = 20 with
-these gives +4.1% at 369x (2 bits). One bit (each value's side of the mean, each side decoded to its
-mean; :mod:`isthmus.reduce.sparseloco_math`) beat 2 at H = 10 and 15 (+2.9% at 310x against +3.6% at
-277x) and lost at H = 20 (+5.2% at 413x); 4 bits ended 2.9% above at 127x. A kept entry's index
-costs 16 bits, so 1 bit instead of 2 saves 11% of the bytes, not half. DiLoCo with 4-bit outer
-gradients ends 1.4% below DDP at 147x, so the paper's claim that SparseLoCo beats DiLoCo did not
-hold on this model and budget. Not searched: 2-D tiles. The reference tiles matrices into 64 x 64
-blocks; isthmus chunks the flattened tensor (see :mod:`isthmus.reduce.sparseloco_math`). Bytes per
-round per peer: one fragment's message (the whole model's with P = 1), the all-gather sending
-``(world - 1)`` times that over a ring.
+Defaults: 64 of every 4096 elements (the paper's denser setting) at 1 bit (the paper's is 2),
+H = 10, ``outer_lr`` 2.5 and ``error_decay`` 0.99, the best of a search (docs/BENCHMARKS.md,
+"Defaults from a search", which also has the paper's values and DiLoCo for comparison). Without
+outer momentum an outer step of 1.0 is plain averaging, and a larger outer step stands in for the
+momentum DiLoCo's Nesterov step gives; a slower decay keeps more of the unsent progress. One bit
+encodes each value's side of the mean, each side decoded to its mean
+(:mod:`isthmus.strategies.sparseloco.math`); a kept entry's 16-bit index dominates the bytes, so 1
+bit instead of 2 saves far less than half. The reference tiles matrices into 64 x 64 blocks;
+isthmus chunks the flattened tensor. Bytes per round per peer: one fragment's message (the whole
+model's with P = 1), the all-gather sending ``(world - 1)`` times that over a ring.
 
 Shared state (Streaming's and DiLoCo's names): theta (``global/*``), the buffers' global copy,
 the step counter; no outer optimizer state. Local: the inner optimizer, the local parameters,
@@ -98,9 +91,9 @@ import torch
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
-from isthmus.reduce.sparseloco_math import SparseCodec, sum_messages
 from isthmus.strategies.model_state import load_tensors
-from isthmus.strategies.overlap import Planned
+from isthmus.strategies.pipeline import Planned
+from isthmus.strategies.sparseloco.math import SparseCodec, sum_messages
 from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
 
 __all__ = ["SparseGroup", "SparseLoCo", "SparseLoCoConfig", "SparseRound", "gather_messages"]
@@ -116,9 +109,8 @@ class SparseLoCoConfig(StreamingConfig):
     time budget is not implemented (``inner_budget="steps"`` only)."""
 
     sync_every: int = 10
-    """H: inner steps between rounds (of each fragment). Measured on the tiny GPT (4 peers, 3000
-    steps, with the default outer_lr and error_decay): H = 10 ended 1.7% above DDP's eval loss at
-    185x fewer bytes, H = 15 3.6% at 277x, H = 20 4.1% at 369x."""
+    """H: inner steps between rounds (of each fragment); a larger H sends fewer bytes and ends
+    further from DDP's loss."""
     fragments: int = 1
     """P: fragments synced in turn, one every H/P steps, each with its own accumulators and
     message (Streaming DiLoCo's); 1: the whole model every H steps (the paper)."""
@@ -126,21 +118,19 @@ class SparseLoCoConfig(StreamingConfig):
     """tau: inner steps a round's all-gather runs behind before its result is applied (< H/P)."""
     outer_lr: float = 2.5
     """theta <- theta - outer_lr * mean of the sent accumulators (the paper's alpha; Streaming's
-    mixing ``alpha`` is another option, and must be 0 here). The best measured; 1.0 (plain
-    averaging of the sent parts) ended 13% above DDP where 2.5 ended 1.7% above."""
+    mixing ``alpha`` is another option, and must be 0 here); 1.0 is plain averaging of the sent
+    parts."""
     outer_momentum: float = 0.0
     """Must be 0: SparseLoCo has no outer momentum."""
     nesterov: bool = False
     error_decay: float = 0.99
-    """beta: e <- beta * e + delta before each compression (the best measured of 0.9, 0.95,
-    0.99, 0.995, 0.999 and 1)."""
+    """beta: e <- beta * e + delta before each compression."""
     chunk: int = 4096
     """Elements per chunk of the flattened tensors (at most 32768)."""
     top_k: int = 64
-    """Entries kept per chunk (64 of 4096: 1.56%)."""
+    """Entries kept per chunk."""
     bits: int = 1
-    """Bits per kept value: 1, 2 (the paper's), 4, 8, or 32 (float32, unquantized). 1 measured
-    best at the default H (1.3% above DDP at 207x fewer bytes; 2 bits 1.7% at 185x)."""
+    """Bits per kept value: 1, 2 (the paper's), 4, 8, or 32 (float32, unquantized)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -225,7 +215,7 @@ class SparseGroup:
 
 
 class SparseRound:
-    """One round of one :class:`SparseGroup` (an :class:`~isthmus.strategies.overlap.Exchange`):
+    """One round of one :class:`SparseGroup` (an :class:`~isthmus.strategies.pipeline.Exchange`):
     ``e <- decay e + delta`` and its message, built once when the round is planned, so that a
     retried attempt sends the same bytes; the accumulators change only in :meth:`commit`.
 
@@ -287,7 +277,7 @@ class SparseRound:
 class SparseLoCo(StreamingDiLoCo):
     """SparseLoCo around the user's inner optimizer. Call :meth:`step` after every backward and
     :meth:`finish` once at the end (it settles the round in flight and syncs each other fragment
-    once; see :meth:`StreamingDiLoCo._finish` for the steps a round in flight leaves out)."""
+    once; see :meth:`StreamingDiLoCo.final_round` for the steps a round in flight leaves out)."""
 
     name = "sparseloco"
     Config = SparseLoCoConfig
