@@ -1,0 +1,201 @@
+"""Whether a transfer still makes progress, from samples of its connections' byte counters: the
+pure rule that replaces a fixed total timeout.
+
+A collective of any size may take as long as it needs while its bytes move; what ends it is a
+connection whose bytes stop moving. Each sample gives, per connection, its counters at one
+instant (see :mod:`isthmus.comm.tcpstats`; a transport without sockets, or a collective run in
+chunks, can feed the count of bytes done as ``acked``). :class:`ProgressWatch` keeps, per
+connection, when its counters last advanced, and :meth:`ProgressWatch.verdict` classifies:
+
+* **progressing**: some connection advanced within the last ``stall_s`` seconds, and none is
+  silent. A slow link is never stuck, however long the whole transfer takes.
+* **silent** (stuck, with a culprit): a connection holds data in flight that its remote has not
+  acknowledged for ``stall_s``: the path or the remote host is gone (a cut link, a one-way
+  route, a firewall that drops). Per connection, so that one dead link is caught even while
+  others still move data; the verdict names the remote, which is what a failure report needs.
+* **not reading** (stuck after ``late_s``): data is queued but nothing is in flight and nothing
+  advanced: the remote's kernel is there (it acknowledges window probes) but its process takes
+  no data: it is stopped, busy, or not in the collective yet. Not a network fault; heartbeats
+  catch a stopped process sooner, so this bound is the round's, not the link's.
+* **idle** (stuck after ``late_s``): nothing queued, nothing in flight, nothing arriving: this
+  member waits for data that some other member does not send. The members at the ends of the
+  broken link (if one is) see it as silent and report it; the coordinator's abort then releases
+  everybody, so an idle member does not need a short bound of its own.
+
+Everything here is pure: times are what the caller gives (monotonic seconds), and the same
+samples always give the same verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["ConnSample", "ProgressConfig", "ProgressWatch", "State", "Verdict"]
+
+
+class State(str, Enum):
+    PROGRESSING = "progressing"
+    SILENT = "silent"
+    NOT_READING = "not reading"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class ConnSample:
+    """One connection at one instant: ``key`` names it (a socket inode, a chunk stream),
+    ``remote`` says whom it leads to (``host:port``, or a member name), ``acked``/``received``
+    are cumulative bytes, ``in_flight`` whether sent data awaits acknowledgement, ``queued``
+    whether written data waits to be sent."""
+
+    key: Hashable
+    remote: str
+    acked: int
+    received: int
+    in_flight: bool = False
+    queued: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressConfig:
+    """``stall_s``: how long data in flight may go unacknowledged before its connection counts
+    as silent. ``late_s``: how long a transfer may move no byte at all while no connection is
+    silent (the remote is not reading, or this member waits for others). ``min_bytes``: how many
+    bytes a connection must advance to count as moving (1: any byte)."""
+
+    stall_s: float = 10.0
+    late_s: float = 600.0
+    min_bytes: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("stall_s", "late_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"ProgressConfig.{name}: must be a finite number > 0, got {v!r}")
+        if self.late_s < self.stall_s:
+            raise ValueError("ProgressConfig.late_s: must be >= stall_s")
+        if not isinstance(self.min_bytes, int) or isinstance(self.min_bytes, bool):
+            raise ValueError(
+                f"ProgressConfig.min_bytes: must be an integer, got {self.min_bytes!r}"
+            )
+        if self.min_bytes < 1:
+            raise ValueError("ProgressConfig.min_bytes: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the samples say: ``state``; ``stuck`` when the transfer should be given up;
+    ``for_s``, how long the worst connection (or, when idle, the whole transfer) has not moved;
+    ``remote``, whom the culprit connection leads to (silent and not reading); ``why``, one line
+    for the failure report."""
+
+    state: State
+    stuck: bool
+    for_s: float
+    remote: str = ""
+    why: str = ""
+
+
+@dataclass
+class _Conn:
+    remote: str
+    acked: int
+    received: int
+    moved_at: float  # when the counters last advanced by min_bytes (or were first seen)
+    base: int  # acked + received at moved_at
+    in_flight: bool
+    queued: bool
+
+
+class ProgressWatch:
+    """Per-connection progress of one transfer (a collective, a state transfer).
+
+    Feed it with :meth:`sample` (all connections at one instant; a connection missing from a
+    sample is gone and forgotten) and ask :meth:`verdict`. ``started``: when the transfer began
+    (the idle and not-reading bounds count from there at the latest).
+    """
+
+    def __init__(self, config: ProgressConfig | None = None, *, started: float = 0.0) -> None:
+        self.config = config or ProgressConfig()
+        self.started = started
+        self.last_moved = started
+        self.at = started
+        self._conns: dict[Hashable, _Conn] = {}
+
+    def sample(self, at: float, conns: Iterable[ConnSample]) -> None:
+        """Record the connections' counters at ``at``. Samples older than the last one are
+        ignored; a counter that went backwards is a new connection under an old key. A
+        connection seen for the first time counts as movement."""
+        if at < self.at:
+            return
+        self.at = at
+        seen: dict[Hashable, _Conn] = {}
+        for s in conns:
+            total = s.acked + s.received
+            c = self._conns.get(s.key)
+            if c is None or total < c.base or s.remote != c.remote:
+                # a connection appearing (or made again) is movement too
+                c = _Conn(s.remote, s.acked, s.received, at, total, s.in_flight, s.queued)
+                self.last_moved = max(self.last_moved, at)
+            else:
+                if total - c.base >= self.config.min_bytes:
+                    c.moved_at, c.base = at, total
+                    self.last_moved = max(self.last_moved, at)
+                c.acked, c.received = s.acked, s.received
+                c.in_flight, c.queued = s.in_flight, s.queued
+            seen[s.key] = c
+        self._conns = seen
+
+    def verdict(self, now: float | None = None) -> Verdict:
+        """Classify the transfer at ``now`` (default: the last sample's time)."""
+        cfg = self.config
+        t = self.at if now is None else max(now, self.at)
+        silent = [
+            (t - c.moved_at, c.remote)
+            for c in self._conns.values()
+            if c.in_flight and t - c.moved_at >= cfg.stall_s
+        ]
+        if silent:
+            for_s, remote = max(silent, key=lambda x: (x[0], x[1]))
+            return Verdict(
+                State.SILENT,
+                True,
+                for_s,
+                remote,
+                f"no acknowledgement from {remote} for {for_s:.1f}s with data in flight "
+                f"(the path or the host is gone)",
+            )
+        quiet_for = t - max(self.last_moved, self.started)
+        stuck = quiet_for >= cfg.late_s
+        if quiet_for < cfg.stall_s:
+            return Verdict(State.PROGRESSING, False, quiet_for)
+        if not self._conns:
+            return Verdict(
+                State.IDLE,
+                stuck,
+                quiet_for,
+                "",
+                f"no connection to watch for {quiet_for:.1f}s",
+            )
+        blocked = [
+            (t - c.moved_at, c.remote) for c in self._conns.values() if c.queued and not c.in_flight
+        ]
+        if blocked:
+            for_s, remote = max(blocked, key=lambda x: (x[0], x[1]))
+            return Verdict(
+                State.NOT_READING,
+                stuck,
+                for_s,
+                remote,
+                f"{remote} has taken no data for {for_s:.1f}s (its process is stopped, busy, "
+                f"or not in the collective)",
+            )
+        return Verdict(
+            State.IDLE,
+            stuck,
+            quiet_for,
+            "",
+            f"no byte moved on any connection for {quiet_for:.1f}s (waiting for another member)",
+        )
