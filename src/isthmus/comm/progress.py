@@ -29,7 +29,7 @@ samples always give the same verdict.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -152,50 +152,31 @@ class ProgressWatch:
         """Classify the transfer at ``now`` (default: the last sample's time)."""
         cfg = self.config
         t = self.at if now is None else max(now, self.at)
-        silent = [
-            (t - c.moved_at, c.remote)
-            for c in self._conns.values()
-            if c.in_flight and t - c.moved_at >= cfg.stall_s
-        ]
-        if silent:
-            for_s, remote = max(silent, key=lambda x: (x[0], x[1]))
+        worst = self._worst(t, lambda c: c.in_flight and t - c.moved_at >= cfg.stall_s)
+        if worst is not None:
+            for_s, remote = worst
+            why = f"no acknowledgement from {remote} for {for_s:.1f}s with data in flight"
             return Verdict(
-                State.SILENT,
-                True,
-                for_s,
-                remote,
-                f"no acknowledgement from {remote} for {for_s:.1f}s with data in flight "
-                f"(the path or the host is gone)",
+                State.SILENT, True, for_s, remote, why + " (the path or the host is gone)"
             )
         quiet_for = t - max(self.last_moved, self.started)
         stuck = quiet_for >= cfg.late_s
         if quiet_for < cfg.stall_s:
             return Verdict(State.PROGRESSING, False, quiet_for)
         if not self._conns:
-            return Verdict(
-                State.IDLE,
-                stuck,
-                quiet_for,
-                "",
-                f"no connection to watch for {quiet_for:.1f}s",
-            )
-        blocked = [
-            (t - c.moved_at, c.remote) for c in self._conns.values() if c.queued and not c.in_flight
-        ]
-        if blocked:
-            for_s, remote = max(blocked, key=lambda x: (x[0], x[1]))
-            return Verdict(
-                State.NOT_READING,
-                stuck,
-                for_s,
-                remote,
-                f"{remote} has taken no data for {for_s:.1f}s (its process is stopped, busy, "
-                f"or not in the collective)",
-            )
-        return Verdict(
-            State.IDLE,
-            stuck,
-            quiet_for,
-            "",
-            f"no byte moved on any connection for {quiet_for:.1f}s (waiting for another member)",
-        )
+            why = f"no connection to watch for {quiet_for:.1f}s"
+            return Verdict(State.IDLE, stuck, quiet_for, "", why)
+        worst = self._worst(t, lambda c: c.queued and not c.in_flight)
+        if worst is not None:
+            for_s, remote = worst
+            why = f"{remote} has taken no data for {for_s:.1f}s"
+            why += " (its process is stopped, busy, or not in the collective)"
+            return Verdict(State.NOT_READING, stuck, for_s, remote, why)
+        why = f"no byte moved on any connection for {quiet_for:.1f}s (waiting for another member)"
+        return Verdict(State.IDLE, stuck, quiet_for, "", why)
+
+    def _worst(self, t: float, which: Callable[[_Conn], bool]) -> tuple[float, str] | None:
+        """(seconds unmoved, remote) of the longest-unmoved connection that ``which`` selects
+        (ties to the greatest remote, so that the answer never depends on sample order)."""
+        found = [(t - c.moved_at, c.remote) for c in self._conns.values() if which(c)]
+        return max(found) if found else None
