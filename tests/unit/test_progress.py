@@ -209,3 +209,37 @@ def test_conn_sample_maps_the_kernel_states() -> None:
     assert (s.in_flight, s.queued, s.acked) == (True, False, 1)
     s = conn_sample(7, "a:1", closed_window)
     assert (s.in_flight, s.queued) == (False, True)
+
+
+def test_a_connection_idle_between_collectives_is_not_silent_when_it_sends_again() -> None:
+    w = ProgressWatch(CFG, started=0.0)
+    w.sample(0.0, [conn(1000)])
+    w.sample(100.0, [conn(1000)])  # a hundred seconds between rounds: nothing in flight
+    w.sample(100.3, [conn(1000, in_flight=True)])  # the next collective's first bytes
+    v = w.verdict(since=100.0)
+    assert v.state is not State.SILENT and not v.stuck
+    w.sample(110.2, [conn(1000, in_flight=True)])
+    assert not w.verdict(since=100.0).stuck  # 9.9 s since the data was first seen in flight
+    w.sample(110.3, [conn(1000, in_flight=True)])
+    v = w.verdict(since=100.0)
+    assert v.state is State.SILENT and v.for_s == pytest.approx(10.0)
+
+
+def test_bytes_arriving_do_not_hide_bytes_that_are_never_acknowledged() -> None:
+    w = ProgressWatch(CFG, started=0.0)
+    for t in range(12):  # one direction dead: what we send is never acknowledged
+        w.sample(float(t), [conn(1000, 1000 + t * 10**6, in_flight=True)])
+    v = w.verdict()
+    assert v.state is State.SILENT and v.for_s == 11.0
+
+
+def test_the_bounds_of_a_transfer_count_from_when_it_began() -> None:
+    w = ProgressWatch(CFG, started=0.0)
+    w.sample(0.0, [conn(500, 500, queued=True)])
+    w.sample(200.0, [conn(500, 500, queued=True)])
+    assert w.verdict().stuck  # watched since 0: nothing moved for 200 s
+    v = w.verdict(since=195.0)  # a transfer issued at 195 s
+    assert v.state is State.PROGRESSING and not v.stuck
+    v = w.verdict(now=235.0, since=195.0)
+    assert v.state is State.NOT_READING and v.for_s == 40.0 and not v.stuck
+    assert w.verdict(now=795.0, since=195.0).stuck

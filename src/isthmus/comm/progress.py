@@ -101,20 +101,21 @@ class Verdict:
 @dataclass
 class _Conn:
     remote: str
-    acked: int
-    received: int
-    moved_at: float  # when the counters last advanced by min_bytes (or were first seen)
-    base: int  # acked + received at moved_at
+    base: int  # acked + received when they last advanced by min_bytes
+    moved_at: float  # when that was (or when the connection was first seen)
+    acked_base: int  # acked when it last advanced by min_bytes
+    flight_from: float | None  # first sample with data in flight since acked last advanced
     in_flight: bool
     queued: bool
 
 
 class ProgressWatch:
-    """Per-connection progress of one transfer (a collective, a state transfer).
+    """Per-connection progress of the transfers on a set of connections (a group's, a state
+    transfer's).
 
     Feed it with :meth:`sample` (all connections at one instant; a connection missing from a
-    sample is gone and forgotten) and ask :meth:`verdict`. ``started``: when the transfer began
-    (the idle and not-reading bounds count from there at the latest).
+    sample is gone and forgotten) and ask :meth:`verdict`. ``started``: when watching began (the
+    idle and not-reading bounds count from there at the latest, or from a verdict's ``since``).
     """
 
     def __init__(self, config: ProgressConfig | None = None, *, started: float = 0.0) -> None:
@@ -127,46 +128,63 @@ class ProgressWatch:
     def sample(self, at: float, conns: Iterable[ConnSample]) -> None:
         """Record the connections' counters at ``at``. Samples older than the last one are
         ignored; a counter that went backwards is a new connection under an old key. A
-        connection seen for the first time counts as movement."""
+        connection seen for the first time counts as movement. Data in flight counts as
+        unacknowledged from the first sample that shows it after the last acknowledgement (so
+        a connection that was idle for long and just sent is not taken for a silent one)."""
         if at < self.at:
             return
         self.at = at
+        need = self.config.min_bytes
         seen: dict[Hashable, _Conn] = {}
         for s in conns:
             total = s.acked + s.received
             c = self._conns.get(s.key)
-            if c is None or total < c.base or s.remote != c.remote:
+            if c is None or total < c.base or s.acked < c.acked_base or s.remote != c.remote:
                 # a connection appearing (or made again) is movement too
-                c = _Conn(s.remote, s.acked, s.received, at, total, s.in_flight, s.queued)
+                flight = at if s.in_flight else None
+                c = _Conn(s.remote, total, at, s.acked, flight, s.in_flight, s.queued)
                 self.last_moved = max(self.last_moved, at)
             else:
-                if total - c.base >= self.config.min_bytes:
+                if total - c.base >= need:
                     c.moved_at, c.base = at, total
                     self.last_moved = max(self.last_moved, at)
-                c.acked, c.received = s.acked, s.received
+                if s.acked - c.acked_base >= need:
+                    c.acked_base = s.acked
+                    c.flight_from = at if s.in_flight else None
+                elif not s.in_flight:
+                    c.flight_from = None
+                elif c.flight_from is None:
+                    c.flight_from = at
                 c.in_flight, c.queued = s.in_flight, s.queued
             seen[s.key] = c
         self._conns = seen
 
-    def verdict(self, now: float | None = None) -> Verdict:
-        """Classify the transfer at ``now`` (default: the last sample's time)."""
+    def verdict(self, now: float | None = None, *, since: float | None = None) -> Verdict:
+        """Classify at ``now`` (default: the last sample's time) the transfer that began at
+        ``since`` (default: ``started``): a connection that moved nothing before the transfer
+        began is not held against it."""
         cfg = self.config
         t = self.at if now is None else max(now, self.at)
-        worst = self._worst(t, lambda c: c.in_flight and t - c.moved_at >= cfg.stall_s)
-        if worst is not None:
+        begin = self.started if since is None else since
+        worst = self._worst(
+            lambda c: t - c.flight_from if c.in_flight and c.flight_from is not None else None,
+        )
+        if worst is not None and worst[0] >= cfg.stall_s:
             for_s, remote = worst
             why = f"no acknowledgement from {remote} for {for_s:.1f}s with data in flight"
             return Verdict(
                 State.SILENT, True, for_s, remote, why + " (the path or the host is gone)"
             )
-        quiet_for = t - max(self.last_moved, self.started)
+        quiet_for = t - max(self.last_moved, begin)
         stuck = quiet_for >= cfg.late_s
         if quiet_for < cfg.stall_s:
             return Verdict(State.PROGRESSING, False, quiet_for)
         if not self._conns:
             why = f"no connection to watch for {quiet_for:.1f}s"
             return Verdict(State.IDLE, stuck, quiet_for, "", why)
-        worst = self._worst(t, lambda c: c.queued and not c.in_flight)
+        worst = self._worst(
+            lambda c: t - max(c.moved_at, begin) if c.queued and not c.in_flight else None
+        )
         if worst is not None:
             for_s, remote = worst
             why = f"{remote} has taken no data for {for_s:.1f}s"
@@ -175,8 +193,8 @@ class ProgressWatch:
         why = f"no byte moved on any connection for {quiet_for:.1f}s (waiting for another member)"
         return Verdict(State.IDLE, stuck, quiet_for, "", why)
 
-    def _worst(self, t: float, which: Callable[[_Conn], bool]) -> tuple[float, str] | None:
-        """(seconds unmoved, remote) of the longest-unmoved connection that ``which`` selects
-        (ties to the greatest remote, so that the answer never depends on sample order)."""
-        found = [(t - c.moved_at, c.remote) for c in self._conns.values() if which(c)]
+    def _worst(self, age: Callable[[_Conn], float | None]) -> tuple[float, str] | None:
+        """(age, remote) of the connection with the greatest ``age`` (None: not considered);
+        ties to the greatest remote, so that the answer never depends on sample order."""
+        found = [(a, c.remote) for c in self._conns.values() if (a := age(c)) is not None]
         return max(found) if found else None
