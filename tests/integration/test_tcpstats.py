@@ -1,6 +1,8 @@
 """The kernel's counters of real TCP connections, read by inode, and the progress rule over them:
 counters move while bytes flow, a remote that stops reading shows as queued data behind a closed
-window, and (root) a silently dropped path shows as data in flight that nobody acknowledges."""
+window, and (root) a silently dropped path shows as data in flight that nobody acknowledges, for
+a plain connection and for a Gloo all-reduce watched by :class:`TcpWatch` (seen long before
+Gloo's own timeout)."""
 
 from __future__ import annotations
 
@@ -211,6 +213,110 @@ def test_a_silently_dropped_path_is_silent_and_names_the_remote(prefix: str) -> 
     finally:
         for p in procs:
             p.kill()
+            p.wait(10)
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+GLOO_SCRIPT = Path(__file__).parent / "scripts" / "gloo_stall_peer.py"
+
+
+def _collect(p: subprocess.Popen[str], into: list[str]) -> threading.Thread:
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            into.append(line.strip())
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.root
+def test_a_gloo_all_reduce_over_a_cut_link_is_seen_silent_before_gloo_gives_up(
+    prefix: str,
+) -> None:
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    va, vb = f"{prefix}a", f"{prefix}b"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+        for ns, dev, ip in ((a, va, "10.79.1.1/24"), (b, vb, "10.79.1.2/24")):
+            _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # slow enough that the all-reduce is still running when the link is cut
+            tbf = ["root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf)
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        for rank, ns, ip in ((0, a, "10.79.1.1"), (1, b, "10.79.1.2")):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(GLOO_SCRIPT)]
+            cmd += [str(rank), "10.79.1.1", ip, "256"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
+        _line(procs[1], "MOVING", 120)
+        # every packet from b to a is now dropped, silently
+        _sh("tc", "-n", b, "qdisc", "del", "dev", vb, "root")
+        _sh(
+            "tc", "-n", b, "qdisc", "add", "dev", vb, "root", "handle", "1:", "htb", "default", "10"
+        )
+        _sh(
+            "tc",
+            "-n",
+            b,
+            "class",
+            "add",
+            "dev",
+            vb,
+            "parent",
+            "1:",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            "1gbit",
+        )
+        _sh(
+            "tc",
+            "-n",
+            b,
+            "qdisc",
+            "add",
+            "dev",
+            vb,
+            "parent",
+            "1:10",
+            "handle",
+            "10:",
+            "pfifo",
+            "limit",
+            "0",
+        )
+        seen: dict[int, list[str]] = {0: [], 1: []}
+        for rank, p in enumerate(procs):
+            _collect(p, seen[rank])
+
+        def silent() -> list[dict[str, object]]:
+            return [
+                json.loads(x[len("VERDICT ") :])
+                for lines in seen.values()
+                for x in list(lines)
+                if x.startswith("VERDICT ") and '"silent"' in x
+            ]
+
+        end = time.monotonic() + 90  # Gloo's own timeout is 120 s
+        while not silent() and time.monotonic() < end:
+            time.sleep(0.1)
+        found = silent()
+        assert found, seen  # at least one end of the cut link names the other
+        assert all(v["stuck"] and str(v["remote"]).startswith("10.79.1.") for v in found), found
+        # the verdict came while the collective was still running: Gloo had not given up
+        assert not any(x.startswith(("DONE", "FAILED")) for lines in seen.values() for x in lines)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
             p.wait(10)
         for ns in (a, b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)

@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Hashable, Iterable
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
-from isthmus.comm.progress import ConnSample
+from isthmus.comm.progress import ConnSample, ProgressConfig, ProgressWatch, Verdict
 
-__all__ = ["TcpInfo", "conn_sample", "parse_tcp_info", "read_fd", "read_inodes"]
+__all__ = ["TcpInfo", "TcpWatch", "conn_sample", "parse_tcp_info", "read_fd", "read_inodes"]
 
 # Offsets in struct tcp_info (include/uapi/linux/tcp.h); the fields this module needs are all in
 # the part that Linux 4.6 and later return.
@@ -169,3 +171,65 @@ def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
         in_flight=info.unacked > 0,
         queued=info.notsent > 0 or info.snd_wnd == 0,
     )
+
+
+class TcpWatch:
+    """A :class:`~isthmus.comm.progress.ProgressWatch` over sockets of this process, sampled
+    every ``period_s`` on a daemon thread. ``conns()`` says which sockets to watch at each
+    sample (inode -> the remote's name or address); a socket it no longer lists, or that is
+    closed, is forgotten. :meth:`verdict` is safe from any thread. The thread ends at
+    :meth:`stop` (also as a context manager); an exception from ``conns()`` skips that sample.
+    """
+
+    def __init__(
+        self,
+        conns: Callable[[], Mapping[int, str]],
+        config: ProgressConfig | None = None,
+        *,
+        period_s: float = 0.25,
+    ) -> None:
+        if not period_s > 0:
+            raise ValueError(f"TcpWatch period_s: must be > 0, got {period_s!r}")
+        self._conns = conns
+        self._period = period_s
+        self._lock = threading.Lock()
+        self._watch = ProgressWatch(config, started=time.monotonic())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="isthmus-tcpwatch")
+
+    def start(self) -> TcpWatch:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        """Take one sample now (the thread does this every ``period_s``)."""
+        try:
+            named = dict(self._conns())
+        except Exception:  # the caller's view of its sockets failed: try again next period
+            return
+        infos = read_inodes(named)
+        now = time.monotonic()
+        with self._lock:
+            self._watch.sample(now, [conn_sample(k, named[k], i) for k, i in infos.items()])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self.sample()
+
+    def verdict(self, *, since: float | None = None) -> Verdict:
+        """The watch's verdict now, for a transfer that began at ``since`` (monotonic seconds;
+        default: when the watch was made)."""
+        with self._lock:
+            return self._watch.verdict(now=time.monotonic(), since=since)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2.0)
+
+    def __enter__(self) -> TcpWatch:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
