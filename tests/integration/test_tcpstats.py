@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.comm.progress import ProgressConfig, ProgressWatch, State
-from isthmus.comm.tcpstats import TcpInfo, conn_sample, read_fd, read_inodes
+from isthmus.comm.tcpstats import TcpInfo, TcpWatch, conn_sample, read_fd, read_inodes
 
 SCRIPT = Path(__file__).parent / "scripts" / "stall_peer.py"
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -119,6 +119,44 @@ def test_what_is_not_an_open_tcp_socket_is_not_read() -> None:
     u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     with u:
         assert read_fd(u.fileno()) is None
+
+
+def test_tcp_watch_follows_a_reader_that_stops_until_it_is_stuck() -> None:
+    srv, client, server = _pair()
+    with srv, client, server:
+        ci = _inode(client)
+        cfg = ProgressConfig(stall_s=0.5, late_s=1.0)
+        with TcpWatch(lambda: {ci: "the server"}, cfg, period_s=0.05) as watch:
+            client.setblocking(False)
+            try:  # the server never reads: the window closes with data queued
+                while True:
+                    client.send(b"q" * (1 << 16))
+            except BlockingIOError:
+                pass
+            end = time.monotonic() + 20
+            v = watch.verdict()
+            while not v.stuck and time.monotonic() < end:
+                time.sleep(0.05)
+                v = watch.verdict()
+        assert v.state is State.NOT_READING and v.stuck, v
+        assert v.remote == "the server"
+
+
+def test_tcp_watch_survives_a_failing_view_of_its_sockets() -> None:
+    calls = []
+
+    def conns() -> dict[int, str]:
+        calls.append(1)
+        raise OSError("gone")
+
+    with TcpWatch(conns, period_s=0.01) as watch:
+        end = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert watch.verdict().state is State.PROGRESSING
+    assert len(calls) >= 3
+    with pytest.raises(ValueError, match="period_s"):
+        TcpWatch(dict, period_s=0)
 
 
 def _sh(*argv: str) -> None:
