@@ -1,5 +1,5 @@
-"""The partition rule: who sits out when live members cannot all reach each other, when a pair is
-trusted again, and when repeated aborts stop the run. One process, no sockets, no clock."""
+"""The partition rule: who sits out when live members cannot all reach each other, and when a
+pair is trusted (or tried) again. One process, no sockets, no clock."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import random
 import pytest
 
 from isthmus.coordinator.partition import (
-    AbortStreak,
     Decision,
     FailureReport,
     How,
     PartitionConfig,
     ProbeResult,
     Reachability,
-    normalize_cause,
 )
 
 FOUR = ["peer0", "peer1", "peer2", "peer3"]
@@ -202,7 +200,9 @@ def test_bounded_history_keeps_counting_episodes() -> None:
         reach.probe(ProbeResult(*pair, ok=True, at=t + 1))
         reach.probe(ProbeResult(*pair, ok=True, at=t + 1 + need))
         t += 10 + need
-    assert reach.pair_state(*pair).episodes == 6
+    st = reach.pair_state(*pair)
+    assert st.episodes == 6
+    assert st.last_report is not None and st.last_report.at == t - 10 - need  # kept past history
 
 
 def _events() -> list[FailureReport | ProbeResult]:
@@ -342,6 +342,7 @@ def test_odd_input_never_raises() -> None:
         ({"max_steps": 0}, "max_steps"),
         ({"history": True}, "history"),
         ({"forget_after_s": float("nan")}, "forget_after_s"),
+        ({"trial_after_s": -1.0}, "trial_after_s"),
     ],
 )
 def test_config_errors_name_the_field(kw: dict[str, float], msg: str) -> None:
@@ -349,33 +350,24 @@ def test_config_errors_name_the_field(kw: dict[str, float], msg: str) -> None:
         PartitionConfig(**kw)  # type: ignore[arg-type]
 
 
-def test_normalize_cause_keeps_who_and_drops_what_changes_per_attempt() -> None:
-    a = "peer 2 (peer2) failed: all_reduce did not complete within 30.0s (epoch 5)"
-    b = "peer 2 (peer2) failed: all_reduce did not complete within 30.0s (epoch 6)"
-    assert normalize_cause(a) == normalize_cause(b)
-    c = a.replace("peer 2 (peer2)", "peer 3 (peer3)")
-    assert normalize_cause(a) != normalize_cause(c)
-    r1 = "Read error [10.0.0.4]:55500: Connection reset by peer"
-    r2 = "Read error [10.0.0.4]:41002: Connection reset by peer"
-    assert normalize_cause(r1) == normalize_cause(r2)
-    assert "10.0.0.4" in normalize_cause(r1)
+def test_a_pair_whose_probes_keep_failing_is_tried_again_after_trial_after_s() -> None:
+    reach = Reachability(PartitionConfig(trial_after_s=900.0))
+    reach.report(fail("peer1", "peer2", 10.0))
+    for t in range(15, 1000, 5):  # the probe port is blocked, say, while Gloo's is not
+        reach.probe(ProbeResult("peer1", "peer2", ok=False, at=float(t)))
+    d = reach.decide(FOUR, now=909.0)
+    assert d.keep == ("peer0", "peer1", "peer3") and d.trials == ()
+    d = reach.decide(FOUR, now=910.0)
+    assert d.keep == tuple(FOUR) and d.trials == (("peer1", "peer2"),)
+    assert reach.decide(FOUR).keep == ("peer0", "peer1", "peer3")  # no time, no trial
+    # the trial epoch fails: a new report, and the next trial is another 900 s away
+    reach.report(fail("peer2", "peer1", 930.0, How.TIMED_OUT))
+    assert reach.decide(FOUR, now=1829.0).keep == ("peer0", "peer1", "peer3")
+    assert reach.decide(FOUR, now=1830.0).trials == (("peer1", "peer2"),)
 
 
-def test_abort_streak_stops_on_the_same_cause_and_resets() -> None:
-    s = AbortStreak(limit=3)
-    for i in range(2):
-        reason = f"peer 1 (peer1) failed: timed out in epoch {i}"
-        s.aborted(normalize_cause(reason), reason)
-    assert s.stop() is None
-    s.aborted(normalize_cause("peer 3 (peer3) failed: reset"), "peer 3 (peer3) failed: reset")
-    assert s.count == 1 and s.stop() is None  # another cause starts over
-    for i in range(3):
-        reason = f"peer 1 (peer1) failed: timed out in epoch {i + 7}"
-        s.aborted(normalize_cause(reason), reason)
-    stop = s.stop()
-    assert stop is not None
-    assert "3 times in a row" in stop and "peer 1 (peer1) failed: timed out in epoch 9" in stop
-    s.committed()
-    assert s.stop() is None and s.count == 0
-    with pytest.raises(ValueError, match="limit"):
-        AbortStreak(limit=1)
+def test_no_trials_when_switched_off() -> None:
+    reach = Reachability(PartitionConfig(trial_after_s=None))
+    reach.report(fail("peer1", "peer2", 10.0))
+    assert reach.decide(FOUR, now=10.0**6).keep == ("peer0", "peer1", "peer3")
+    assert not reach.on_trial("peer1", "peer2", 10.0**6)

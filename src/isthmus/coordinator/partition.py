@@ -25,8 +25,8 @@ This module turns what peers report into a decision, without any network or cloc
   all up, possibly not the largest (the decision says so: ``exact`` is False).
 * **Re-admission.** A member left out comes back in the first decision after its pairs with the
   kept members are up again.
-* **Repeated aborts.** :class:`AbortStreak` counts consecutive aborts of one round for the same
-  cause; past a limit the run should stop with an error naming that cause instead of retrying.
+* **Trials.** A pair whose probes keep failing is tried in an epoch again after
+  ``PartitionConfig.trial_after_s``: a probe can fail where the group would connect.
 
 Decisions depend only on the events given, never on the order they were given in: events are
 kept per pair and replayed sorted by time.
@@ -35,13 +35,11 @@ kept per pair and replayed sorted by time.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 __all__ = [
-    "AbortStreak",
     "Decision",
     "FailureReport",
     "How",
@@ -49,7 +47,6 @@ __all__ = [
     "PartitionConfig",
     "ProbeResult",
     "Reachability",
-    "normalize_cause",
 ]
 
 
@@ -94,6 +91,11 @@ class PartitionConfig:
     episodes from zero again. ``probe_every_s``: how often a down pair is probed.
     ``max_steps``: search nodes of the exact search before the greedy rule takes over.
     ``history``: events kept per pair (the oldest are dropped; episodes already counted stay).
+    ``trial_after_s``: a pair still down this long after its last failure report (its probes
+    kept failing) is tried in an epoch again: a probe uses another port than the group and can
+    fail where the group would connect, which must not isolate a member forever. A trial that
+    fails is a new report, so a pair costs at most one failed epoch per ``trial_after_s``.
+    None: never.
     """
 
     settle_s: float = 10.0
@@ -102,9 +104,13 @@ class PartitionConfig:
     probe_every_s: float = 5.0
     max_steps: int = 20_000
     history: int = 64
+    trial_after_s: float | None = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("settle_s", "settle_max_s", "forget_after_s", "probe_every_s"):
+        names = ["settle_s", "settle_max_s", "forget_after_s", "probe_every_s"]
+        if self.trial_after_s is not None:
+            names.append("trial_after_s")
+        for name in names:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"PartitionConfig.{name}: must be a finite number >= 0, got {v!r}")
@@ -127,8 +133,8 @@ class PartitionConfig:
 @dataclass(frozen=True)
 class PairState:
     """What the events of one pair say at a time: ``down``, how many failure ``episodes``,
-    the last failure (``failed_at``, and its report: who could not reach whom where, how) and
-    when it was last probed."""
+    the last failure (``failed_at``, a report or a failed probe), the last report (who could
+    not reach whom where, how) and when it was last probed."""
 
     down: bool
     episodes: int
@@ -141,13 +147,15 @@ class PairState:
 class Decision:
     """Who takes part: ``keep`` (in the order given), ``out`` (member -> reason), ``back``
     (members out in the previous decision and kept now), ``exact`` (False when the search hit
-    its bound and the greedy rule chose), and ``why``, one line on how the choice was made."""
+    its bound and the greedy rule chose), ``why``, one line on how the choice was made, and
+    ``trials``, the down pairs tried again (``PartitionConfig.trial_after_s``)."""
 
     keep: tuple[str, ...]
     out: Mapping[str, str]
     back: tuple[str, ...] = ()
     exact: bool = True
     why: str = ""
+    trials: tuple[tuple[str, str], ...] = ()
 
 
 # Replay order of events at the same instant: probes before failures, so that a probe taken at
@@ -179,8 +187,9 @@ class Reachability:
     def __init__(self, config: PartitionConfig | None = None) -> None:
         self.config = config or PartitionConfig()
         self._events: dict[tuple[str, str], list[_Event]] = {}
-        # episodes counted from events already dropped from the bounded history
+        # episodes counted, and the last report held, by events dropped from the bounded history
         self._carried: dict[tuple[str, str], int] = {}
+        self._carried_report: dict[tuple[str, str], FailureReport] = {}
 
     # -- events ---------------------------------------------------------------------------------
     def report(self, r: FailureReport) -> None:
@@ -202,6 +211,7 @@ class Reachability:
         for key in [k for k in self._events if member in k]:
             del self._events[key]
             self._carried.pop(key, None)
+            self._carried_report.pop(key, None)
 
     def _add(self, key: tuple[str, str], ev: _Event) -> None:
         evs = self._events.setdefault(key, [])
@@ -211,6 +221,8 @@ class Reachability:
             # Dropping the oldest events must not make a flapping pair look fresh: the episodes
             # they held are carried over.
             before = self._replay(key, evs).episodes
+            if evs[0].report is not None:  # the newest report dropped so far stays known
+                self._carried_report[key] = evs[0].report
             del evs[0]
             after = self._replay(key, evs).episodes
             self._carried[key] = self._carried.get(key, 0) + max(0, before - after)
@@ -226,7 +238,7 @@ class Reachability:
         episodes = self._carried.get(key, 0)
         down = False
         failed_at: float | None = None
-        last: FailureReport | None = None
+        last: FailureReport | None = self._carried_report.get(key)
         first_ok: float | None = None
         probed: float | None = None
         for ev in evs:
@@ -255,6 +267,15 @@ class Reachability:
             k for k in self._events if k[0] in ms and k[1] in ms and self.pair_state(*k).down
         )
 
+    def on_trial(self, a: str, b: str, now: float) -> bool:
+        """Whether the down pair ``a``-``b`` is due a trial at ``now``: its last report is
+        ``trial_after_s`` old (see :class:`PartitionConfig`)."""
+        limit = self.config.trial_after_s
+        st = self.pair_state(a, b)
+        if limit is None or not st.down or st.last_report is None:
+            return False
+        return now - st.last_report.at >= limit
+
     def probes_due(self, members: Iterable[str], now: float) -> list[tuple[str, str]]:
         """The down pairs among ``members`` that should be probed at ``now``: not probed (nor
         failed) within ``probe_every_s``. The caller asks one end of each to try to connect."""
@@ -274,18 +295,24 @@ class Reachability:
         seniority: Sequence[str] | None = None,
         holders: Iterable[str] = (),
         previous: Decision | None = None,
+        now: float | None = None,
     ) -> Decision:
         """The largest subset of ``members`` whose pairs are all up, and why the rest sit out.
 
         ``seniority``: members from the longest-serving down (default: ``members`` sorted by
         name); members missing from it rank after it, by name. ``holders``: members that hold the
         run's state; a subset keeping one of them is preferred to any that keeps none.
-        ``previous``: the last decision, to tell which members are ``back``.
+        ``previous``: the last decision, to tell which members are ``back``. ``now``: the
+        time, to give pairs due a trial their trial (without it, no trials).
         Never raises for any input: with no down pair every member is kept.
         """
         ms = list(dict.fromkeys(members))
         rank = _ranks(ms, seniority)
         edges = self.down_pairs(ms)
+        trials: tuple[tuple[str, str], ...] = ()
+        if now is not None:
+            trials = tuple(e for e in edges if self.on_trial(*e, now))
+            edges = [e for e in edges if e not in trials]
         holder_set = {h for h in holders if h in rank}
         out_set, exact, why = _choose(ms, edges, rank, holder_set, self.config.max_steps)
         keep = tuple(m for m in ms if m not in out_set)
@@ -293,7 +320,7 @@ class Reachability:
         back: tuple[str, ...] = ()
         if previous is not None:
             back = tuple(m for m in keep if m in previous.out)
-        return Decision(keep, reasons, back, exact, why)
+        return Decision(keep, reasons, back, exact, why, trials)
 
     def _reason(self, m: str, keep: Sequence[str], rank: Mapping[str, int]) -> str:
         """``isolated: cannot reach X at ADDR`` naming the most senior kept member ``m`` cannot
@@ -477,55 +504,3 @@ def _greedy(adj: dict[str, frozenset[str]], rank: Mapping[str, int], holders: se
         out.add(v)
         rest = _without(rest, {v})
     return out
-
-
-# -- repeated aborts ---------------------------------------------------------------------------
-
-_VOLATILE = [
-    (re.compile(r"\b(epoch|round|attempt)\s+\d+"), r"\1 N"),
-    (re.compile(r"\d+(\.\d+)?\s*(ms|s|B|bytes|MB|GB)\b"), "N"),
-    (re.compile(r"(\]|\d):\d{2,5}\b"), r"\1:PORT"),
-]
-
-
-def normalize_cause(reason: str) -> str:
-    """``reason`` with what differs between attempts of the same failure replaced (epoch and
-    round numbers, durations, byte counts, port numbers): two aborts for one cause give the same
-    text. Member names and addresses are kept, so different members stay different causes."""
-    s = reason.strip()
-    for pat, rep in _VOLATILE:
-        s = pat.sub(rep, s)
-    return s
-
-
-class AbortStreak:
-    """Consecutive aborts of a round for the same cause.
-
-    :meth:`aborted` records one (any hashable ``cause``, e.g. :func:`normalize_cause` of the
-    abort reason, or a pair); :meth:`committed` ends the streak. :meth:`stop` is the error text
-    once ``limit`` consecutive aborts had the same cause, else None. A different cause starts a
-    new streak of one.
-    """
-
-    def __init__(self, limit: int = 5) -> None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 2:
-            raise ValueError(f"AbortStreak limit: must be an integer >= 2, got {limit!r}")
-        self.limit = limit
-        self.cause: Hashable | None = None
-        self.text = ""
-        self.count = 0
-
-    def aborted(self, cause: Hashable, text: str = "") -> None:
-        if cause == self.cause:
-            self.count += 1
-        else:
-            self.cause, self.count = cause, 1
-        self.text = text or str(cause)
-
-    def committed(self) -> None:
-        self.cause, self.text, self.count = None, "", 0
-
-    def stop(self) -> str | None:
-        if self.count < self.limit:
-            return None
-        return f"the round aborted {self.count} times in a row for the same cause: {self.text}"
