@@ -10,8 +10,8 @@ This module turns what peers report into a decision, without any network or cloc
   attempts between the two, made by the peers) succeed again, and the more often a pair has
   failed, the longer its probes must keep succeeding before it is trusted again (flapping links
   are held out instead of failing an epoch every time they come back). A pair that just failed
-  is therefore never put into an epoch again unless something changed: a probe succeeded, or the
-  caller forgot the pair because one of its members is a new process.
+  is therefore never put into an epoch again unless something changed: a probe succeeded, the
+  caller forgot the pair because one of its members is a new process, or its trial is due.
 * **Who sits out.** :meth:`Reachability.decide` keeps the largest set of members whose pairs are
   all up (a maximum clique of the "not known to fail" graph). It searches the complement, the
   few failed pairs, for a smallest set of members covering every one of them (a vertex cover),
