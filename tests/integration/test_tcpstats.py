@@ -1,0 +1,360 @@
+"""The kernel's counters of real TCP connections, read by inode, and the progress rule over them:
+counters move while bytes flow, a remote that stops reading shows as queued data behind a closed
+window, and (root) a silently dropped path shows as data in flight that nobody acknowledges, for
+a plain connection and for a Gloo all-reduce watched by :class:`TcpWatch` (seen long before
+Gloo's own timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from isthmus.comm.progress import ProgressConfig, ProgressWatch, State
+from isthmus.comm.tcpstats import TcpInfo, TcpWatch, conn_sample, read_fd, read_inodes
+
+SCRIPT = Path(__file__).parent / "scripts" / "stall_peer.py"
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(srv.getsockname(), timeout=10)
+    server, _ = srv.accept()
+    return srv, client, server
+
+
+def _inode(s: socket.socket) -> int:
+    return os.fstat(s.fileno()).st_ino
+
+
+def _until(what: str, check: Callable[[], TcpInfo | None], limit_s: float = 20.0) -> TcpInfo:
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        got = check()
+        if got is not None:
+            return got
+        time.sleep(0.02)
+    pytest.fail(f"never saw {what} within {limit_s}s")
+
+
+def test_counters_move_while_bytes_flow() -> None:
+    srv, client, server = _pair()
+    n = 4 << 20
+    with srv, client, server:
+        ci, si = _inode(client), _inode(server)
+        before = read_inodes({ci, si})
+        assert set(before) == {ci, si}
+        assert before[ci].established and before[si].established
+
+        def drain() -> None:
+            got = 0
+            while got < n:
+                got += len(server.recv(1 << 16))
+
+        t = threading.Thread(target=drain, daemon=True)
+        t.start()
+        client.sendall(b"y" * n)
+        t.join(20)
+        sent = _until(
+            "the sender's bytes acknowledged",
+            lambda: i if (i := read_inodes({ci})[ci]).bytes_acked >= n else None,
+        )
+        got = read_inodes({si})[si]
+        assert got.bytes_received >= n > before[si].bytes_received
+        assert sent.bytes_acked > before[ci].bytes_acked
+        w = ProgressWatch(ProgressConfig(stall_s=10.0, late_s=60.0), started=0.0)
+        w.sample(0.0, [conn_sample(ci, "server", before[ci])])
+        w.sample(9.0, [conn_sample(ci, "server", sent)])
+        assert w.verdict(now=18.0).state is State.PROGRESSING
+
+
+def test_a_remote_that_stops_reading_shows_queued_data_behind_a_closed_window() -> None:
+    srv, client, server = _pair()
+    with srv, client, server:
+        ci = _inode(client)
+        client.setblocking(False)
+        try:  # fill both kernels' buffers: the server never reads
+            while True:
+                client.send(b"z" * (1 << 16))
+        except BlockingIOError:
+            pass
+
+        def blocked() -> TcpInfo | None:
+            info = read_inodes({ci})[ci]
+            return info if info.unacked == 0 and (info.notsent > 0 or info.snd_wnd == 0) else None
+
+        info = _until("the window close with data queued", blocked)
+        s = conn_sample(ci, "127.0.0.1:server", info)
+        assert s.queued and not s.in_flight
+        w = ProgressWatch(ProgressConfig(stall_s=10.0, late_s=60.0), started=0.0)
+        w.sample(0.0, [s])
+        w.sample(11.0, [conn_sample(ci, "127.0.0.1:server", read_inodes({ci})[ci])])
+        v = w.verdict()
+        assert v.state is State.NOT_READING and not v.stuck
+        assert v.remote == "127.0.0.1:server"
+
+
+def test_what_is_not_an_open_tcp_socket_is_not_read() -> None:
+    srv, client, server = _pair()
+    ci = _inode(client)
+    with srv, server:
+        client.close()
+        assert read_inodes({ci}) == {}
+        assert read_inodes(set()) == {}
+    r, w = os.pipe()
+    try:
+        assert read_fd(r) is None
+    finally:
+        os.close(r)
+        os.close(w)
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with u:
+        assert read_fd(u.fileno()) is None
+
+
+def test_tcp_watch_follows_a_reader_that_stops_until_it_is_stuck() -> None:
+    srv, client, server = _pair()
+    with srv, client, server:
+        ci = _inode(client)
+        cfg = ProgressConfig(stall_s=0.5, late_s=1.0)
+        with TcpWatch(lambda: {ci: "the server"}, cfg, period_s=0.05) as watch:
+            client.setblocking(False)
+            try:  # the server never reads: the window closes with data queued
+                while True:
+                    client.send(b"q" * (1 << 16))
+            except BlockingIOError:
+                pass
+            end = time.monotonic() + 20
+            v = watch.verdict()
+            while not v.stuck and time.monotonic() < end:
+                time.sleep(0.05)
+                v = watch.verdict()
+        assert v.state is State.NOT_READING and v.stuck, v
+        assert v.remote == "the server"
+
+
+def test_tcp_watch_survives_a_failing_view_of_its_sockets() -> None:
+    calls = []
+
+    def conns() -> dict[int, str]:
+        calls.append(1)
+        raise OSError("gone")
+
+    with TcpWatch(conns, period_s=0.01) as watch:
+        end = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert watch.verdict().state is State.PROGRESSING
+    assert len(calls) >= 3
+    with pytest.raises(ValueError, match="period_s"):
+        TcpWatch(dict, period_s=0)
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=20)
+
+
+def _line(p: subprocess.Popen[str], start: str, limit_s: float) -> str:
+    """The first line of ``p``'s output that begins with ``start`` (bounded by a reader
+    thread, so that a child that prints nothing cannot hold the test)."""
+    box: list[str] = []
+
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith(start):
+                box.append(line.strip())
+                return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(limit_s)
+    if not box:
+        pytest.fail(f"no {start!r} line within {limit_s}s")
+    return box[0]
+
+
+@pytest.mark.root
+def test_a_silently_dropped_path_is_silent_and_names_the_remote(prefix: str) -> None:
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    va, vb = f"{prefix}a", f"{prefix}b"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+        for ns, dev, ip in ((a, va, "10.79.0.1/24"), (b, vb, "10.79.0.2/24")):
+            _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+
+        def start(ns: str, *argv: str) -> subprocess.Popen[str]:
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(SCRIPT), *argv]
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            procs.append(p)
+            return p
+
+        recv = start(b, "recv", "10.79.0.2", "41234")
+        _line(recv, "LISTENING", 60)
+        send = start(a, "send", "10.79.0.2", "41234", "--stall", "2", "--give-up", "60")
+        _line(send, "MOVING", 60)
+        # the path from a to b now drops every packet, silently: htb with a zero-length queue
+        _sh(
+            "tc", "-n", a, "qdisc", "add", "dev", va, "root", "handle", "1:", "htb", "default", "10"
+        )
+        _sh(
+            "tc",
+            "-n",
+            a,
+            "class",
+            "add",
+            "dev",
+            va,
+            "parent",
+            "1:",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            "1gbit",
+        )
+        _sh(
+            "tc",
+            "-n",
+            a,
+            "qdisc",
+            "add",
+            "dev",
+            va,
+            "parent",
+            "1:10",
+            "handle",
+            "10:",
+            "pfifo",
+            "limit",
+            "0",
+        )
+        verdict = json.loads(_line(send, "VERDICT ", 90)[len("VERDICT ") :])
+        assert verdict["state"] == State.SILENT.value and verdict["stuck"], verdict
+        assert verdict["remote"] == "10.79.0.2:41234"
+        assert "no acknowledgement from 10.79.0.2:41234" in verdict["why"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+GLOO_SCRIPT = Path(__file__).parent / "scripts" / "gloo_stall_peer.py"
+
+
+def _collect(p: subprocess.Popen[str], into: list[str]) -> threading.Thread:
+    def read() -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            into.append(line.strip())
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.root
+def test_a_gloo_all_reduce_over_a_cut_link_is_seen_silent_before_gloo_gives_up(
+    prefix: str,
+) -> None:
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    va, vb = f"{prefix}a", f"{prefix}b"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+        for ns, dev, ip in ((a, va, "10.79.1.1/24"), (b, vb, "10.79.1.2/24")):
+            _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # slow enough that the all-reduce is still running when the link is cut
+            tbf = ["root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf)
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        for rank, ns, ip in ((0, a, "10.79.1.1"), (1, b, "10.79.1.2")):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(GLOO_SCRIPT)]
+            cmd += [str(rank), "10.79.1.1", ip, "256"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
+        _line(procs[1], "MOVING", 120)
+        # every packet from b to a is now dropped, silently
+        _sh("tc", "-n", b, "qdisc", "del", "dev", vb, "root")
+        _sh(
+            "tc", "-n", b, "qdisc", "add", "dev", vb, "root", "handle", "1:", "htb", "default", "10"
+        )
+        _sh(
+            "tc",
+            "-n",
+            b,
+            "class",
+            "add",
+            "dev",
+            vb,
+            "parent",
+            "1:",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            "1gbit",
+        )
+        _sh(
+            "tc",
+            "-n",
+            b,
+            "qdisc",
+            "add",
+            "dev",
+            vb,
+            "parent",
+            "1:10",
+            "handle",
+            "10:",
+            "pfifo",
+            "limit",
+            "0",
+        )
+        seen: dict[int, list[str]] = {0: [], 1: []}
+        for rank, p in enumerate(procs):
+            _collect(p, seen[rank])
+
+        def silent() -> list[dict[str, object]]:
+            return [
+                json.loads(x[len("VERDICT ") :])
+                for lines in seen.values()
+                for x in list(lines)
+                if x.startswith("VERDICT ") and '"silent"' in x
+            ]
+
+        end = time.monotonic() + 90  # Gloo's own timeout is 120 s
+        while not silent() and time.monotonic() < end:
+            time.sleep(0.1)
+        found = silent()
+        assert found, seen  # at least one end of the cut link names the other
+        assert all(v["stuck"] and str(v["remote"]).startswith("10.79.1.") for v in found), found
+        # the verdict came while the collective was still running: Gloo had not given up
+        assert not any(x.startswith(("DONE", "FAILED")) for lines in seen.values() for x in lines)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
