@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     # lowest first: a module may import its own layer and those below it
     "spec": 0,
     "settings": 0,
+    "renamed": 0,
     "version": 0,
     "models": 0,
     "data": 0,

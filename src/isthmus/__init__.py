@@ -11,6 +11,7 @@ imports a name from the module that defines it. The layers, lowest first: spec, 
 See the README for a quickstart and docs/ for the protocol.
 """
 
+from isthmus import renamed as _renamed
 from isthmus.comm.faults import Fault, FaultInjector
 from isthmus.comm.group import CollectiveError
 from isthmus.comm.session import (
@@ -94,3 +95,5 @@ __all__ = [
     "aggregate",
     "make_strategy",
 ]
+
+_renamed.install()  # old module paths keep importing, with a DeprecationWarning
