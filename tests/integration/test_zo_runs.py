@@ -55,7 +55,7 @@ def test_zo_kills_and_joins_by_replay_and_by_transfer_end_bitwise_equal(cluster)
             assert r["bytes_by_op"]["all_gather"] == r["world"] - 1 == 2, (f["name"], r)
             if "send" not in r["bytes_by_op"]:
                 assert r["bytes"] == 2
-    # the destinations' side of the handshake: revision and wish (16 bytes), and j's verdict on
-    # its replay (8 bytes)
-    assert first_j["bytes_by_op"]["send"] == 16 + 8
-    assert first_k["bytes_by_op"]["send"] == 16
+    # the destinations' side of the handshake: protocol version, revision and wish (24 bytes),
+    # and j's verdict on its replay (8 bytes)
+    assert first_j["bytes_by_op"]["send"] == 24 + 8
+    assert first_k["bytes_by_op"]["send"] == 24
