@@ -8,9 +8,9 @@ aborts, and the next round retries the repair.
 
 Catch-up by replay: when the state has a :class:`~isthmus.comm.state.CatchUp` (a strategy whose
 rounds can be replayed from a small log) and a destination receives from one source, the pair
-first agrees on how: the destination sends its protocol version, revision and wish, the source answers with its
-version and a mode (either side refuses a version it does not speak, naming both).
-In replay mode the source sends the log of the missed rounds and the tensors a replay does not
+first agrees on how: the destination sends its protocol version, revision and wish, the source
+answers with its version and a mode (either side refuses a version it does not speak, naming
+both). In replay mode the source sends the log of the missed rounds and the tensors a replay does not
 cover; the destination replays into new tensors, checks *every* tensor against the canonical
 hashes, and tells the source whether they matched; if not (its state at its revision was not the
 run's, a log it could not read), the source sends the tensors after all. Either way only
