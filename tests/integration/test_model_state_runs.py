@@ -30,15 +30,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import model_peer  # noqa: E402 (the peers' own models, imported from the script beside us)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # bit-for-bit comparisons need the same kernels: convolutions sum in another order on
-    # another number of threads
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spawn(c: Cluster, name: str, *args: str) -> PeerProcess:
