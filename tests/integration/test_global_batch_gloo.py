@@ -4,7 +4,6 @@ is the gradient of the whole batch."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,24 +16,7 @@ from isthmus.data.global_batch import (
 from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.ddp import accumulate_share
 from isthmus.testing import local_groups, run_parallel
-
-
-@dataclass
-class FakeRound:
-    """What the reducer reads from a round."""
-
-    group: Any
-    epoch: int = 1
-    number: int = 1
-    resynced: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
+from support.sessions import FakeRound
 
 
 def _model() -> torch.nn.Module:

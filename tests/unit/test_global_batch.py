@@ -3,7 +3,6 @@ positions a step uses, how they are split, and weights under the robust rules.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,24 +19,7 @@ from isthmus.data.global_batch import (
 from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.ddp import DDP, DDPConfig
 from isthmus.testing import local_groups
-
-
-@dataclass
-class FakeRound:
-    """What the reducer reads from a round."""
-
-    group: Any
-    epoch: int = 1
-    number: int = 1
-    resynced: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
+from support.sessions import FakeRound
 
 
 def test_a_step_uses_the_same_positions_whatever_the_split() -> None:
