@@ -33,11 +33,6 @@ from isthmus.strategies import (
 TINY = GPTConfig.tiny()
 
 
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
-
-
 @pytest.fixture
 def one_peer(tmp_path: Path) -> Iterator[Callable[..., Session]]:
     """Sessions that are the only peer of their own run (each with its own coordinator)."""
