@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from conftest import TOKEN, Cluster, assert_bitwise_equal
-from isthmus import Session, SessionConfig
+from isthmus import Session
 from isthmus.checkpoint import CheckpointStore
 from isthmus.comm.state import tensor_bytes
 from isthmus.run import forkserver
@@ -139,25 +138,6 @@ def test_bf16_model_under_diloco_ends_in_parity_with_fp32_global_state(cluster):
 
 
 # -- one peer: the round machinery changes nothing ----------------------------------------------
-
-
-@pytest.fixture
-def one_peer(tmp_path: Path) -> Iterator[Callable[[], Session]]:
-    """Sessions that are the only peer of their own run."""
-    made: list[tuple[Cluster, Session]] = []
-
-    def make() -> Session:
-        d = tmp_path / f"run{len(made)}"
-        d.mkdir()
-        c = Cluster(d, start_peers=1)
-        s = Session(SessionConfig(coordinator=c.coord.address, token=TOKEN, connect_timeout=5))
-        made.append((c, s))
-        return s
-
-    yield make
-    for c, s in made:
-        s.close()
-        c.close()
 
 
 STRATEGIES: dict[str, dict[str, Any]] = {
