@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from isthmus import Fault, FaultInjector, Session, SessionConfig
 from isthmus.comm.state import tensor_bytes
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.protocol import RestorePoint
@@ -141,6 +142,30 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
 
     yield make
     for c in made:
+        c.close()
+
+
+@pytest.fixture
+def one_peer(tmp_path: Path) -> Iterator[Callable[..., Session]]:
+    """Sessions that are the only peer of their own run (each with its own coordinator);
+    ``make(*faults)`` injects the given fault specs. Every session and coordinator is closed
+    after the test."""
+    made: list[tuple[Cluster, Session]] = []
+
+    def make(*faults: str) -> Session:
+        d = tmp_path / f"run{len(made)}"
+        d.mkdir()
+        c = Cluster(d, start_peers=1)
+        s = Session(
+            SessionConfig(coordinator=c.coord.address, token=TOKEN, connect_timeout=5),
+            faults=FaultInjector([Fault.parse(f) for f in faults]),
+        )
+        made.append((c, s))
+        return s
+
+    yield make
+    for c, s in made:
+        s.close()
         c.close()
 
 

@@ -11,28 +11,7 @@ from isthmus.reduce.compress import (
     make_compressor,
 )
 from isthmus.testing import local_groups, run_parallel
-
-SPECS = [
-    "none",
-    "uint8:block=32",
-    "int8:block=32",
-    "fp8_e4m3:block=32",
-    "fp8_e5m2:block=32",
-    "int4:block=32",
-    "e3m0:block=32",
-    "topk:0.05",
-    "topk:0.5",  # dense path (k * world >= d)
-    "randk:0.1",
-    "topk:0.05+ef",
-    "randk:0.1+ef",
-    "topk:0.05+ef21",
-    "topk:0.05+econtrol",
-    "randk:0.1+econtrol:eta=0.05",
-    "powersgd:rank=2",
-    "sign",
-    "sketch:0.05,rows=3,width=0.3",
-]
-
+from support.compress import SPECS
 
 SHAPES = {"w": (37, 23), "b": (5,)}
 

@@ -14,21 +14,7 @@ from isthmus.reduce.compress.quantize import (
     quantized_all_reduce_reference,
 )
 from isthmus.testing import local_groups, run_parallel
-
-FORMATS = ["uint8", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "e3m0"]
-
-
-def _hard_input(n: int = 4096, seed: int = 0) -> torch.Tensor:
-    """Normal values with outliers, an all-zero block, a constant block and tiny values (to reach
-    the fp8 subnormal range inside a block)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g)
-    x[::97] *= 50.0
-    x[128:192] = 0.0
-    x[256:320] = -3.25
-    x[512:576] *= 1e-6
-    x[520] = 1.0
-    return x
+from support.compress import FORMATS, hard_input
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -36,7 +22,7 @@ def test_quantized_all_reduce_bit_parity_and_reference(name):
     world = 3
     groups = local_groups(world)
     fmt = make_format(name, block=32)
-    xs = [_hard_input(1000, seed=r) for r in range(world)]
+    xs = [hard_input(1000, seed=r) for r in range(world)]
 
     def body(g):
         return quantized_all_reduce(g, xs[g.rank], fmt), g.stats.bytes_sent
@@ -111,7 +97,7 @@ def test_pipelined_chunks_give_the_same_bits_and_bytes(name):
     fmt = make_format(name, block=16)
     sizes = [1000, 7, 0, 300, 64]
     xs = [
-        [_hard_input(2000, seed=10 * r + i)[:n] for i, n in enumerate(sizes)] for r in range(world)
+        [hard_input(2000, seed=10 * r + i)[:n] for i, n in enumerate(sizes)] for r in range(world)
     ]
 
     def body(g):

@@ -5,7 +5,6 @@ nothing, and a non-finite update is never sent."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from isthmus.comm.group import CollectiveError, Group
 from isthmus.reduce.reducer import Reducer
 from isthmus.testing import local_groups, run_parallel
+from support.sessions import FakeRound
 
 SHAPES = {"w": (24, 16), "b": (16,), "v": (40,)}
 
@@ -26,24 +26,6 @@ STATEFUL = [
     "sign",
     "sketch:0.2,rows=3,width=0.5",
 ]
-
-
-@dataclass
-class FakeRound:
-    """What the reducer reads from a :class:`~isthmus.comm.session.Round`."""
-
-    group: Any
-    epoch: int
-    number: int
-    resynced: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
 
 
 class FailingGroup:

@@ -13,17 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from isthmus.comm.connect import Connecting, CoordinatorStores, Graveyard, connect_gloo
-from isthmus.comm.group import CollectiveError
+from isthmus.comm.connect import CoordinatorStores, connect_gloo
 from isthmus.comm.wires import Wires
 from isthmus.coordinator.auth import join_token
 from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.coordinator.store_client import CoordinatorStore
 from isthmus.coordinator.tls import TLSFiles, self_signed
+from support.rendezvous import NEVER, assert_abandoned_rendezvous_is_cut
 
 ADMIN = "store-test-admin"
-NEVER = 600.0  # far longer than any test may run: whatever ends a wait here, it is not this
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +95,7 @@ def test_a_gloo_group_forms_through_it_and_an_abandoned_rendezvous_is_cut(
         store = dist.PrefixStore(
             f"isthmus/{coord.run_id}/lost/", stores[0].take(wires, lambda: None)
         )
-        attempt = Connecting(
-            lambda: connect_gloo(store, 0, 2, timeout_s=NEVER, wires=wires, hostname="127.0.0.1"),
-            wires,
-            name="connect-abandoned",
-        )
-        calls: list[int] = []
-
-        def abandon() -> str | None:
-            calls.append(1)
-            return "epoch aborted while connecting" if len(calls) > 20 else None
-
-        with pytest.raises(CollectiveError, match="aborted while connecting"):
-            attempt.wait(abandon)
-        yard = Graveyard()
-        yard.park(attempt)
-        assert yard.drain(60.0) == 0, "the abandoned rendezvous is still waiting"
+        assert_abandoned_rendezvous_is_cut(store, wires)
     finally:
         for c, _ in peers:
             c.close()

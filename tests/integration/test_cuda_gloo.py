@@ -14,29 +14,18 @@ from isthmus.reduce.compress import make_compressor
 from isthmus.reduce.compress.formats import make_format
 from isthmus.reduce.compress.quantize import quantized_all_reduce, quantized_all_reduce_reference
 from isthmus.testing import local_groups, run_parallel
+from support.compress import FORMATS, spiky_input
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU-only CI)"
 )
 
 
-FORMATS = ["uint8", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "e3m0"]
-
-
-def _input(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g)
-    x[::97] *= 50.0
-    x[128:192] = 0.0
-    x[512:576] *= 1e-6
-    return x
-
-
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantized_all_reduce_of_cuda_tensors_has_the_cpu_bits(name):
     world = 3
     fmt = make_format(name, block=32)
-    xs = [_input(3000, seed=r) for r in range(world)]
+    xs = [spiky_input(3000, seed=r) for r in range(world)]
     ref = quantized_all_reduce_reference(xs, fmt)
     assert torch.equal(quantized_all_reduce_reference([x.cuda() for x in xs], fmt).cpu(), ref)
     groups = local_groups(world)
@@ -55,7 +44,7 @@ def test_other_compressors_run_on_cuda_and_agree_across_peers(spec):
     world = 2
     groups = local_groups(world)
     compressors = [make_compressor(spec) for _ in range(world)]
-    xs = [_input(64 * 48, seed=10 + r).reshape(64, 48) for r in range(world)]
+    xs = [spiky_input(64 * 48, seed=10 + r).reshape(64, 48) for r in range(world)]
 
     def body(g):
         c = compressors[g.rank]

@@ -4,7 +4,6 @@ is the gradient of the whole batch."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,51 +16,16 @@ from isthmus.data.global_batch import (
 from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.ddp import accumulate_share
 from isthmus.testing import local_groups, run_parallel
-
-
-@dataclass
-class FakeRound:
-    """What the reducer reads from a round."""
-
-    group: Any
-    epoch: int = 1
-    number: int = 1
-    resynced: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-
-
-_X = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
-
-
-_Y = torch.randn(64, 2, generator=torch.Generator().manual_seed(2))
-
-
-def _loss_fn(model: torch.nn.Module) -> Any:
-    def loss_fn(positions: list[int]) -> torch.Tensor:
-        idx = torch.tensor(positions) % len(_X)
-        return torch.nn.functional.mse_loss(model(_X[idx]), _Y[idx])
-
-    return loss_fn
+from support.global_batch import make_model, positions_loss
+from support.sessions import FakeRound
 
 
 def test_uneven_shares_weighted_equal_the_one_process_gradient() -> None:
     """A global batch of 10 on 3 peers (shares 4, 3, 3; micro-batches of 2): the reduced,
     sample-weighted gradient equals the gradient of the mean loss over the 10 samples."""
-    ref = _model()
+    ref = make_model()
     fresh = copy.deepcopy(ref)
-    _loss_fn(ref)(list(step_positions(2, 10))).backward()
+    positions_loss(ref)(list(step_positions(2, 10))).backward()
     expected = [p.grad.clone() for p in ref.parameters()]
     groups = local_groups(3)
 
@@ -71,7 +35,7 @@ def test_uneven_shares_weighted_equal_the_one_process_gradient() -> None:
         model = models[g.rank]
         params = list(model.parameters())
         share = share_positions(2, 10, g.rank, g.world)
-        loss = accumulate_share(params, _loss_fn(model), share, micro_batch=2)
+        loss = accumulate_share(params, positions_loss(model), share, micro_batch=2)
         items = [(str(i), p.grad) for i, p in enumerate(params)]
         out = Reducer().mean(
             FakeRound(g), items, contribute=True, exact=loss.reshape(1), weight=len(share)
@@ -81,7 +45,7 @@ def test_uneven_shares_weighted_equal_the_one_process_gradient() -> None:
 
     results = run_parallel(groups, peer)
     with torch.no_grad():
-        whole = float(_loss_fn(ref)(list(step_positions(2, 10))))
+        whole = float(positions_loss(ref)(list(step_positions(2, 10))))
     for tensors, loss, count in results:
         assert count == 10
         assert loss == pytest.approx(whole, rel=1e-6)

@@ -3,70 +3,16 @@ copy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 
-from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import Group
-from isthmus.comm.state import SharedState
 from isthmus.strategies import DiLoCo, DiLoCoConfig
 from isthmus.testing import local_groups, run_parallel
+from support.sessions import Rounds
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class Registry:
-    """What setup() uses of a Session: registration only (no rounds are run)."""
-
-    def __init__(self) -> None:
-        self.state = SharedState()
-        self.hooks: list[Any] = []
-
-    def register(self, name: str, tensor: torch.Tensor) -> None:
-        self.state.register(name, tensor)
-
-    def add_commit_hook(self, fn: Any) -> None:
-        self.hooks.append(fn)
-
-
-class _Plan:
-    def __init__(self, world: int) -> None:
-        self.members, self.resynced = tuple(range(world)), ()
-
-
-class _Round:
-    def __init__(self, group: Group, number: int) -> None:
-        self.group, self.number, self.epoch, self.resynced = group, number, 0, False
-        self.rank, self.world, self.plan = group.rank, group.world, _Plan(group.world)
-
-    def check_faults(self, point: str, *, step: int | None = None) -> None:
-        pass
-
-
-class Rounds(Registry):
-    """A session whose rounds always commit, over an in-process group (no coordinator)."""
-
-    def __init__(self, group: Group) -> None:
-        super().__init__()
-        self.group, self.revision, self.faults = group, 0, FaultInjector()
-
-    def run_round(self, fn: Any) -> Any:
-        rnd = _Round(self.group, self.revision)
-        out = fn(rnd)
-        self.revision += 1
-        for hook in self.hooks:
-            hook(rnd.plan)
-        return out
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_catch_up_round_contributes_nothing():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from conftest import TOKEN, Cluster, assert_bitwise_equal
-from isthmus import Session, SessionConfig
+from isthmus import Session
 from isthmus.checkpoint import CheckpointStore
 from isthmus.comm.state import tensor_bytes
 from isthmus.run import forkserver
@@ -30,15 +29,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import model_peer  # noqa: E402 (the peers' own models, imported from the script beside us)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # bit-for-bit comparisons need the same kernels: convolutions sum in another order on
-    # another number of threads
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spawn(c: Cluster, name: str, *args: str) -> PeerProcess:
@@ -147,25 +138,6 @@ def test_bf16_model_under_diloco_ends_in_parity_with_fp32_global_state(cluster):
 
 
 # -- one peer: the round machinery changes nothing ----------------------------------------------
-
-
-@pytest.fixture
-def one_peer(tmp_path: Path) -> Iterator[Callable[[], Session]]:
-    """Sessions that are the only peer of their own run."""
-    made: list[tuple[Cluster, Session]] = []
-
-    def make() -> Session:
-        d = tmp_path / f"run{len(made)}"
-        d.mkdir()
-        c = Cluster(d, start_peers=1)
-        s = Session(SessionConfig(coordinator=c.coord.address, token=TOKEN, connect_timeout=5))
-        made.append((c, s))
-        return s
-
-    yield make
-    for c, s in made:
-        s.close()
-        c.close()
 
 
 STRATEGIES: dict[str, dict[str, Any]] = {

@@ -19,11 +19,6 @@ from isthmus.models import GPT, GPTConfig
 from isthmus.strategies.base import materialize_optimizer_state
 
 
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
-
-
 def batch(corpus: Corpus, step: int):
     return corpus.batch(
         step=step, rank=0, world=1, batch_size=4, block_size=GPTConfig.tiny().block_size

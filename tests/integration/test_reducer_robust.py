@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,25 +17,9 @@ from isthmus.reduce.aggregate import make_aggregator
 from isthmus.reduce.aggregate.attacks import PeerAttack
 from isthmus.reduce.reducer import Reducer
 from isthmus.testing import local_groups, run_parallel
+from support.sessions import FakeRound
 
 D = 23
-
-
-@dataclass
-class FakeRound:
-    """The parts of a session Round that the reducer uses."""
-
-    group: Group
-    number: int
-    epoch: int
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +39,7 @@ def reduce_round(groups, reducers, rnd, epoch=1, contribute=None, commit=True):
         items = [("w", honest(rnd, g.rank))]
         ok = True if contribute is None else contribute[g.rank]
         out = reducers[g.rank].mean(
-            FakeRound(g, rnd, epoch), items, contribute=ok, exact=torch.tensor([1.0])
+            FakeRound(g, number=rnd, epoch=epoch), items, contribute=ok, exact=torch.tensor([1.0])
         )
         if commit:
             reducers[g.rank].commit()
@@ -135,7 +118,9 @@ def test_plain_reduction_is_finished_on_the_worker_before_anyone_waits(groups):
 
     def run(g: Group) -> tuple[int, object]:
         r = plain[g.rank]
-        pending = r.start(FakeRound(g, 5, 1), [("w", honest(5, g.rank))], contribute=True)
+        pending = r.start(
+            FakeRound(g, number=5, epoch=1), [("w", honest(5, g.rank))], contribute=True
+        )
         for _ in range(3000):  # up to 30 s; never calls wait() before the check below
             if pending.done():
                 break
@@ -154,7 +139,9 @@ def test_a_failed_reduction_leaves_no_reference_cycle_behind():
     # a cycle through the failed round's process group, which the cyclic collector may then free
     # on one of Gloo's threads, aborting the process (seen as SIGABRT in the kill tests).
     g0, g1 = local_groups(2, timeout_s=20)
-    pending = Reducer().start(FakeRound(g0, 0, 1), [("w", torch.ones(5))], contribute=True)
+    pending = Reducer().start(
+        FakeRound(g0, number=0, epoch=1), [("w", torch.ones(5))], contribute=True
+    )
     future = weakref.ref(pending._future)
     g0.abort("test: the round failed elsewhere")
     gc.disable()

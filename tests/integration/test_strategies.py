@@ -10,14 +10,12 @@ Several peers: survivors and joiners end bitwise equal (shared state and model).
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from conftest import TOKEN, Cluster, assert_bitwise_equal
-from isthmus import Fault, FaultInjector, Session, SessionConfig
+from conftest import assert_bitwise_equal
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
 from isthmus.strategies import (
@@ -31,33 +29,6 @@ from isthmus.strategies import (
 )
 
 TINY = GPTConfig.tiny()
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
-
-
-@pytest.fixture
-def one_peer(tmp_path: Path) -> Iterator[Callable[..., Session]]:
-    """Sessions that are the only peer of their own run (each with its own coordinator)."""
-    made: list[tuple[Cluster, Session]] = []
-
-    def make(*faults: str) -> Session:
-        d = tmp_path / f"run{len(made)}"
-        d.mkdir()
-        c = Cluster(d, start_peers=1)
-        s = Session(
-            SessionConfig(coordinator=c.coord.address, token=TOKEN, connect_timeout=5),
-            faults=FaultInjector([Fault.parse(f) for f in faults]),
-        )
-        made.append((c, s))
-        return s
-
-    yield make
-    for c, s in made:
-        s.close()
-        c.close()
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

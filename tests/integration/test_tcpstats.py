@@ -163,6 +163,30 @@ def _sh(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, timeout=20)
 
 
+def _veth_pair(*ends: tuple[str, str, str], root_qdisc: list[str] | None = None) -> None:
+    """Two new namespaces joined by a veth pair: each end is (namespace, device, address/prefix);
+    both devices and both loopbacks up, and ``root_qdisc``, if given, the root qdisc of both
+    devices. Raises ``CalledProcessError`` if a command fails."""
+    (a, va, _), (b, vb, _) = ends
+    _sh("ip", "netns", "add", a)
+    _sh("ip", "netns", "add", b)
+    _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+    for ns, dev, ip in ends:
+        _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
+        _sh("ip", "-n", ns, "link", "set", dev, "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if root_qdisc is not None:
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *root_qdisc)
+
+
+def _drop_everything(ns: str, dev: str) -> None:
+    """From now on ``dev`` in ``ns`` drops every packet it sends, silently: an htb root whose
+    only class feeds a zero-length pfifo. ``dev`` must have no root qdisc."""
+    _sh("tc", "-n", ns, *f"qdisc add dev {dev} root handle 1: htb default 10".split())
+    _sh("tc", "-n", ns, *f"class add dev {dev} parent 1: classid 1:10 htb rate 1gbit".split())
+    _sh("tc", "-n", ns, *f"qdisc add dev {dev} parent 1:10 handle 10: pfifo limit 0".split())
+
+
 def _line(p: subprocess.Popen[str], start: str, limit_s: float) -> str:
     """The first line of ``p``'s output that begins with ``start`` (bounded by a reader
     thread, so that a child that prints nothing cannot hold the test)."""
@@ -189,13 +213,7 @@ def test_a_silently_dropped_path_is_silent_and_names_the_remote(prefix: str) -> 
     va, vb = f"{prefix}a", f"{prefix}b"
     procs: list[subprocess.Popen[str]] = []
     try:
-        _sh("ip", "netns", "add", a)
-        _sh("ip", "netns", "add", b)
-        _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
-        for ns, dev, ip in ((a, va, "10.79.0.1/24"), (b, vb, "10.79.0.2/24")):
-            _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _veth_pair((a, va, "10.79.0.1/24"), (b, vb, "10.79.0.2/24"))
         env = {**os.environ, "PYTHONPATH": str(SRC)}
 
         def start(ns: str, *argv: str) -> subprocess.Popen[str]:
@@ -209,41 +227,7 @@ def test_a_silently_dropped_path_is_silent_and_names_the_remote(prefix: str) -> 
         send = start(a, "send", "10.79.0.2", "41234", "--stall", "2", "--give-up", "60")
         _line(send, "MOVING", 60)
         # the path from a to b now drops every packet, silently: htb with a zero-length queue
-        _sh(
-            "tc", "-n", a, "qdisc", "add", "dev", va, "root", "handle", "1:", "htb", "default", "10"
-        )
-        _sh(
-            "tc",
-            "-n",
-            a,
-            "class",
-            "add",
-            "dev",
-            va,
-            "parent",
-            "1:",
-            "classid",
-            "1:10",
-            "htb",
-            "rate",
-            "1gbit",
-        )
-        _sh(
-            "tc",
-            "-n",
-            a,
-            "qdisc",
-            "add",
-            "dev",
-            va,
-            "parent",
-            "1:10",
-            "handle",
-            "10:",
-            "pfifo",
-            "limit",
-            "0",
-        )
+        _drop_everything(a, va)
         verdict = json.loads(_line(send, "VERDICT ", 90)[len("VERDICT ") :])
         assert verdict["state"] == State.SILENT.value and verdict["stuck"], verdict
         assert verdict["remote"] == "10.79.0.2:41234"
@@ -278,16 +262,9 @@ def test_a_gloo_all_reduce_over_a_cut_link_is_seen_silent_before_gloo_gives_up(
     va, vb = f"{prefix}a", f"{prefix}b"
     procs: list[subprocess.Popen[str]] = []
     try:
-        _sh("ip", "netns", "add", a)
-        _sh("ip", "netns", "add", b)
-        _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
-        for ns, dev, ip in ((a, va, "10.79.1.1/24"), (b, vb, "10.79.1.2/24")):
-            _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            # slow enough that the all-reduce is still running when the link is cut
-            tbf = ["root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf)
+        # slow enough that the all-reduce is still running when the link is cut
+        tbf = ["tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
+        _veth_pair((a, va, "10.79.1.1/24"), (b, vb, "10.79.1.2/24"), root_qdisc=tbf)
         env = {**os.environ, "PYTHONPATH": str(SRC)}
         for rank, ns, ip in ((0, a, "10.79.1.1"), (1, b, "10.79.1.2")):
             cmd = ["ip", "netns", "exec", ns, sys.executable, str(GLOO_SCRIPT)]
@@ -296,41 +273,7 @@ def test_a_gloo_all_reduce_over_a_cut_link_is_seen_silent_before_gloo_gives_up(
         _line(procs[1], "MOVING", 120)
         # every packet from b to a is now dropped, silently
         _sh("tc", "-n", b, "qdisc", "del", "dev", vb, "root")
-        _sh(
-            "tc", "-n", b, "qdisc", "add", "dev", vb, "root", "handle", "1:", "htb", "default", "10"
-        )
-        _sh(
-            "tc",
-            "-n",
-            b,
-            "class",
-            "add",
-            "dev",
-            vb,
-            "parent",
-            "1:",
-            "classid",
-            "1:10",
-            "htb",
-            "rate",
-            "1gbit",
-        )
-        _sh(
-            "tc",
-            "-n",
-            b,
-            "qdisc",
-            "add",
-            "dev",
-            vb,
-            "parent",
-            "1:10",
-            "handle",
-            "10:",
-            "pfifo",
-            "limit",
-            "0",
-        )
+        _drop_everything(b, vb)
         seen: dict[int, list[str]] = {0: [], 1: []}
         for rank, p in enumerate(procs):
             _collect(p, seen[rank])

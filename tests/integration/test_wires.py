@@ -15,12 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from isthmus.comm.connect import Connecting, Graveyard, StoreClients, connect_gloo
+from isthmus.comm.connect import Graveyard, StoreClients, connect_gloo
 from isthmus.comm.group import CollectiveError, Group
 from isthmus.comm.wires import Wires, inet_sockets, pair_sockets
-
-# Far longer than any test may run: whatever ends a wait here, it is not this timeout.
-NEVER = 600.0
+from support.rendezvous import NEVER, assert_abandoned_rendezvous_is_cut
 
 
 @pytest.fixture
@@ -128,21 +126,7 @@ def test_abandoned_connection_attempt_is_cut(master):
     store = dist.PrefixStore("abandoned/", clients.take(wires, lambda: None))
     assert len(wires) == 1  # the store client's connection
 
-    def build() -> object:
-        return connect_gloo(store, 0, 2, timeout_s=NEVER, wires=wires, hostname="127.0.0.1")
-
-    attempt = Connecting(build, wires, name="connect-abandoned")  # rank 1 never comes
-    calls = []
-
-    def abandon() -> str | None:
-        calls.append(1)
-        return "epoch aborted while connecting" if len(calls) > 20 else None
-
-    with pytest.raises(CollectiveError, match="aborted while connecting"):
-        attempt.wait(abandon)
-    yard = Graveyard()
-    yard.park(attempt)
-    _until_idle(yard, "an abandoned rendezvous")  # its store wait was cut
+    assert_abandoned_rendezvous_is_cut(store, wires)
 
 
 def test_thousands_of_epochs_leave_threads_and_descriptors_flat():

@@ -11,12 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, Group
-from isthmus.comm.state import SharedState
-from isthmus.coordinator.protocol import RoundPlan
 from isthmus.data import Corpus
-from isthmus.models import GPT, GPTConfig
+from isthmus.models import GPT
 from isthmus.strategies.zo import ZO, ZOConfig
 from isthmus.strategies.zo.math import (
     ScalarCodec,
@@ -26,58 +23,10 @@ from isthmus.strategies.zo.math import (
     perturbation_seed,
 )
 from isthmus.testing import local_groups, run_parallel
+from support.sessions import Rounds
+from support.zo import TINY
 
-TINY = GPTConfig.tiny()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
-
-
-class _Round:
-    def __init__(self, group: Group, number: int) -> None:
-        self.group, self.number, self.resynced = group, number, False
-        self.rank, self.world, self.epoch = group.rank, group.world, 0
-        self.plan = RoundPlan(
-            round=number,
-            epoch=0,
-            members=tuple(range(group.world)),
-            transfers=(),
-            expected={},
-            new_epoch=False,
-        )
-
-    def check_faults(self, point: str, *, step: int | None = None) -> None:
-        pass
-
-
-class FakeSession:
-    """What the strategy uses of a Session, over an in-process group whose rounds commit."""
-
-    def __init__(self, group: Group) -> None:
-        self.group, self.state, self.stats = group, SharedState(), group.stats
-        self.faults = FaultInjector()
-        self.revision = 0
-
-    def register(self, name: str, tensor: torch.Tensor) -> None:
-        self.state.register(name, tensor)
-
-    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
-        pass  # ZO's rounds reduce nothing through the reducer
-
-    def run_round(self, fn: Callable[[Any], Any]) -> Any:
-        out = fn(_Round(self.group, self.revision))
-        self.revision += 1
-        return out
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(corpus: Corpus, step: int, shard: int, shards: int) -> tuple[Any, Any]:
@@ -103,7 +52,7 @@ def test_pairs_split_the_passes_and_every_member_ends_equal_to_the_hand_update(c
 
     def peer(g: Group) -> tuple[GPT, dict[str, int]]:
         model = models[g.rank]
-        st = ZO(FakeSession(g), model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)  # type: ignore[arg-type]
+        st = ZO(Rounds(g), model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)  # type: ignore[arg-type]
         for step in range(steps):
             st.step(_loss(model, corpus, step))
         return model, dict(g.stats.by_op)
@@ -161,7 +110,7 @@ def test_a_partner_lost_in_the_round_leaves_nothing_applied(corpus):
 
     def peer(g: Group) -> None:
         model = models[g.rank]
-        st = ZO(FakeSession(g), model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)  # type: ignore[arg-type]
+        st = ZO(Rounds(g), model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)  # type: ignore[arg-type]
         loss = _loss(model, corpus, 0)
         if g.rank == 1:
             # the partner dies during its pass: the lead's receive fails with the group
@@ -189,7 +138,7 @@ def test_memory_stays_at_inference_level_no_graph_no_grads_no_optimizer_state(co
     def peer(g: Group) -> torch.optim.Optimizer:
         model = models[g.rank]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        st = ZO(FakeSession(g), model, opt, cfg)  # type: ignore[arg-type]
+        st = ZO(Rounds(g), model, opt, cfg)  # type: ignore[arg-type]
         for step in range(2):
             inner = _loss(model, corpus, step)
 

@@ -4,67 +4,23 @@ not match and falls back, each verified against the source's hashes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
-from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import Group
-from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import apply_transfers
 from isthmus.coordinator.protocol import RoundPlan, Transfer
 from isthmus.data import Corpus
-from isthmus.models import GPT, GPTConfig
+from isthmus.models import GPT
 from isthmus.strategies.zo import ZO, ZOConfig
 from isthmus.testing import local_groups, run_parallel
+from support.sessions import Rounds
+from support.zo import TINY
 
-TINY = GPTConfig.tiny()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a stale member catches up over a real pair -------------------------------------------------
-class _Round:
-    def __init__(self, group: Group, number: int) -> None:
-        self.group, self.number, self.resynced = group, number, False
-        self.rank, self.world, self.epoch = group.rank, group.world, 0
-
-    def check_faults(self, point: str, *, step: int | None = None) -> None:
-        pass
-
-
-class FakeSession:
-    """What the strategy uses of a Session, over an in-process group whose rounds commit."""
-
-    def __init__(self, group: Group) -> None:
-        self.group, self.state, self.faults, self.stats = (
-            group,
-            SharedState(),
-            FaultInjector(),
-            group.stats,
-        )
-        self.revision = 0
-
-    def add_commit_hook(self, fn: Callable[[Any], None]) -> None:
-        pass  # ZO's rounds reduce nothing through the reducer
-
-    def register(self, name: str, tensor: torch.Tensor) -> None:
-        self.state.register(name, tensor)
-
-    def run_round(self, fn: Callable[[Any], Any]) -> Any:
-        out = fn(_Round(self.group, self.revision))
-        self.revision += 1
-        return out
-
-
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.0)
 
@@ -76,7 +32,7 @@ def _trained(corpus: Corpus, steps: int, cfg: ZOConfig) -> list[ZO]:
 
     def peer(g: Group) -> ZO:
         model = models[g.rank]
-        st = ZO(FakeSession(g), model, _sgd(model), cfg)  # type: ignore[arg-type]
+        st = ZO(Rounds(g), model, _sgd(model), cfg)  # type: ignore[arg-type]
         for step in range(steps):
             x, y = corpus.batch(
                 step=step, rank=g.rank, world=2, batch_size=4, block_size=TINY.block_size
@@ -93,7 +49,7 @@ def _catch_up(src: ZO, cfg: ZOConfig, init_seed: int) -> tuple[ZO, int, int]:
     that differed."""
     groups = local_groups(2)
     model = GPT(TINY, seed=init_seed)
-    dst = ZO(FakeSession(groups[1]), model, _sgd(model), cfg)  # type: ignore[arg-type]
+    dst = ZO(Rounds(groups[1]), model, _sgd(model), cfg)  # type: ignore[arg-type]
     assert src.session is not None and dst.session is not None
     want, have = src.session.state.hashes(), dst.session.state.hashes()
     wrong = tuple(n for n in want if have[n] != want[n])
@@ -111,11 +67,6 @@ def _catch_up(src: ZO, cfg: ZOConfig, init_seed: int) -> tuple[ZO, int, int]:
         src.session.state[n].numel() * src.session.state[n].element_size() for n in wrong
     )
     return dst, got[1], wrong_bytes
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
 
 
 @pytest.mark.parametrize(

@@ -10,27 +10,7 @@ from isthmus.reduce.compress import (
     make_compressor,
     payload_bytes,
 )
-
-SPECS = [
-    "none",
-    "uint8:block=32",
-    "int8:block=32",
-    "fp8_e4m3:block=32",
-    "fp8_e5m2:block=32",
-    "int4:block=32",
-    "e3m0:block=32",
-    "topk:0.05",
-    "topk:0.5",  # dense path (k * world >= d)
-    "randk:0.1",
-    "topk:0.05+ef",
-    "randk:0.1+ef",
-    "topk:0.05+ef21",
-    "topk:0.05+econtrol",
-    "randk:0.1+econtrol:eta=0.05",
-    "powersgd:rank=2",
-    "sign",
-    "sketch:0.05,rows=3,width=0.3",
-]
+from support.compress import SPECS
 
 
 def test_every_base_name_is_covered():

@@ -13,28 +13,14 @@ from isthmus.reduce.compress.quantize import (
     shard_layout,
 )
 from isthmus.testing import local_groups
-
-FORMATS = ["uint8", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "e3m0"]
-
-
-def _hard_input(n: int = 4096, seed: int = 0) -> torch.Tensor:
-    """Normal values with outliers, an all-zero block, a constant block and tiny values (to reach
-    the fp8 subnormal range inside a block)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g)
-    x[::97] *= 50.0
-    x[128:192] = 0.0
-    x[256:320] = -3.25
-    x[512:576] *= 1e-6
-    x[520] = 1.0
-    return x
+from support.compress import FORMATS, hard_input
 
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("block", [64, 32])
 def test_round_trip_error_bound(name, block):
     fmt = make_format(name, block=block)
-    x = _hard_input()
+    x = hard_input()
     p = fmt.quantize(x)
     assert p.data.dtype == torch.uint8
     assert p.nbytes == fmt.row_bytes(x.numel())

@@ -9,28 +9,17 @@ import pytest
 import torch
 
 from isthmus.reduce.compress.formats import make_format
+from support.compress import FORMATS, spiky_input
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU-only CI)"
 )
 
 
-FORMATS = ["uint8", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "e3m0"]
-
-
-def _input(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g)
-    x[::97] *= 50.0
-    x[128:192] = 0.0
-    x[512:576] *= 1e-6
-    return x
-
-
 @pytest.mark.parametrize("name", FORMATS)
 def test_encode_and_decode_give_the_cpu_bytes_on_cuda(name):
     fmt = make_format(name, block=64)
-    rows = _input(4 * 1024, seed=1).reshape(4, 1024)
+    rows = spiky_input(4 * 1024, seed=1).reshape(4, 1024)
     cpu = fmt.encode(rows)
     gpu = fmt.encode(rows.cuda())
     assert gpu.is_cuda

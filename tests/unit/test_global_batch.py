@@ -3,9 +3,6 @@ positions a step uses, how they are split, and weights under the robust rules.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
@@ -20,24 +17,8 @@ from isthmus.data.global_batch import (
 from isthmus.reduce.reducer import Reducer
 from isthmus.strategies.ddp import DDP, DDPConfig
 from isthmus.testing import local_groups
-
-
-@dataclass
-class FakeRound:
-    """What the reducer reads from a round."""
-
-    group: Any
-    epoch: int = 1
-    number: int = 1
-    resynced: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
+from support.global_batch import make_model, positions_loss
+from support.sessions import FakeRound
 
 
 def test_a_step_uses_the_same_positions_whatever_the_split() -> None:
@@ -65,25 +46,6 @@ def test_the_order_is_a_fresh_permutation_per_pass() -> None:
     assert sample_seed(0, 5) == sample_seed(0, 5) != sample_seed(0, 6)
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-
-
-_X = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
-
-
-_Y = torch.randn(64, 2, generator=torch.Generator().manual_seed(2))
-
-
-def _loss_fn(model: torch.nn.Module) -> Any:
-    def loss_fn(positions: list[int]) -> torch.Tensor:
-        idx = torch.tensor(positions) % len(_X)
-        return torch.nn.functional.mse_loss(model(_X[idx]), _Y[idx])
-
-    return loss_fn
-
-
 def test_weight_one_keeps_the_bits_and_robust_rules_refuse_weights() -> None:
     (g,) = local_groups(1)
     t = torch.tensor([0.1, 0.7, 1.3])
@@ -101,14 +63,14 @@ def test_weight_one_keeps_the_bits_and_robust_rules_refuse_weights() -> None:
 
 
 def test_ddp_global_batch_alone_is_plain_training_on_the_batch() -> None:
-    model, ref = _model(), _model()
+    model, ref = make_model(), make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ddp = DDP(None, model, opt, DDPConfig(global_batch=6, micro_batch=4))
     for step in range(3):
-        ddp.step(_loss_fn(model))
+        ddp.step(positions_loss(model))
         ref_opt.zero_grad()
-        _loss_fn(ref)(list(range(6 * step, 6 * step + 6))).backward()
+        positions_loss(ref)(list(range(6 * step, 6 * step + 6))).backward()
         ref_opt.step()
         assert ddp.last_share == range(6 * step, 6 * step + 6)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):

@@ -4,16 +4,17 @@ local state a checkpoint holds. Multi-peer parity is tests/integration/test_mode
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from isthmus.comm.state import SharedState
 from isthmus.strategies import STRATEGIES, DiLoCo, DiLoCoConfig, Strategy, make_strategy
 from isthmus.strategies.model_state import ModelState, SharedBuffers, as_started, global_copy
+from support.sessions import Registry
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "ddp": {},
@@ -28,14 +29,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "sparseloco": {"sync_every": 4, "fragments": 2, "overlap": 1, "pattern": "balanced"},
     "decoupled_momentum": {},
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Block(nn.Module):
@@ -79,20 +72,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def net(seed: int = 0, dtype: torch.dtype = torch.float32) -> Net:
     torch.manual_seed(seed)
     return Net().to(dtype)
-
-
-class Registry:
-    """What setup() uses of a Session: registration only (no rounds are run)."""
-
-    def __init__(self) -> None:
-        self.state = SharedState()
-        self.hooks: list[Any] = []
-
-    def register(self, name: str, tensor: torch.Tensor) -> None:
-        self.state.register(name, tensor)
-
-    def add_commit_hook(self, fn: Any) -> None:
-        self.hooks.append(fn)
 
 
 def build(name: str, session: Any, model: nn.Module, **extra: Any) -> Strategy:

@@ -31,19 +31,7 @@ from isthmus.strategies.streaming import (
 
 TINY = GPTConfig.tiny()
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: threads only add contention on a loaded 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:

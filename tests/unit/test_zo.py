@@ -8,9 +8,7 @@ the module's generator.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +18,7 @@ from torch import nn
 
 from isthmus.comm.accounting import wire_bytes
 from isthmus.comm.state import SharedState
-from isthmus.data import Corpus
-from isthmus.models import GPT, GPTConfig
+from isthmus.models import GPT
 from isthmus.strategies import STRATEGIES, make_strategy
 from isthmus.strategies.zo import ZO, ZOConfig
 from isthmus.strategies.zo.math import (
@@ -33,65 +30,12 @@ from isthmus.strategies.zo.math import (
     perturbation,
     perturbation_seed,
 )
+from support.zo import TINY, batch, bits_equal, doc_seed, doc_z, hand_estimate, quantized, sgd
 
-TINY = GPTConfig.tiny()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: threads only add contention on a loaded 2-core machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus() -> Corpus:
-    return Corpus.from_stdlib(max_bytes=100_000)
-
-
-def batch(corpus: Corpus, step: int, rank: int = 0, world: int = 1) -> tuple[Any, Any]:
-    return corpus.batch(step=step, rank=rank, world=world, batch_size=4, block_size=TINY.block_size)
-
-
-def sgd(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.1)  # never used by zo
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the documented rules, written out again ------------------------------------------------------
-def doc_seed(*parts: int) -> int:
-    data = b"isthmus-zo" + b"".join(struct.pack("<q", p) for p in parts)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & (2**63 - 1)
-
-
-def doc_z(run_seed: int, rnd: int, rank: int, k: int, j: int, like: torch.Tensor) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(doc_seed(doc_seed(run_seed, rnd, rank, k), j))
-    return torch.randn(like.shape, generator=gen, dtype=torch.float64).to(like.dtype)
-
-
-def hand_estimate(
-    params: list[torch.Tensor],
-    loss: Callable[[], torch.Tensor],
-    *,
-    seed: int,
-    rnd: int,
-    rank: int,
-    eps: float,
-) -> float:
-    """MeZO's two forward passes (theta + eps z, then - 2 eps z), restored from a copy."""
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        zs = [doc_z(seed, rnd, rank, 0, j, p) for j, p in enumerate(params)]
-        for p, z in zip(params, zs, strict=True):
-            p.add_(z, alpha=eps)
-        plus = float(loss())
-        for p, z in zip(params, zs, strict=True):
-            p.add_(z, alpha=-2 * eps)
-        minus = float(loss())
-        for p, s in zip(params, saved, strict=True):
-            p.copy_(s)
-    return (plus - minus) / (2 * eps)
 
 
 def hand_update(
@@ -107,18 +51,6 @@ def hand_update(
         for j, p in enumerate(params):
             z = doc_z(seed, rnd, 0, 0, j, p)
             p.sub_(lr * g * z)
-
-
-def quantized(g: float, bits: int) -> float:
-    if bits == 32:
-        return float32(g)
-    q = ScalarCodec(bits).quantize(g)
-    assert q is not None
-    return q
-
-
-def bits_equal(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 # -- one peer: MeZO bit for bit ------------------------------------------------------------------

@@ -16,13 +16,7 @@ from isthmus.strategies.zo.replay import (
     replay_is_cheaper,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the log ------------------------------------------------------------------------------------

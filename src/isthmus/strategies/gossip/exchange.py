@@ -26,7 +26,8 @@ A failed send, receive or collective raises the group's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -238,6 +239,29 @@ def _graph_for(topology: Topology | TopologySequence, index: int) -> Topology:
     return topology if isinstance(topology, Topology) else topology.at(index)
 
 
+def _round_of_steps(
+    vec: torch.Tensor,
+    topology: Topology | TopologySequence,
+    *,
+    round: int,
+    iterations: int,
+    step: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """``x = step(x, graph, exchange=...)`` ``iterations`` times from the flat ``vec``, step
+    ``q`` on graph ``round * iterations + q`` with exchange ``round * MAX_ITERS_PER_ROUND + q``;
+    returns a new tensor shaped like ``vec``. Raises ``ValueError`` for ``iterations`` outside
+    ``1..MAX_ITERS_PER_ROUND`` or a negative round, before any step."""
+    if not 1 <= iterations <= MAX_ITERS_PER_ROUND:
+        raise ValueError(f"iterations must be in 1..{MAX_ITERS_PER_ROUND}, got {iterations}")
+    if round < 0:
+        raise ValueError(f"round must be >= 0, got {round}")
+    x = vec.detach().reshape(-1)
+    for q in range(iterations):
+        graph = _graph_for(topology, round * iterations + q)
+        x = step(x, graph, exchange=round * MAX_ITERS_PER_ROUND + q)
+    return x.reshape(vec.shape)
+
+
 def gossip(
     group: Group,
     vec: torch.Tensor,
@@ -258,23 +282,10 @@ def gossip(
     each round. Raises ``ValueError`` for ``iterations`` outside ``1..MAX_ITERS_PER_ROUND`` or a
     negative round, plus everything :func:`gossip_step` raises.
     """
-    if not 1 <= iterations <= MAX_ITERS_PER_ROUND:
-        raise ValueError(f"iterations must be in 1..{MAX_ITERS_PER_ROUND}, got {iterations}")
-    if round < 0:
-        raise ValueError(f"round must be >= 0, got {round}")
-    x = vec.detach().reshape(-1)
-    for q in range(iterations):
-        x = gossip_step(
-            group,
-            x,
-            _graph_for(topology, round * iterations + q),
-            exchange=round * MAX_ITERS_PER_ROUND + q,
-            encode=encode,
-            decode=decode,
-            gamma=gamma,
-            transport=transport,
-        )
-    return x.reshape(vec.shape)
+    step = partial(
+        gossip_step, group, encode=encode, decode=decode, gamma=gamma, transport=transport
+    )
+    return _round_of_steps(vec, topology, round=round, iterations=iterations, step=step)
 
 
 def variance_corrected_gossip_step(
@@ -328,25 +339,17 @@ def variance_corrected_gossip(
 
     Raises like :func:`gossip` and :func:`variance_corrected_gossip_step`.
     """
-    if not 1 <= iterations <= MAX_ITERS_PER_ROUND:
-        raise ValueError(f"iterations must be in 1..{MAX_ITERS_PER_ROUND}, got {iterations}")
-    if round < 0:
-        raise ValueError(f"round must be >= 0, got {round}")
-    x = vec.detach().reshape(-1)
-    for q in range(iterations):
-        x = variance_corrected_gossip_step(
-            group,
-            x,
-            _graph_for(topology, round * iterations + q),
-            sizes,
-            exchange=round * MAX_ITERS_PER_ROUND + q,
-            target=target,
-            mix_weight=mix_weight,
-            min_numel=min_numel,
-            eps=eps,
-            transport=transport,
-        )
-    return x.reshape(vec.shape)
+    step = partial(
+        variance_corrected_gossip_step,
+        group,
+        sizes=sizes,
+        target=target,
+        mix_weight=mix_weight,
+        min_numel=min_numel,
+        eps=eps,
+        transport=transport,
+    )
+    return _round_of_steps(vec, topology, round=round, iterations=iterations, step=step)
 
 
 def global_average(group: Group, vec: torch.Tensor, *, contribute: bool = True) -> torch.Tensor:
