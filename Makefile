@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k parity -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-unit test-integration test-slow test-browser lint bench bench-peers-env clean
+.PHONY: all demo test test-deps test-unit test-integration test-slow test-browser lint bench bench-peers-env clean
 
 all: test
 
@@ -24,21 +24,25 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/isthmus demo
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# chromium, ping and nftables for the browser and lab tests, with apt where this runs as root
+# (tools/test_deps.sh); without them those tests skip with their reason.
+test-deps:
+	@bash tools/test_deps.sh
 
 # One process, no sockets or subprocesses (tests/unit/conftest.py refuses them): under a minute.
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # Gloo groups, servers, peer processes, network namespaces.
-test-integration: $(STAMP)
+test-integration: $(STAMP) test-deps
 	$(BIN)/python -m pytest tests/integration $(PYTEST_ARGS)
 
 # The dashboard in a real browser: Debian's chromium (installed here with apt, as root, when it is
 # missing), driven by Playwright. `make test` runs the same test when chromium is present.
-test-browser: $(STAMP)
-	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+test-browser: $(STAMP) test-deps
 	$(BIN)/python -m pytest tests/integration/test_dashboard.py $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
