@@ -125,6 +125,32 @@ def test_connections_and_probing_reach_the_script_through_from_env(tmp_path: Pat
     # without the flags: connections 1, probing off (tests/unit/test_session_config.py)
 
 
+def test_what_the_peers_print_reaches_the_terminal_prefixed_and_the_run_directory(
+    tmp_path: Path,
+) -> None:
+    """As torchrun's --tee: each peer's lines on the launcher's stdout, prefixed with the peer,
+    stderr too, and in its log; --quiet keeps them in the logs only."""
+    talk = tmp_path / "talk.py"
+    talk.write_text(
+        "import os, sys\nname = os.environ['ISTHMUS_NAME']\n"
+        "for i in range(3):\n    print(f'{name} says {i}')\n"
+        "print(f'{name} warns [red]x[/red]', file=sys.stderr)\n"
+    )
+    fresh = {**os.environ, "ISTHMUS_FORKSERVER": "0"}  # no torch needed
+    p = _run(tmp_path / "tee", "--peers", "2", str(talk), timeout=60, env=fresh)
+    assert p.returncode == 0, p.stderr
+    for name in ("peer0", "peer1"):
+        lines = [f"[{name}] {name} says {i}" for i in range(3)]
+        shown = [line for line in p.stdout.splitlines() if line.startswith(f"[{name}] ")]
+        assert shown == [*lines, f"[{name}] {name} warns [red]x[/red]"], p.stdout
+        log = (tmp_path / "tee" / "run" / f"{name}.log").read_text()
+        assert all(line.split("] ", 1)[1] in log for line in lines)
+    q = _run(tmp_path / "quiet", "--peers", "2", "--quiet", str(talk), timeout=60, env=fresh)
+    assert q.returncode == 0, q.stderr
+    assert "says" not in q.stdout and "says" not in q.stderr
+    assert "peer1 says 2" in (tmp_path / "quiet" / "run" / "peer1.log").read_text()
+
+
 def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     """SIGINT to the launcher: every peer process is gone afterwards, the exit code says so."""
     proc = subprocess.Popen(

@@ -128,6 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             run_dir=cfg.output.run_dir,
             steps=args.steps,
             progress=cfg.output.progress,
+            tee=not args.quiet,
             summary_json=cfg.output.summary_json,
             connections=cfg.strategy.connections,
             probe_links=cfg.strategy.probe_links,
@@ -257,6 +258,12 @@ def add_parsers(sub: Any) -> None:
     )
     r.add_argument("--token-file", help="read the token from this file")
     r.add_argument("--steps", type=int, default=None, help="the run's length, for the progress bar")
+    r.add_argument(
+        "--quiet",
+        action="store_true",
+        help="keep the peers' output in the run directory only (by default each line is also "
+        "shown here, prefixed with its peer, as torchrun's --tee does)",
+    )
     add_config_flags(r, include=RUN_FLAGS)
     r.add_argument("script", help="the training script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")

@@ -50,6 +50,7 @@ from isthmus.run.forkserver import PeerProcess
 from isthmus.run.programs import BuiltinJob, PeerLaunch, Program, Script
 from isthmus.run.record import RunDir
 from isthmus.run.secure import embedded_tls
+from isthmus.run.tee import LogTee
 
 __all__ = [
     "BuiltinJob",
@@ -227,6 +228,7 @@ class Launcher:
         progress: bool = True,
         checkpoint_dir: str | None = None,
         stragglers: StragglerConfig | None = None,
+        tee: bool = False,
     ) -> None:
         if coordinator is not None and not token:
             raise ValueError("joining a remote coordinator needs its token")
@@ -234,6 +236,8 @@ class Launcher:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.program = program
         self.run_dir = run_dir
+        # the peers' lines on this terminal, prefixed (isthmus run); the logs stay the record
+        self.tee = LogTee(self._echo) if tee else None
         self.slots = [Slot(i) for i in range(slots)]
         self.starting = list(range(slots)) if starting is None else list(starting)
         self.timeouts = timeouts or TimeoutConfig()
@@ -292,6 +296,8 @@ class Launcher:
             proc = self.spawner.popen(
                 slot, argv, {"PYTHONUNBUFFERED": "1", **self.program.env(launch)}, logf
             )
+        if self.tee is not None:
+            self.tee.follow(name, self.run_dir.log(name))
         inc = Incarnation(slot, name, proc, time.monotonic())
         s.incarnations.append(inc)
         return inc
@@ -437,6 +443,8 @@ class Launcher:
                 self.label, total=self.total_steps, loss="-", peers=0, sent="0 B"
             )
             while True:
+                if self.tee is not None:
+                    self.tee.pump()
                 self._restart_crashed()
                 alive = [s for s in self.slots if s.state() in ("running", "stopped")]
                 if not alive:
@@ -469,7 +477,18 @@ class Launcher:
                 time.sleep(0.1)
             if self.total_steps:
                 progress.update(task, completed=self.total_steps)
+            if self.tee is not None:
+                self.tee.close()
         return False
+
+    def _echo(self, line: str) -> None:
+        """A peer's line, as it is (no markup), on stdout; above the progress bar while one is
+        drawn on a terminal (which shares the terminal with it)."""
+        console = getattr(self, "_console", None)
+        if self.show_progress and console is not None and console.is_terminal:
+            console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        else:
+            print(line, flush=True)
 
     def _say(self, text: str) -> None:
         console = getattr(self, "_console", None)

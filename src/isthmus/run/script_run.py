@@ -80,6 +80,7 @@ def run_script(
     run_dir: str | None = None,
     steps: int | None = None,
     progress: bool = True,
+    tee: bool = True,
     summary_json: str | None = None,
     connections: int = 1,
     probe_links: bool = False,
@@ -89,7 +90,10 @@ def run_script(
 
     ``connections`` and ``probe_links`` (``--connections``, ``--probe-links``) reach every peer
     as ``ISTHMUS_CONNECTIONS`` and ``ISTHMUS_PROBE_LINKS``, which
-    :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins).
+    :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins). With
+    ``tee`` (``isthmus run`` without ``--quiet``) every line the peers write is also printed
+    here, prefixed with its peer (:mod:`isthmus.run.tee`); the logs in the run directory hold it
+    either way.
 
     Raises FileNotFoundError if the script does not exist, ValueError for bad settings, and
     re-raises KeyboardInterrupt after stopping every child.
@@ -128,6 +132,7 @@ def run_script(
         total_steps=steps,
         label=Path(script).name,
         progress=progress,
+        tee=tee,
     )
     outcome = launcher.run()
     summary = summarize(outcome, rd, steps=steps, program=str(script), starting=peers)
