@@ -12,7 +12,8 @@ Requests: :class:`Register` (``POST /v1/register``), :class:`Begin`, :class:`Com
 /v1/checkpoint``), and :class:`Heartbeat` on the websocket. Answers: :class:`Registered`, a
 :class:`Decision` (one subclass per outcome: :class:`Wait`, :class:`Go`, :class:`SendHashes`,
 :class:`Refused`, :class:`Evicted`, :class:`Finished`, :class:`Restore`, :class:`Committed`,
-:class:`Aborted`), and pushes on the websocket (:class:`AbortPush`, :class:`EvictedPush`).
+:class:`Aborted`, :class:`Stopped`), and pushes on the websocket (:class:`AbortPush`,
+:class:`EvictedPush`, :class:`ProbePush`).
 docs/PROTOCOL.md describes the exchanges.
 """
 
@@ -39,6 +40,8 @@ __all__ = [
     "Heartbeat",
     "HeartbeatLost",
     "Leave",
+    "ProbeOutcome",
+    "ProbePush",
     "Push",
     "Refused",
     "Register",
@@ -47,8 +50,10 @@ __all__ = [
     "RestorePoint",
     "RoundPlan",
     "SendHashes",
+    "Stopped",
     "TensorSpec",
     "Transfer",
+    "Unreached",
     "Wait",
     "checkpoint_report",
     "schema_mismatch",
@@ -78,12 +83,44 @@ class TensorSpec:
             raise WireError(
                 path, f"expected [name, shape, dtype] with string name and dtype, got {x!r:.80}"
             )
-        return TensorSpec(name, decode(tuple[int, ...], shape, f"{path}[1]"), dtype)
+        return TensorSpec(name, _dims(shape, f"{path}[1]"), dtype)
 
     @staticmethod
     def from_json(x: Any) -> TensorSpec:
         """Inverse of :meth:`to_json`; raises :class:`WireError` (a ValueError) if malformed."""
         return TensorSpec.__wire_decode__(x)
+
+
+MAX_DIM = 2**40
+"""The largest dimension a tensor schema may declare (a shape beyond it is a malformed request,
+not a tensor anyone can hold)."""
+MAX_ELEMENTS = 2**48
+"""The most elements one declared tensor may have."""
+
+
+def _dims(shape: Any, path: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of dimensions; raises :class:`WireError` naming the first one that is
+    not a whole number from 0 to :data:`MAX_DIM` (a float, NaN, infinity, negative, too large),
+    or the shape when its element count exceeds :data:`MAX_ELEMENTS`."""
+    if not isinstance(shape, list | tuple):
+        raise WireError(path, f"expected a list of dimensions, got {type(shape).__name__}")
+    if len(shape) > 64:
+        raise WireError(path, f"has {len(shape)} dimensions; at most 64 are accepted")
+    dims = []
+    total = 1
+    for i, d in enumerate(shape):
+        at = f"{path}[{i}]"
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise WireError(at, f"expected an integer (a number of elements), got {d!r:.40}")
+        if d < 0:
+            raise WireError(at, f"is negative ({d})")
+        if d > MAX_DIM:
+            raise WireError(at, f"is absurdly large ({d:.3g} > {MAX_DIM})")
+        total *= d
+        dims.append(d)
+    if total > MAX_ELEMENTS:
+        raise WireError(path, f"declares {total:.3g} elements (more than {MAX_ELEMENTS})")
+    return tuple(dims)
 
 
 def schema_mismatch(run: list[TensorSpec], peer: list[TensorSpec]) -> str | None:
@@ -140,6 +177,10 @@ class RoundPlan:
     """Members whose local work must not count although they need no transfer: a peer repaired
     in an attempt of this round that aborted, or one registered after the run started (a new
     peer id) that has not been in a committed round yet."""
+    reach: dict[str, str] | None = None
+    """Each member's probe listener (peer id as text -> ``host:port``), for members that sent
+    one: a member whose group cannot connect probes the others there to name who it cannot
+    reach. None from a coordinator that sends none."""
 
     def rank_of(self, peer_id: int) -> int:
         return self.members.index(peer_id)
@@ -158,6 +199,39 @@ class RoundPlan:
         """Inverse of :meth:`to_json` (a ``go`` decision's plan). Raises :class:`WireError`
         naming the first malformed field; the session treats that as a protocol error."""
         return decode(RoundPlan, x)
+
+
+HOWS = ("refused", "timed out", "reset", "stalled")
+"""How a connection to another member failed (:class:`isthmus.coordinator.partition.How`)."""
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 300:
+        raise ValueError(f"address: expected host:port, got {address!r:.80}")
+
+
+@dataclass(frozen=True)
+class Unreached:
+    """In a failure report: this peer could not reach member ``peer`` at ``address``
+    (``host:port``), and ``how``."""
+
+    peer: int
+    address: str
+    how: Literal["refused", "timed out", "reset", "stalled"]
+
+    def __post_init__(self) -> None:
+        _check_address(self.address)
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """On a heartbeat: a probe this peer made to member ``peer`` (asked by a
+    :class:`ProbePush`) connected (``ok``), or failed ``how``."""
+
+    peer: int
+    ok: bool
+    how: Literal["refused", "timed out", "reset", "stalled"] | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +253,16 @@ class RestorePoint:
 
 # -- the coordinator's answers to begin and commit ----------------------------------------------
 Kind = Literal[
-    "wait", "go", "hashes", "refused", "evicted", "finished", "restore", "committed", "aborted"
+    "wait",
+    "go",
+    "hashes",
+    "refused",
+    "evicted",
+    "finished",
+    "restore",
+    "committed",
+    "aborted",
+    "stopped",
 ]
 
 
@@ -293,9 +376,28 @@ class Aborted(Decision):
     kind: Kind = "aborted"
 
 
+@dataclass(frozen=True)
+class Stopped(Decision):
+    """The round aborted again and again for the same cause (:attr:`reason` names it): stop
+    instead of retrying."""
+
+    kind: Kind = "stopped"
+
+
 Decision.__wire_tags__.update(
     (c.__dataclass_fields__["kind"].default, c)
-    for c in (Wait, Go, SendHashes, Refused, Evicted, Finished, Restore, Committed, Aborted)
+    for c in (
+        Wait,
+        Go,
+        SendHashes,
+        Refused,
+        Evicted,
+        Finished,
+        Restore,
+        Committed,
+        Aborted,
+        Stopped,
+    )
 )
 
 
@@ -344,7 +446,8 @@ class Begin:
 
 @dataclass(frozen=True)
 class Commit:
-    """``POST /v1/commit``: this peer's outcome of ``round`` of ``epoch``."""
+    """``POST /v1/commit``: this peer's outcome of ``round`` of ``epoch``; with a failure,
+    ``unreached`` names the members it could not reach (empty when it cannot tell)."""
 
     peer: int
     epoch: int
@@ -352,6 +455,7 @@ class Commit:
     ok: bool
     run: str | None = None
     error: str = ""
+    unreached: tuple[Unreached, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -446,6 +550,16 @@ class EvictedPush(Push):
 
 
 @dataclass(frozen=True)
+class ProbePush(Push):
+    """Probe member ``peer`` at ``address`` (its probe listener) and report the outcome on the
+    next heartbeat (``info["probes"]``, a list of :class:`ProbeOutcome`)."""
+
+    peer: int = -1
+    address: str = ""
+    __wire_tag_value__: ClassVar[str] = "probe"
+
+
+@dataclass(frozen=True)
 class HeartbeatLost(Push):
     """Not sent by the coordinator: the client's own notice that its websocket closed."""
 
@@ -453,6 +567,6 @@ class HeartbeatLost(Push):
 
 
 Push.__wire_tags__.update(
-    (c.__wire_tag_value__, c) for c in (AbortPush, EvictedPush, HeartbeatLost)
+    (c.__wire_tag_value__, c) for c in (AbortPush, EvictedPush, ProbePush, HeartbeatLost)
 )
 Heartbeat.__wire_tags__.update({"hb": Heartbeat})

@@ -45,6 +45,8 @@ COUNTER_HELP = {
     "evictions": "Peers evicted (crashed, stopped, cut off or timed out).",
     "leaves": "Peers that left the run cleanly.",
     "refusals": "Peers refused for a shared state that does not match the run's.",
+    "isolations": "Peers left out because a member could not reach them (or they it).",
+    "readmissions": "Isolated peers taken back after probes found their links up again.",
 }
 
 
