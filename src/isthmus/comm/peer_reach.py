@@ -10,10 +10,12 @@ threads and hands their outcomes to the next heartbeat, and turns a failed attem
 
 1. what the error names itself (``CollectiveError.unreached``: a stalled connection's remote,
    or the members an epoch could not connect to);
-2. else the remote in Gloo's text (:func:`~isthmus.comm.reach.gloo_failure`), when exactly one
-   member has that host;
-3. else, unless the coordinator aborted the epoch (the failure then came from elsewhere), a
+2. else, unless the coordinator aborted the epoch (the failure then came from elsewhere), a
    probe of every other member of the round, in parallel, bounded by ``probe_timeout``.
+
+The remote that Gloo's own texts name (``Connection reset by peer [10.0.0.4]:41234``) is not
+taken at its word: a member that aborts cuts its connections, and the others then read exactly
+that text about a member that is fine. A probe tells the two apart.
 
 Nothing here raises: a listener that cannot bind means no probes (logged once), and a failure
 that names nobody is reported without names.
@@ -25,7 +27,7 @@ import logging
 import threading
 from typing import Any
 
-from isthmus.comm.reach import ProbeListener, gloo_failure, local_address, probe, probe_all
+from isthmus.comm.reach import ProbeListener, local_address, probe, probe_all
 from isthmus.comm.session_config import SessionConfig
 from isthmus.coordinator.partition import How
 from isthmus.coordinator.protocol import ProbePush, RoundPlan, Unreached
@@ -155,11 +157,6 @@ class PeerReach:
                 found.append(u)
         if found or named:
             return tuple(found)
-        g = gloo_failure(str(error))
-        if g is not None:
-            member = self._by_host(_host(g[0]), addresses)
-            if member is not None:
-                return (Unreached(member, addresses[member], g[1].value),)
         if aborted or not addresses:
             return ()
         return tuple(
