@@ -78,17 +78,15 @@ def _nft(net: WanNetwork, peer: int, script: str) -> None:
 
 def _cut(net: WanNetwork, a: int, b: int, *, refuse: bool) -> None:
     """Break the link between ``a`` and ``b``: every packet between them dropped (both
-    directions, in ``a``'s namespace), or every TCP segment arriving from the other end answered
-    with a reset (in both namespaces, on input only, so that the resets themselves get out)."""
+    directions, in ``a``'s namespace), or every TCP segment but a reset arriving from the other
+    end answered with a reset (in both namespaces, on input only)."""
     if refuse:
         for x, y in ((a, b), (b, a)):
             ip = net.node(y).ip
-            rule = f"ip saddr {ip} ip protocol tcp reject with tcp reset"
-            _nft(
-                net,
-                x,
-                f"table inet cut {{ chain in {{ type filter hook input priority 0; {rule}; }} }}\n",
-            )
+            hook = "type filter hook input priority 0"
+            # not the other end's resets, or each side would swallow the other's
+            rule = f"ip saddr {ip} tcp flags & rst == 0 reject with tcp reset"
+            _nft(net, x, f"table inet cut {{\n  chain in {{ {hook}; {rule};\n  }}\n}}\n")
         return
     ip = net.node(b).ip
     _nft(

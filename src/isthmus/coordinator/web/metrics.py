@@ -92,6 +92,11 @@ class RunCollector(Collector):
             "Committed rounds (the shared state's revision).",
             value=st.get("revision", 0),
         )
+        yield GaugeMetricFamily(
+            "isthmus_isolated_peers",
+            "Live peers left out because a member cannot reach them (or they it).",
+            value=len(st.get("isolated") or {}),
+        )
         states = GaugeMetricFamily("isthmus_peers", "Peers known, by state.", labels=["state"])
         by_state: dict[str, int] = {}
         for p in st.get("peers", []):
