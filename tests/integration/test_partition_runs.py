@@ -159,10 +159,13 @@ def _commits(evs: list[dict[str, Any]], after: float, world: int) -> list[dict[s
 def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
     tmp_path: Path, prefix: str
 ) -> None:
+    # ISTHMUS_PARTITION_DEFAULTS=1 (a benchmark, not the suite's setting): the built-in job's
+    # default collective timeout and the default probe interval, and a run long enough for them
+    defaults = os.environ.get("ISTHMUS_PARTITION_DEFAULTS") == "1"
     membership = MembershipConfig(
         start_peers=4,
         heartbeat_timeout=3.0,
-        partition=PartitionConfig(probe_every_s=1.0),
+        partition=PartitionConfig() if defaults else PartitionConfig(probe_every_s=1.0),
     )
     with WanNetwork(4, prefix=prefix) as net:
         coord = _start_coordinator_in(
@@ -180,13 +183,13 @@ def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
             job = {
                 "model": "tiny",
                 "corpus_bytes": 200_000,
-                "steps": 700,
+                "steps": 2500 if defaults else 700,
                 "step_delay": 0.02,
                 "batch_size": 8,
                 "strategy": "ddp",
                 # a collective stuck on a silent link fails after this; the group of a new
                 # epoch must connect within it, too
-                "collective_timeout": 5.0,
+                "collective_timeout": 30.0 if defaults else 5.0,
                 "connect_timeout": 10.0,
                 "round_timeout": 300.0,
             }
@@ -199,7 +202,7 @@ def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
                 t_cut = coord.now()
                 _cut(net, a, b, refuse=refuse)
                 three = run.wait_for(
-                    lambda ev, t=t_cut: _commits(ev, t, 3), f"3 members to commit ({label})", 120
+                    lambda ev, t=t_cut: _commits(ev, t, 3), f"3 members to commit ({label})", 180
                 )[0]
                 iso = [e for e in run.events() if e["kind"] == "isolated" and e["t"] > t_cut]
                 assert iso and iso[0]["name"] in pair, iso
@@ -234,6 +237,76 @@ def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
             st = coord.status()
             assert st["counters"]["parity_failures"] == 0
             assert st["counters"]["isolations"] == 2 and st["counters"]["readmissions"] == 2
+        finally:
+            for p in run.procs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(10)
+            coord.stop()
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (apt-get install nftables)")
+def test_a_pair_that_cannot_connect_at_the_start_is_named_and_the_run_starts_without_one_end(
+    tmp_path: Path, prefix: str
+) -> None:
+    membership = MembershipConfig(
+        start_peers=3, heartbeat_timeout=3.0, partition=PartitionConfig(probe_every_s=1.0)
+    )
+    with WanNetwork(3, prefix=prefix) as net:
+        coord = _start_coordinator_in(
+            net.coordinator.netns,
+            CoordinatorConfig(
+                token=TOKEN,
+                host=net.coordinator.ip,
+                port=0,
+                heartbeat_interval=0.25,
+                membership=membership,
+            ),
+        )
+        run = Run(net, coord, tmp_path)
+        try:
+            _cut(net, 1, 2, refuse=True)  # before anyone connects
+            for i in range(3):
+                run.spawn(
+                    i,
+                    model="tiny",
+                    corpus_bytes=200_000,
+                    steps=150,
+                    step_delay=0.02,
+                    batch_size=8,
+                    strategy="ddp",
+                    collective_timeout=5.0,  # the connect bound of every epoch
+                    connect_timeout=10.0,
+                    round_timeout=300.0,
+                )
+            first = run.wait_for(lambda ev: _commits(ev, 0, 2), "the first commit (2 members)", 120)
+            evs = run.events()
+            # the first epoch failed to connect; the ends of the broken pair named each other
+            unreachable = [e for e in evs if e["kind"] == "unreachable" and e["t"] < first[0]["t"]]
+            assert {(e["name"], e["remote_name"]) for e in unreachable} == {
+                ("peer1", "peer2"),
+                ("peer2", "peer1"),
+            }, unreachable
+            assert all(e["how"] == "refused" for e in unreachable), unreachable
+            addresses = {e["remote_name"]: e["address"] for e in unreachable}
+            assert addresses["peer2"].startswith(net.node(2).ip + ":")
+            iso = [e for e in evs if e["kind"] == "isolated"]
+            assert len(iso) == 1 and iso[0]["name"] in ("peer1", "peer2"), iso
+            out = iso[0]["name"]
+            other = "peer2" if out == "peer1" else "peer1"
+            # named from whichever end's report came last
+            assert iso[0]["reason"] in (
+                f"isolated: cannot reach {other} at {addresses[other]} (refused)",
+                f"isolated: {other} cannot reach it at {addresses[out]} (refused)",
+            ), iso
+            t_heal = coord.now()
+            _heal(net, 1, 2)
+            run.wait_for(lambda ev: _commits(ev, t_heal, 3), "3 members after the heal", 120)
+            for n, p in run.procs.items():
+                assert p.wait(300) == 0, run.log(n)
+            finals = [json.loads((tmp_path / f"{n}.final.json").read_text()) for n in run.procs]
+            assert len({f["digest"] for f in finals}) == 1, finals
         finally:
             for p in run.procs.values():
                 with contextlib.suppress(ProcessLookupError):
