@@ -183,7 +183,7 @@ def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
             job = {
                 "model": "tiny",
                 "corpus_bytes": 200_000,
-                "steps": 2500 if defaults else 700,
+                "steps": 1500 if defaults else 700,
                 "step_delay": 0.02,
                 "batch_size": 8,
                 "strategy": "ddp",
@@ -284,21 +284,21 @@ def test_a_pair_that_cannot_connect_at_the_start_is_named_and_the_run_starts_wit
             evs = run.events()
             # the first epoch failed to connect; the ends of the broken pair named each other
             unreachable = [e for e in evs if e["kind"] == "unreachable" and e["t"] < first[0]["t"]]
-            assert {(e["name"], e["remote_name"]) for e in unreachable} == {
-                ("peer1", "peer2"),
-                ("peer2", "peer1"),
-            }, unreachable
+            # (the first report aborts the epoch; the other end, told so, need not report)
+            pairs = {(e["name"], e["remote_name"]) for e in unreachable}
+            assert pairs and pairs <= {("peer1", "peer2"), ("peer2", "peer1")}, unreachable
             assert all(e["how"] == "refused" for e in unreachable), unreachable
             addresses = {e["remote_name"]: e["address"] for e in unreachable}
-            assert addresses["peer2"].startswith(net.node(2).ip + ":")
+            ips = {"peer1": net.node(1).ip, "peer2": net.node(2).ip}
+            assert all(a.startswith(ips[n] + ":") for n, a in addresses.items()), addresses
             iso = [e for e in evs if e["kind"] == "isolated"]
             assert len(iso) == 1 and iso[0]["name"] in ("peer1", "peer2"), iso
             out = iso[0]["name"]
             other = "peer2" if out == "peer1" else "peer1"
             # named from whichever end's report came last
             assert iso[0]["reason"] in (
-                f"isolated: cannot reach {other} at {addresses[other]} (refused)",
-                f"isolated: {other} cannot reach it at {addresses[out]} (refused)",
+                f"isolated: cannot reach {other} at {addresses.get(other)} (refused)",
+                f"isolated: {other} cannot reach it at {addresses.get(out)} (refused)",
             ), iso
             t_heal = coord.now()
             _heal(net, 1, 2)
