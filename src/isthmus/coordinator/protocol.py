@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from isthmus.coordinator.shapes import decode_shape
 from isthmus.coordinator.wire import UNVERSIONED, WireError, decode, encode
 
 __all__ = [
@@ -83,44 +84,12 @@ class TensorSpec:
             raise WireError(
                 path, f"expected [name, shape, dtype] with string name and dtype, got {x!r:.80}"
             )
-        return TensorSpec(name, _dims(shape, f"{path}[1]"), dtype)
+        return TensorSpec(name, decode_shape(shape, f"{path}[1]"), dtype)
 
     @staticmethod
     def from_json(x: Any) -> TensorSpec:
         """Inverse of :meth:`to_json`; raises :class:`WireError` (a ValueError) if malformed."""
         return TensorSpec.__wire_decode__(x)
-
-
-MAX_DIM = 2**40
-"""The largest dimension a tensor schema may declare (a shape beyond it is a malformed request,
-not a tensor anyone can hold)."""
-MAX_ELEMENTS = 2**48
-"""The most elements one declared tensor may have."""
-
-
-def _dims(shape: Any, path: str) -> tuple[int, ...]:
-    """``shape`` as a tuple of dimensions; raises :class:`WireError` naming the first one that is
-    not a whole number from 0 to :data:`MAX_DIM` (a float, NaN, infinity, negative, too large),
-    or the shape when its element count exceeds :data:`MAX_ELEMENTS`."""
-    if not isinstance(shape, list | tuple):
-        raise WireError(path, f"expected a list of dimensions, got {type(shape).__name__}")
-    if len(shape) > 64:
-        raise WireError(path, f"has {len(shape)} dimensions; at most 64 are accepted")
-    dims = []
-    total = 1
-    for i, d in enumerate(shape):
-        at = f"{path}[{i}]"
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise WireError(at, f"expected an integer (a number of elements), got {d!r:.40}")
-        if d < 0:
-            raise WireError(at, f"is negative ({d})")
-        if d > MAX_DIM:
-            raise WireError(at, f"is absurdly large ({d:.3g} > {MAX_DIM})")
-        total *= d
-        dims.append(d)
-    if total > MAX_ELEMENTS:
-        raise WireError(path, f"declares {total:.3g} elements (more than {MAX_ELEMENTS})")
-    return tuple(dims)
 
 
 def schema_mismatch(run: list[TensorSpec], peer: list[TensorSpec]) -> str | None:
