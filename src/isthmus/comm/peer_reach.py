@@ -9,7 +9,8 @@ threads and hands their outcomes to the next heartbeat, and turns a failed attem
 ``unreached`` entries of its failure report:
 
 1. what the error names itself (``CollectiveError.unreached``: a stalled connection's remote,
-   or the members an epoch could not connect to);
+   or the members an epoch could not connect to), when it maps to members (an address is
+   mapped by its host, which must be one member's alone);
 2. else, unless the coordinator aborted the epoch (the failure then came from elsewhere), a
    probe of every other member of the round, in parallel, bounded by ``probe_timeout``.
 
@@ -155,8 +156,9 @@ class PeerReach:
                 continue
             if u is not None:
                 found.append(u)
-        if found or named:
+        if found:
             return tuple(found)
+        # nothing named, or only addresses that no one member's host matches: probes tell
         if aborted or not addresses:
             return ()
         return tuple(
