@@ -135,3 +135,15 @@ def test_metrics_parse_and_carry_the_status_counters_and_per_peer_bytes() -> Non
     assert hist[("isthmus_round_duration_seconds_count", "committed", None)] == 1
     assert hist[("isthmus_round_duration_seconds_bucket", "committed", "0.05")] == 1
     assert hist[("isthmus_round_duration_seconds_count", "aborted", None)] == 0
+
+
+def test_isolated_peers_are_a_gauge_and_a_column_of_the_peer_rows() -> None:
+    why = "isolated: cannot reach a at 10.0.0.1:4100 (refused)"
+    st = _status(isolated={"2": why})
+    st["peers"][2]["isolated"] = why
+    fams = _families(RunMetrics(lambda: st, RunView(), lambda: 10.0).render().decode())
+    assert fams["isthmus_isolated_peers"].samples[0].value == 1
+    fams = _families(RunMetrics(lambda: _status(), RunView(), lambda: 10.0).render().decode())
+    assert fams["isthmus_isolated_peers"].samples[0].value == 0
+    rows = {r["id"]: r["isolated"] for r in RunView().peer_rows(10.0, st)}
+    assert rows[2] == why and rows[0] is None

@@ -31,6 +31,7 @@ PLAN = p.RoundPlan(
     expected={"w": "aa", "b": "bb"},
     new_epoch=True,
     stale=(5,),
+    reach={"2": "10.0.0.2:4100", "5": "10.0.0.5:4100"},
 )
 POINT = p.RestorePoint("file:///ck", 4)
 SCHEMA = (p.TensorSpec("w", (2, 3), "torch.float32"), p.TensorSpec("b", (), "torch.int64"))
@@ -56,6 +57,17 @@ MESSAGES: list[Any] = [
     p.Begin(peer=1, nonce="n", revision=4, run="abcd", hashes={"w": "x"}, schema=SCHEMA),
     p.Begin(peer=1, nonce="n", revision=4),
     p.Commit(peer=1, epoch=2, round=4, ok=False, run="abcd", error="boom"),
+    p.Commit(
+        peer=1,
+        epoch=2,
+        round=4,
+        ok=False,
+        error="connect",
+        unreached=(p.Unreached(5, "10.0.0.5:4100", "refused"),),
+    ),
+    p.Unreached(5, "[fe80::1]:4100", "stalled"),
+    p.ProbeOutcome(5, False, "timed out"),
+    p.ProbePush(peer=5, address="10.0.0.5:4100"),
     p.Leave(peer=1, run="abcd", digest="d", revision=4, info={"bytes_sent": 9}),
     p.CheckpointPart(revision=4, part=0, parts=2, ok=True, peer=1, hashes={"w": "x"}, bytes=8),
     p.CheckpointManifest(revision=4, manifest="/ck/4/manifest.json", peer=1, url="file:///ck"),
@@ -72,6 +84,7 @@ MESSAGES: list[Any] = [
     p.Restore(reason="restart", restore=POINT),
     p.Committed(),
     p.Aborted(reason="a member failed"),
+    p.Stopped(reason="the round aborted 5 times in a row for the same cause: x"),
 ]
 
 

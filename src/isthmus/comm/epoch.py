@@ -4,7 +4,10 @@ the bounds and aborts around them. :class:`~isthmus.comm.session.Session` calls
 
 What happens on failure: a member that cannot be reached, a rendezvous that does not complete
 within ``collective_timeout``, or an abort of the epoch by the coordinator while connecting raise
-:class:`~isthmus.comm.group.CollectiveError`; the attempt is then parked in the session's
+:class:`~isthmus.comm.group.CollectiveError`. When the group did not connect in time (not
+aborted), every other member's probe listener (the plan's ``reach``) is probed in parallel,
+bounded by ``probe_timeout``, and the error names those not reached (``cannot reach peer 2 at
+10.0.0.4:41234 (refused)``) and carries them as ``unreached`` (``(peer id, address, How)``); the attempt is then parked in the session's
 :class:`~isthmus.comm.connect.Graveyard` until its thread is out of torch (its connections are
 cut). Members that were given different ``SessionConfig.connections``, or that speak different
 isthmus protocol versions, fail the same way, with an error naming the setting or both versions
@@ -30,6 +33,7 @@ from isthmus.comm.connect import (
     publish_protocol,
 )
 from isthmus.comm.group import CollectiveError, CommStats, Group, build_process_group
+from isthmus.comm.reach import probe_all
 from isthmus.comm.session_config import SessionConfig
 from isthmus.comm.stripes import connect_stripes, reverse_sets
 from isthmus.comm.wires import Wires
@@ -51,6 +55,7 @@ def connect_epoch(
     aborted: Callable[[], bool],
     graveyard: Graveyard,
     wishes: Sequence[int] = (),
+    reach_source: str | None = None,
 ) -> tuple[Group, list[int]]:
     """The :class:`Group` of ``plan``'s epoch for member ``peer_id`` (``owner`` names the
     session in logs): a group of one without connections when the epoch has one member, else
@@ -58,7 +63,8 @@ def connect_epoch(
     ``isthmus/<run_id>/epoch<N>/``. ``aborted()`` says whether the coordinator aborted the epoch
     meanwhile (the attempt is then abandoned). ``wishes`` go into the Gloo handshake
     (:func:`~isthmus.comm.stripes.connect_stripes`); returned with the group is their maximum
-    over the members (empty for a group of one or NCCL, which have no handshake). Raises
+    over the members (empty for a group of one or NCCL, which have no handshake).
+    ``reach_source``: the local address probes go out from (this peer's Gloo address). Raises
     :class:`CollectiveError` as the module docstring says."""
     name = f"epoch{plan.epoch}"
     rank, world = plan.rank_of(peer_id), len(plan.members)
@@ -109,9 +115,11 @@ def connect_epoch(
     attempt = Connecting(build, wires, name=f"connect-{name}")
     try:
         pg, stripes, agreed = attempt.wait(abandon)
-    except CollectiveError:
+    except CollectiveError as e:
         graveyard.park(attempt)  # until its thread is out of torch
-        raise
+        if aborted():
+            raise
+        raise _name_unreached(e, plan, peer_id, cfg.probe_timeout, reach_source) from None
     # a second connection set (one per stripe), built on first use by Group.exchange
     reverse = reverse_sets(gloo, store, cfg.connections) if backend == "gloo" else None
     group = Group(
@@ -126,3 +134,25 @@ def connect_epoch(
         stripes=stripes,
     )
     return group, agreed
+
+
+def _name_unreached(
+    e: CollectiveError, plan: RoundPlan, peer_id: int, timeout_s: float, source: str | None
+) -> CollectiveError:
+    """``e`` with the members whose probe listeners did not answer named in its text and in
+    its ``unreached`` (``(peer id, address, How)``); ``e`` itself when all answered or the plan
+    carries no addresses."""
+    addresses = {
+        int(k): a
+        for k, a in (plan.reach or {}).items()
+        if k.isdigit() and int(k) != peer_id and int(k) in plan.members
+    }
+    if not addresses:
+        return e
+    found = probe_all(addresses, timeout_s=timeout_s, source=source)
+    if not found:
+        return e
+    names = ", ".join(f"cannot reach peer {m} at {a} ({how.value})" for m, a, how in found)
+    err = CollectiveError(f"{e}; {names}")
+    err.unreached = tuple(found)  # type: ignore[attr-defined]
+    return err

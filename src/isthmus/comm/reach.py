@@ -16,14 +16,18 @@ the only texts of Gloo that name the remote at all.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import os
 import re
 import socket
+import struct
 import threading
 
 from isthmus.coordinator.partition import How
 
-__all__ = ["ProbeListener", "gloo_failure", "probe"]
+__all__ = ["ProbeListener", "gloo_failure", "local_address", "probe", "probe_all"]
 
 
 class ProbeListener:
@@ -122,3 +126,65 @@ def gloo_failure(text: str) -> tuple[str, How] | None:
     low = text.lower()
     how = next((h for word, h in _GLOO_HOW if word in low), How.RESET)
     return f"{m.group(1)}:{m.group(2)}", how
+
+
+def local_address(toward: str, *, hostname: str | None = None, interface: str | None = None) -> str:
+    """The local IP the Gloo device binds, as far as it can be told: ``hostname`` when given,
+    else the IPv4 address of ``interface`` (or of ``GLOO_SOCKET_IFNAME``), else the source
+    address of the route to ``toward`` (``host:port``, or a URL; no packet is sent). Falls back
+    to 127.0.0.1 when there is no route."""
+    if hostname:
+        return hostname
+    interface = interface or os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0] or None
+    if interface:
+        with contextlib.suppress(OSError):
+            return _interface_ipv4(interface)
+    target = toward.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = target.rpartition(":")
+    host = (host or target).strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        s.connect((host, int(port) if port.isdigit() else 9))
+        return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def probe_all(
+    addresses: dict[int, str], *, timeout_s: float = 3.0, source: str | None = None
+) -> list[tuple[int, str, How]]:
+    """Probe every ``member -> host:port`` in parallel (one thread each, all bounded by
+    ``timeout_s``); the members that did not connect, with their address and how, by member.
+    A malformed address is skipped."""
+    found: dict[int, How] = {}
+
+    def one(member: int, address: str) -> None:
+        try:
+            how = probe(address, timeout_s=timeout_s, source=source)
+        except ValueError:
+            return
+        if how is not None:
+            found[member] = how
+
+    threads = [
+        threading.Thread(target=one, args=(m, a), daemon=True, name="isthmus-probe-out")
+        for m, a in addresses.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 1.0)
+    return [(m, addresses[m], found[m]) for m in sorted(found)]
+
+
+def _interface_ipv4(name: str) -> str:
+    """The IPv4 address of interface ``name`` (SIOCGIFADDR); OSError if it has none."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    finally:
+        s.close()

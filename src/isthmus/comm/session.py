@@ -47,6 +47,7 @@ from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group
+from isthmus.comm.peer_reach import PeerReach
 from isthmus.comm.probe import LinkProber
 from isthmus.comm.session_config import (
     RoundFailed,
@@ -119,13 +120,17 @@ class Round:
         """Give the fault injector a chance to act at ``point`` inside this round."""
         self.session.faults.check(point, step=step, round=self.number, state=self.session.state)
 
-    def commit(self, ok: bool = True, error: str = "") -> bool:
+    def commit(
+        self, ok: bool = True, error: str = "", *, cause: BaseException | None = None
+    ) -> bool:
         """Report this peer's outcome and wait for the round's. True means committed by every
-        member: apply the result. False means aborted: discard it and begin again."""
+        member: apply the result. False means aborted: discard it and begin again. A failure
+        names the members this peer could not reach, from ``cause`` (the exception), the text
+        of ``error`` or probes of the members."""
         if self._done:
             raise RuntimeError("Round.commit called twice")
         self._done = True
-        return self.session._commit(self, ok, error)
+        return self.session._commit(self, ok, error, cause)
 
 
 def _default_name() -> str:
@@ -181,15 +186,19 @@ class Session:
         self._push_lock = threading.Lock()
         self._fresh = True  # never began a round since (re)registering: send schema and hashes
         self._closed = False
+        self.reach = PeerReach.for_session(config, self.name)  # probes: comm/peer_reach.py
         try:
             self._register()
         except BaseException:
+            self.reach.close()
             self._client.close()
             raise
 
     # -- registration, heartbeat, pushes --------------------------------------------------------
     def _register(self) -> None:
-        info = {"pid": os.getpid(), "host": socket.gethostname()}
+        info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
+        if self.reach.address is not None:
+            info["probe"] = self.reach.address
         reply = self._client.register(self.name, info)
         self.peer_id = reply.peer_id
         self.run_id = reply.run_id
@@ -211,13 +220,16 @@ class Session:
         log.info("%s registered as peer %d of run %s", self.name, self.peer_id, self.run_id)
 
     def _heartbeat_info(self) -> dict[str, Any]:
-        return {
+        info = {
             **self.info,
             "revision": self.revision,
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
             "parked_groups": len(self._graveyard),
         }
+        if probes := self.reach.take_outcomes():  # those the coordinator asked for
+            info["probes"] = probes
+        return info
 
     def _on_push(self, msg: msgs.Push) -> None:
         if isinstance(msg, msgs.AbortPush):
@@ -226,6 +238,8 @@ class Session:
                 g = self._group
             if g is not None and g.name == f"epoch{msg.epoch}":
                 g.abort(f"round {msg.round} aborted by the coordinator: {msg.reason}")
+        elif isinstance(msg, msgs.ProbePush):
+            self.reach.on_push(msg)
         elif isinstance(msg, msgs.EvictedPush):  # the next request learns it and registers again
             log.warning("%s: the coordinator dropped its heartbeat: %s", self.name, msg.reason)
 
@@ -297,6 +311,7 @@ class Session:
             aborted=lambda: plan.epoch in self._aborted_epochs,
             graveyard=self._graveyard,
             wishes=self.prober.wishes(plan),
+            reach_source=self.reach.source,
         )
         self.prober.agree(plan, agreed)
         self._set_group(g)
@@ -310,8 +325,8 @@ class Session:
 
         Raises :class:`StateMismatch` if the coordinator refused this peer's shared state,
         :class:`RoundTimeout` if no round formed within ``round_timeout``, :class:`RoundFailed`
-        after ``max_attempts`` failed set-ups.
-        """
+        after ``max_attempts`` failed set-ups or when the coordinator stopped the run (the same
+        cause aborted its round again and again; the error names it)."""
         if self._closed:
             raise RuntimeError("session is closed")
         self._graveyard.reap()  # groups retired earlier that went idle: let them go now
@@ -343,7 +358,7 @@ class Session:
                         )
             except (CollectiveError, TransferError) as e:
                 log.warning("%s: setting up round %d failed: %s", self.name, plan.round, e)
-                self._report_outcome(plan, ok=False, error=str(e), t0=t0, stage="setup")
+                self._report_outcome(plan, ok=False, error=str(e), t0=t0, stage="setup", cause=e)
                 continue
             self.rank, self.world = group.rank, group.world
             return Round(self, plan, group, t0)
@@ -380,6 +395,7 @@ class Session:
                 msg = dataclasses.replace(msg, hashes=self.state.hashes())
             elif not isinstance(d, msgs.Wait):
                 break
+            self.reach.waiting(d.reason)  # an "isolated: ..." wait is logged once
         match d:
             case msgs.Go(plan=plan) if plan is not None:
                 self._fresh = False
@@ -390,6 +406,8 @@ class Session:
             case msgs.Refused():
                 self.close(leave=False)
                 raise StateMismatch(f"{self.name} was refused by the coordinator: {d.reason}")
+            case msgs.Stopped():  # the same cause aborted the round again and again
+                raise RoundFailed(f"{self.name}: the coordinator stopped the run: {d.reason}")
             case msgs.Restore(restore=point) if point is not None:
                 self._restore(point, d.reason)
             case msgs.Evicted():
@@ -421,11 +439,26 @@ class Session:
         self._fresh = True  # send hashes with the next begin
 
     def _report_outcome(
-        self, plan: RoundPlan, *, ok: bool, error: str, t0: float, stage: str = "round"
+        self,
+        plan: RoundPlan,
+        *,
+        ok: bool,
+        error: str,
+        t0: float,
+        stage: str = "round",
+        cause: BaseException | None = None,
     ) -> bool:
         """Report an attempt's outcome and record it; ``stage`` says where it ended: ``"setup"``
         (connecting the epoch's group or a state transfer failed inside :meth:`begin`, which
-        begins again by itself, so the strategy never saw the attempt) or ``"round"``."""
+        begins again by itself, so the strategy never saw the attempt) or ``"round"``.
+        A failure names the members this peer could not reach (``cause``, the exception, or
+        the text of ``error`` names them, or probes find them: :meth:`PeerReach.unreached`)."""
+        with self._push_lock:
+            aborted = ok or plan.epoch in self._aborted_epochs  # then nothing is probed
+        why = cause or CollectiveError(error)
+        unreached = (
+            () if ok else self.reach.unreached(plan, self.peer_id or 0, why, aborted=aborted)
+        )
         deadline = time.monotonic() + self.config.round_timeout
         msg = msgs.Commit(
             peer=self.peer_id or 0,
@@ -434,6 +467,7 @@ class Session:
             round=plan.round,
             ok=ok,
             error=error[:2000],
+            unreached=unreached,
         )
         while True:
             d = self._client.call("/v1/commit", msg, msgs.Decision, read_timeout=30.0)
@@ -474,13 +508,13 @@ class Session:
         )
         return committed
 
-    def _commit(self, rnd: Round, ok: bool, error: str) -> bool:
+    def _commit(self, rnd: Round, ok: bool, error: str, cause: BaseException | None = None) -> bool:
         if ok:
             try:
                 rnd.check_faults("commit")
             except CollectiveError as e:
                 ok, error = False, str(e)
-        return self._report_outcome(rnd.plan, ok=ok, error=error, t0=rnd.started)
+        return self._report_outcome(rnd.plan, ok=ok, error=error, t0=rnd.started, cause=cause)
 
     def run_round(self, fn: Callable[[Round], T]) -> T:
         """Run ``fn(round)`` until a round commits with it, and return its result.
@@ -495,7 +529,7 @@ class Session:
             try:
                 result = fn(rnd)
             except CollectiveError as e:
-                rnd.commit(ok=False, error=str(e))
+                rnd.commit(ok=False, error=str(e), cause=e)
                 continue
             except BaseException as e:
                 with contextlib.suppress(Exception):
@@ -546,6 +580,7 @@ class Session:
             with contextlib.suppress(Exception):
                 self._tensorboard.close()
         self._client.close()
+        self.reach.close()
         self._set_group(None)
         # Cut groups go idle within milliseconds; give them that (bounded), so that none is left
         # for the interpreter's exit to destroy while it still works.

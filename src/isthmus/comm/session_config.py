@@ -96,13 +96,18 @@ class SessionConfig:
     sent as TensorBoard event files under ``DIR/<name>/`` (one run per peer). Needs the
     ``tensorboard`` package (``pip install 'isthmus[tensorboard]'``): without it the first
     logged step raises ImportError saying so."""
+    probe_timeout: float = 3.0
+    """How long one reachability probe (a TCP connect to another member's probe listener) may
+    take: after a group fails to connect or a collective fails without naming a remote, the
+    members are probed to name the ones not reached; the coordinator's probes of a broken pair
+    take as long. Two SYN retransmissions fit in the default."""
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("SessionConfig.token is empty: pass the run's token")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        for n in ("connect_timeout", "collective_timeout", "round_timeout"):
+        for n in ("connect_timeout", "collective_timeout", "round_timeout", "probe_timeout"):
             if getattr(self, n) <= 0:
                 raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
         if not isinstance(self.connections, int) or not 1 <= self.connections <= 64:

@@ -8,7 +8,12 @@ A round forms (:func:`try_form`) when no round runs and
 * for the run's first round, ``start_peers`` are ready or ``start_timeout`` has passed since the
   first was (after a restart from a checkpoint, ``min_peers`` suffice);
 * some ready peer holds the run's state (:func:`.parity.voters`), and every ready peer sent its
-  hashes when the round needs them (:func:`hashes_needed`).
+  hashes when the round needs them (:func:`hashes_needed`);
+* the run has not stopped (the same cause aborted its round ``abort_limit`` times in a row).
+
+Ready peers whose pairs are down (a member could not reach another) are sorted out first
+(:func:`.isolation.sit_out`): the round forms with the largest set whose pairs are all up, and
+is not held for the members left out.
 
 :func:`form` then plans it: the parity check and repairs, members ranked by name (or ring order,
 :mod:`.ring`), a new epoch when the members changed or the phase asks for one. Functions of a
@@ -17,6 +22,7 @@ A round forms (:func:`try_form`) when no round runs and
 
 from __future__ import annotations
 
+from isthmus.coordinator.isolation import sit_out
 from isthmus.coordinator.parity import canonical, repairs
 from isthmus.coordinator.peers import PeerState
 from isthmus.coordinator.phase import Phase, Round
@@ -52,7 +58,7 @@ def hashes_needed(s: RunState, ready: list[int]) -> bool:
 def waiting_reason(s: RunState) -> str:
     """Why no round forms now, in words (a waiting begin's answer)."""
     ready = s.roster.ready()
-    missing = [pid for pid in s.expected() if pid not in ready]
+    missing = [pid for pid in s.expected() if pid not in ready and s.peers[pid].isolated is None]
     if missing:
         names = ", ".join(f"{pid} ({s.peers[pid].name})" for pid in missing)
         return f"waiting for members to begin round {s.revision}: {names}"
@@ -72,7 +78,7 @@ def waiting_reason(s: RunState) -> str:
 def try_form(s: RunState, now: float) -> None:
     """Form the next round if its conditions hold (see the module doc); evicts members that
     did not begin within ``begin_timeout``."""
-    if s.running is not None:
+    if s.running is not None or s.streak.stop() is not None:
         return
     ready = s.roster.ready()
     if not ready:
@@ -84,7 +90,8 @@ def try_form(s: RunState, now: float) -> None:
     speaking = [p for p in ready if not quiet(s, p, now)]
     if speaking:  # a peer that went quiet while waiting is left out like a quiet member
         ready = speaking
-    expected = s.expected()
+    ready = sit_out(s, ready, now)
+    expected = [m for m in s.expected() if s.peers[m].isolated is None]
     missing = [pid for pid in expected if pid not in ready]
     # The clock starts when a member of the last epoch is ready, never because of a joiner:
     # members are not expected to begin a round just because somebody is waiting to join.
@@ -122,7 +129,8 @@ def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: 
     """Start the round of ``ready`` (``voters`` decide its state; ``checked``: with a parity
     check of the hashes they sent): the phase becomes ``RUNNING`` with its plan."""
     for pid in s.members:
-        if pid not in ready and s.is_active(pid):  # only a quiet member is left out alive
+        # only a quiet or isolated member is left out alive (isolation has its own event)
+        if pid not in ready and s.is_active(pid) and s.peers[pid].isolated is None:
             p = s.peers[pid]
             s.note(
                 now,
@@ -171,6 +179,8 @@ def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: 
         expected=expected,
         new_epoch=new_epoch,
         stale=stale,
+        reach={str(pid): a for pid in members if (a := s.peers[pid].probe_address) is not None}
+        or None,
     )
     nonces = {pid: s.peers[pid].ready_nonce or "" for pid in members}
     s.phase.to(Phase.RUNNING, Round(plan, now, nonces))

@@ -21,6 +21,12 @@ docs/PROTOCOL.md walks through the protocol; in short:
 * **commit**: one failure, a report missing past ``commit_timeout`` or a member's death aborts
   the round for everyone; only when every member succeeded does ``revision`` advance. After an
   abort the next round opens a new epoch (fresh process groups). **leave** aborts nothing.
+  A round that aborts ``abort_limit`` times in a row for the same cause stops: every begin is
+  answered ``stopped`` with the cause.
+* **Partial partitions** (:mod:`.isolation`): a failure report may name members the reporter
+  could not reach; such a pair is down until probes connect again, and the next round keeps the
+  largest set of ready peers whose pairs are all up. The others are *isolated* (told why, still
+  registered) until the coordinator's probes find their pairs up again.
 * **Restore**: when no live peer holds the run's state any more (every in-sync peer died or
   left) and a complete checkpoint is known (:attr:`Membership.restore_point`: reported by the
   peers that wrote it, or the coordinator's ``--resume``), the run *restarts* from it: the next
@@ -39,9 +45,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from isthmus.coordinator import forming
+from isthmus.coordinator import forming, isolation
 from isthmus.coordinator.peers import MembershipConfig, PeerState
-from isthmus.coordinator.protocol import Decision, TensorSpec, schema_mismatch
+from isthmus.coordinator.protocol import (
+    Decision,
+    ProbeOutcome,
+    TensorSpec,
+    Unreached,
+    schema_mismatch,
+)
 from isthmus.coordinator.state import RunState
 
 __all__ = ["Membership", "MembershipConfig", "PeerState"]  # config and states live in .peers
@@ -59,19 +71,31 @@ class Membership(RunState):
     # -- registration and liveness ----------------------------------------------------------------
     def register(self, name: str, now: float, info: dict[str, Any] | None = None) -> int:
         self.restart_if_lost(now)
+        self.reach.forget(name)  # a new process under this name: its pairs start afresh
         pid = self.roster.add(name, now, info or {}, uncounted=self.started)
         self.counters["registrations"] += 1
         self.note(now, "register", peer=pid, name=name)
         return pid
 
-    def heartbeat(self, pid: int, now: float, info: dict[str, Any] | None = None) -> bool:
-        """Record a sign of life. False if the peer is no longer active (it must register again)."""
+    def heartbeat(
+        self,
+        pid: int,
+        now: float,
+        info: dict[str, Any] | None = None,
+        *,
+        probes: tuple[ProbeOutcome, ...] = (),
+    ) -> bool:
+        """Record a sign of life, with the outcomes of probes the coordinator asked this peer for
+        (a pair found up again may re-admit a member). False if the peer is no longer active
+        (it must register again)."""
         p = self.roster.active(pid)
         if p is None:
             return False
         p.last_seen = now
         if info:
             p.info.update(info)
+        if probes and isolation.probed(self, p, probes, now):
+            self.try_form(now)
         return True
 
     def remove(
@@ -105,6 +129,7 @@ class Membership(RunState):
                         now,
                         f"did not report round {r.plan.round} within {cfg.commit_timeout:.0f}s",
                     )
+        isolation.ask_probes(self, now)
         self.try_form(now)
 
     # -- begin ----------------------------------------------------------------------------------
@@ -175,6 +200,11 @@ class Membership(RunState):
             return Decision("go", plan=r.plan)
         if p.ready_nonce != nonce:
             return Decision("wait", "this begin attempt was superseded")
+        stop = self.streak.stop()
+        if stop is not None:
+            return Decision("stopped", stop)
+        if p.isolated is not None:
+            return Decision("wait", p.isolated)
         if r is not None:
             return Decision("wait", f"round {r.plan.round} is running; joining after it")
         ready = self.roster.ready()
@@ -204,9 +234,23 @@ class Membership(RunState):
 
     # -- commit ---------------------------------------------------------------------------------
     def commit(
-        self, pid: int, now: float, *, epoch: int, round: int, ok: bool, error: str = ""
+        self,
+        pid: int,
+        now: float,
+        *,
+        epoch: int,
+        round: int,
+        ok: bool,
+        error: str = "",
+        unreached: tuple[Unreached, ...] = (),
     ) -> Decision:
-        """Record a member's outcome for round ``round`` of epoch ``epoch``."""
+        """Record a member's outcome for round ``round`` of epoch ``epoch``. ``unreached``
+        (with a failure) names members it could not reach: those pairs are down, also when the
+        round already ended (the first report aborts it, the others still describe the
+        network)."""
+        reporter = self.roster.active(pid)
+        if unreached and reporter is not None:
+            isolation.unreached(self, reporter, unreached, now)
         key = (epoch, round)
         if key in self.outcomes:
             return Decision(*self.outcomes[key])

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from isthmus.coordinator.partition import PartitionConfig
+
 __all__ = ["MembershipConfig", "Peer", "PeerState", "Roster"]
 
 
@@ -38,6 +40,12 @@ class MembershipConfig:
     """A member that has not reported commit this long after the round formed is evicted."""
     parity_every: int = 1
     """Compare state hashes every this many rounds (joiners and stale peers are always checked)."""
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    """When members that cannot reach each other sit out, and when they are probed and tried
+    again (:mod:`.partition`)."""
+    abort_limit: int = 5
+    """A round that aborts this many times in a row for the same cause stops: every begin is
+    answered ``stopped`` with the cause (:mod:`.abort_streak`)."""
 
     def __post_init__(self) -> None:
         if self.min_peers < 1:
@@ -53,6 +61,8 @@ class MembershipConfig:
             raise ValueError(f"quiet_after must be positive, got {self.quiet_after}")
         if self.parity_every < 1:
             raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+        if not isinstance(self.abort_limit, int) or self.abort_limit < 2:
+            raise ValueError(f"abort_limit must be an integer >= 2, got {self.abort_limit!r}")
 
     @property
     def quiet_after_s(self) -> float:
@@ -86,6 +96,14 @@ class Peer:
     uncounted: bool = False
     told_restore: int | None = None  # the checkpoint revision it was last told to load
     info: dict[str, Any] = field(default_factory=dict)
+    # why it sits out (it cannot reach a member, or one cannot reach it); None: it does not
+    isolated: str | None = None
+
+    @property
+    def probe_address(self) -> str | None:
+        """Its probe listener's ``host:port`` (sent at registration), or None."""
+        a = self.info.get("probe")
+        return a if isinstance(a, str) else None
 
     def describe(self, now: float, *, member: bool) -> dict[str, Any]:
         """This peer as ``/v1/status`` lists it (``member``: of the current or last epoch)."""
@@ -98,6 +116,7 @@ class Peer:
             "revision": self.revision,
             "in_sync": self.in_sync,
             "last_heartbeat_s": round(now - self.last_seen, 3),
+            "isolated": self.isolated if self.state is PeerState.ACTIVE else None,
             "info": self.info,
         }
 

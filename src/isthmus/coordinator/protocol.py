@@ -12,7 +12,8 @@ Requests: :class:`Register` (``POST /v1/register``), :class:`Begin`, :class:`Com
 /v1/checkpoint``), and :class:`Heartbeat` on the websocket. Answers: :class:`Registered`, a
 :class:`Decision` (one subclass per outcome: :class:`Wait`, :class:`Go`, :class:`SendHashes`,
 :class:`Refused`, :class:`Evicted`, :class:`Finished`, :class:`Restore`, :class:`Committed`,
-:class:`Aborted`), and pushes on the websocket (:class:`AbortPush`, :class:`EvictedPush`).
+:class:`Aborted`, :class:`Stopped`), and pushes on the websocket (:class:`AbortPush`,
+:class:`EvictedPush`, :class:`ProbePush`).
 docs/PROTOCOL.md describes the exchanges.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from isthmus.coordinator.shapes import decode_shape
 from isthmus.coordinator.wire import UNVERSIONED, WireError, decode, encode
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "Heartbeat",
     "HeartbeatLost",
     "Leave",
+    "ProbeOutcome",
+    "ProbePush",
     "Push",
     "Refused",
     "Register",
@@ -47,8 +51,10 @@ __all__ = [
     "RestorePoint",
     "RoundPlan",
     "SendHashes",
+    "Stopped",
     "TensorSpec",
     "Transfer",
+    "Unreached",
     "Wait",
     "checkpoint_report",
     "schema_mismatch",
@@ -78,7 +84,7 @@ class TensorSpec:
             raise WireError(
                 path, f"expected [name, shape, dtype] with string name and dtype, got {x!r:.80}"
             )
-        return TensorSpec(name, decode(tuple[int, ...], shape, f"{path}[1]"), dtype)
+        return TensorSpec(name, decode_shape(shape, f"{path}[1]"), dtype)
 
     @staticmethod
     def from_json(x: Any) -> TensorSpec:
@@ -140,6 +146,10 @@ class RoundPlan:
     """Members whose local work must not count although they need no transfer: a peer repaired
     in an attempt of this round that aborted, or one registered after the run started (a new
     peer id) that has not been in a committed round yet."""
+    reach: dict[str, str] | None = None
+    """Each member's probe listener (peer id as text -> ``host:port``), for members that sent
+    one: a member whose group cannot connect probes the others there to name who it cannot
+    reach. None from a coordinator that sends none."""
 
     def rank_of(self, peer_id: int) -> int:
         return self.members.index(peer_id)
@@ -158,6 +168,39 @@ class RoundPlan:
         """Inverse of :meth:`to_json` (a ``go`` decision's plan). Raises :class:`WireError`
         naming the first malformed field; the session treats that as a protocol error."""
         return decode(RoundPlan, x)
+
+
+HOWS = ("refused", "timed out", "reset", "stalled")
+"""How a connection to another member failed (:class:`isthmus.coordinator.partition.How`)."""
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 300:
+        raise ValueError(f"address: expected host:port, got {address!r:.80}")
+
+
+@dataclass(frozen=True)
+class Unreached:
+    """In a failure report: this peer could not reach member ``peer`` at ``address``
+    (``host:port``), and ``how``."""
+
+    peer: int
+    address: str
+    how: Literal["refused", "timed out", "reset", "stalled"]
+
+    def __post_init__(self) -> None:
+        _check_address(self.address)
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """On a heartbeat: a probe this peer made to member ``peer`` (asked by a
+    :class:`ProbePush`) connected (``ok``), or failed ``how``."""
+
+    peer: int
+    ok: bool
+    how: Literal["refused", "timed out", "reset", "stalled"] | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +222,16 @@ class RestorePoint:
 
 # -- the coordinator's answers to begin and commit ----------------------------------------------
 Kind = Literal[
-    "wait", "go", "hashes", "refused", "evicted", "finished", "restore", "committed", "aborted"
+    "wait",
+    "go",
+    "hashes",
+    "refused",
+    "evicted",
+    "finished",
+    "restore",
+    "committed",
+    "aborted",
+    "stopped",
 ]
 
 
@@ -293,9 +345,28 @@ class Aborted(Decision):
     kind: Kind = "aborted"
 
 
+@dataclass(frozen=True)
+class Stopped(Decision):
+    """The round aborted again and again for the same cause (:attr:`reason` names it): stop
+    instead of retrying."""
+
+    kind: Kind = "stopped"
+
+
 Decision.__wire_tags__.update(
     (c.__dataclass_fields__["kind"].default, c)
-    for c in (Wait, Go, SendHashes, Refused, Evicted, Finished, Restore, Committed, Aborted)
+    for c in (
+        Wait,
+        Go,
+        SendHashes,
+        Refused,
+        Evicted,
+        Finished,
+        Restore,
+        Committed,
+        Aborted,
+        Stopped,
+    )
 )
 
 
@@ -344,7 +415,8 @@ class Begin:
 
 @dataclass(frozen=True)
 class Commit:
-    """``POST /v1/commit``: this peer's outcome of ``round`` of ``epoch``."""
+    """``POST /v1/commit``: this peer's outcome of ``round`` of ``epoch``; with a failure,
+    ``unreached`` names the members it could not reach (empty when it cannot tell)."""
 
     peer: int
     epoch: int
@@ -352,6 +424,7 @@ class Commit:
     ok: bool
     run: str | None = None
     error: str = ""
+    unreached: tuple[Unreached, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -446,6 +519,16 @@ class EvictedPush(Push):
 
 
 @dataclass(frozen=True)
+class ProbePush(Push):
+    """Probe member ``peer`` at ``address`` (its probe listener) and report the outcome on the
+    next heartbeat (``info["probes"]``, a list of :class:`ProbeOutcome`)."""
+
+    peer: int = -1
+    address: str = ""
+    __wire_tag_value__: ClassVar[str] = "probe"
+
+
+@dataclass(frozen=True)
 class HeartbeatLost(Push):
     """Not sent by the coordinator: the client's own notice that its websocket closed."""
 
@@ -453,6 +536,6 @@ class HeartbeatLost(Push):
 
 
 Push.__wire_tags__.update(
-    (c.__wire_tag_value__, c) for c in (AbortPush, EvictedPush, HeartbeatLost)
+    (c.__wire_tag_value__, c) for c in (AbortPush, EvictedPush, ProbePush, HeartbeatLost)
 )
 Heartbeat.__wire_tags__.update({"hb": Heartbeat})

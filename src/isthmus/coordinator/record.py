@@ -26,6 +26,8 @@ COUNTERS = (
     "evictions",
     "leaves",
     "refusals",
+    "isolations",
+    "readmissions",
 )
 """The coordinator's counters (``/v1/status``, ``/metrics``)."""
 

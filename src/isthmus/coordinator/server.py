@@ -42,8 +42,8 @@ from typing import Any
 import torch.distributed as dist
 from aiohttp import WSMsgType, web
 
+from isthmus.coordinator import httplog, wire
 from isthmus.coordinator import protocol as msgs
-from isthmus.coordinator import wire
 from isthmus.coordinator.admin import AdminAPI
 from isthmus.coordinator.auth import Identities
 from isthmus.coordinator.bodies import read_json
@@ -63,6 +63,12 @@ __all__ = ["Coordinator", "CoordinatorConfig"]
 log = logging.getLogger("isthmus.coordinator")
 
 
+def _is_address(a: object) -> bool:
+    """``a`` is a ``host:port`` string of sane length."""
+    if not isinstance(a, str) or len(a) > 300:
+        return False
+    host, sep, port = a.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 class Coordinator:
@@ -162,6 +168,7 @@ class Coordinator:
             loop.close()
 
     async def _serve(self) -> None:
+        httplog.install()  # malformed HTTP is a line in the log, not a traceback
         self.hub.open()
         self._stop_event = asyncio.Event()
         cfg = self.config
@@ -284,6 +291,9 @@ class Coordinator:
                 headers={"Upgrade": f"isthmus/{wire.PROTOCOL_VERSION}"},
             )
         info = {**msg.info, "address": request.remote}  # where the peer reached us from
+        probe = info.get("probe")
+        if probe is not None and not _is_address(probe):
+            raise _BadRequest(f"field 'info.probe' expected host:port, got {probe!r:.80}")
         with self._lock:
             pid = self.membership.register(name, self._now(), info)
             restore = self.membership.restore_wanted()
@@ -336,13 +346,17 @@ class Coordinator:
                 if raw.type != WSMsgType.TEXT or not bucket.take(time.monotonic()):
                     break  # not a heartbeat, or a flood of them: the peer is dropped
                 try:
-                    info = wire.decode(msgs.Heartbeat, raw.json()).info
+                    info = dict(wire.decode(msgs.Heartbeat, raw.json()).info)
+                    # probes the coordinator asked for ride on heartbeats (isolation.py)
+                    probes = wire.decode(
+                        tuple[msgs.ProbeOutcome, ...], info.pop("probes", []), "info.probes"
+                    )
                 except ValueError:  # not JSON, or not a heartbeat: not counted as one
                     continue
                 with self._lock:
-                    alive = self.membership.heartbeat(pid, self._now(), info)
+                    alive = self.membership.heartbeat(pid, self._now(), info, probes=probes)
                     evicted = alive and self._watch_timing(pid, info)
-                if evicted:
+                if evicted or probes:
                     self._mutated()
                 if not alive:
                     await ws.send_json(wire.encode(msgs.EvictedPush("removed by the coordinator")))
@@ -385,7 +399,13 @@ class Coordinator:
         epoch, rnd = msg.epoch, msg.round
         with self._lock:
             d = self.membership.commit(
-                msg.peer, self._now(), epoch=epoch, round=rnd, ok=msg.ok, error=msg.error[:2000]
+                msg.peer,
+                self._now(),
+                epoch=epoch,
+                round=rnd,
+                ok=msg.ok,
+                error=msg.error[:2000],
+                unreached=msg.unreached[:64],
             )
         self._mutated()
         if isinstance(d, msgs.Wait):

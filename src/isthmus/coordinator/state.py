@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from isthmus.coordinator.abort_streak import AbortStreak, normalize_cause
 from isthmus.coordinator.parity import voters as voters_of
+from isthmus.coordinator.partition import Reachability
 from isthmus.coordinator.peers import MembershipConfig, Peer, PeerState, Roster
 from isthmus.coordinator.phase import Phase, RunPhase
 from isthmus.coordinator.protocol import Decision, RestorePoint, RoundPlan, TensorSpec
@@ -45,6 +47,12 @@ class RunState:
         self.restore_point: RestorePoint | None = None
         """The latest complete checkpoint, which the run restarts from when no live peer holds
         its state (None: unknown; such a run waits for a peer that holds it)."""
+        self.reach = Reachability(self.config.partition)
+        """Which pairs of peers (by name) failed to reach each other, and their probes since."""
+        self.streak = AbortStreak(self.config.abort_limit)
+        """Consecutive aborts of the running round for one cause; at the limit the run stops."""
+        self.probe_asked: dict[tuple[str, str], float] = {}
+        """When the coordinator last asked for a probe of each down pair."""
 
     # -- questions ------------------------------------------------------------------------------
     @property
@@ -74,6 +82,15 @@ class RunState:
     def expected(self) -> list[int]:
         """The live members of the last epoch: the next round waits for them."""
         return self.roster.alive(self.members)
+
+    def active_names(self) -> list[str]:
+        """The names of the active peers (the members of the reachability picture)."""
+        return [p.name for p in self.peers.values() if p.state is PeerState.ACTIVE]
+
+    def by_name(self, name: str) -> Peer | None:
+        """The active peer called ``name`` (the latest registered), or None."""
+        found = [p for p in self.peers.values() if p.name == name and p.state is PeerState.ACTIVE]
+        return found[-1] if found else None
 
     def voters(self, ready: list[int]) -> list[int]:
         """Those of ``ready`` whose state counts in the majority vote (:func:`.parity.voters`)."""
@@ -123,6 +140,8 @@ class RunState:
         p.state = state
         p.reason = reason
         p.ready_nonce = None
+        p.isolated = None
+        self.reach.forget(p.name)  # a later process under this name is another process
         self.counters[
             {"dead": "evictions", "left": "leaves", "refused": "refusals"}[state.value]
         ] += 1
@@ -154,6 +173,7 @@ class RunState:
         self.canonical = None
         self.counters["rounds_committed"] += 1
         self._finish("committed", "")
+        self.streak.committed()
         self.note(now, "commit", round=plan.round, epoch=plan.epoch, world=len(plan.members))
 
     def abort(self, now: float, reason: str) -> None:
@@ -165,7 +185,11 @@ class RunState:
         # A member that did not finish the round still holds the state of the round's start,
         # which is the run's revision: it stays in sync.
         plan = self._finish("aborted", reason)
+        self.streak.aborted(normalize_cause(reason), reason)
         self.note(now, "abort", round=plan.round, epoch=plan.epoch, reason=reason)
+        stop = self.streak.stop()
+        if stop is not None and self.streak.count == self.streak.limit:
+            self.note(now, "stopped", round=plan.round, reason=stop)
         msg = {"type": "abort", "epoch": plan.epoch, "round": plan.round, "reason": reason}
         self.record.push(plan.members, msg)
 
@@ -219,6 +243,13 @@ class RunState:
             "phase": "running" if self.running is not None else "forming",
             "round": self.running.round if self.running else self.revision,
             "peers": self.roster.describe(now, self.members),
+            "isolated": {
+                str(pid): p.isolated
+                for pid, p in self.peers.items()
+                if p.isolated and p.state is PeerState.ACTIVE
+            },
+            "down_pairs": [list(k) for k in self.reach.down_pairs(self.active_names())],
+            "stopped": self.streak.stop(),
             "counters": dict(self.counters),
             "config": {
                 k: getattr(self.config, k)

@@ -113,6 +113,11 @@ class Summary:
     parity_checks: int = 0
     parity_failures: int = 0
     resyncs: int = 0
+    isolations: int = 0
+    """Times a live peer was left out because a member could not reach it (or it a member)."""
+    isolated: list[dict[str, Any]] = field(default_factory=list)
+    """Each isolation and re-admission: ``{"t", "name", "event", "reason"}`` (event is
+    ``isolated`` or ``readmitted``), in the coordinator's time."""
     peers_final: int = 0
     """Peers that finished holding the majority's bit-identical state."""
     peers_started: int = 0

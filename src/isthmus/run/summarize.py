@@ -127,6 +127,12 @@ def summarize(
         parity_checks=int(counters.get("parity_checks", 0)),
         parity_failures=int(counters.get("parity_failures", 0)) + (len(digests) - len(in_parity)),
         resyncs=int(counters.get("resyncs", 0)),
+        isolations=int(counters.get("isolations", 0)),
+        isolated=[
+            {"t": e.get("t"), "name": e.get("name"), "event": e["kind"], "reason": e.get("reason")}
+            for e in outcome.events
+            if e["kind"] in ("isolated", "readmitted")
+        ],
         stragglers=sum(e["kind"] == "straggler" for e in outcome.events),
         link_anomalies=sum(e["kind"] == "link_anomaly" for e in outcome.events),
         peers_final=len(in_parity),

@@ -45,6 +45,8 @@ COUNTER_HELP = {
     "evictions": "Peers evicted (crashed, stopped, cut off or timed out).",
     "leaves": "Peers that left the run cleanly.",
     "refusals": "Peers refused for a shared state that does not match the run's.",
+    "isolations": "Peers left out because a member could not reach them (or they it).",
+    "readmissions": "Isolated peers taken back after probes found their links up again.",
 }
 
 
@@ -89,6 +91,11 @@ class RunCollector(Collector):
             "isthmus_revision",
             "Committed rounds (the shared state's revision).",
             value=st.get("revision", 0),
+        )
+        yield GaugeMetricFamily(
+            "isthmus_isolated_peers",
+            "Live peers left out because a member cannot reach them (or they it).",
+            value=len(st.get("isolated") or {}),
         )
         states = GaugeMetricFamily("isthmus_peers", "Peers known, by state.", labels=["state"])
         by_state: dict[str, int] = {}

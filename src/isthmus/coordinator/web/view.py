@@ -198,6 +198,7 @@ class RunView:
                     "name": p.get("name"),
                     "state": p.get("state"),
                     "reason": p.get("reason", ""),
+                    "isolated": p.get("isolated"),
                     "member": bool(p.get("member")),
                     "in_sync": bool(p.get("in_sync")),
                     "revision": p.get("revision"),

@@ -359,6 +359,11 @@
       if (p.reason) st.title = p.reason;
       const stateCell = cell(row, st);
       if (waiting.has(p.name)) stateCell.appendChild(badge("epoch", "others wait for it"));
+      if (p.isolated) {  // left out: a member cannot reach it (or it a member); title says who
+        const iso = badge("isolated", "isolated");
+        iso.title = p.isolated;
+        stateCell.appendChild(iso);
+      }
       cell(row, p.address ? p.address + (p.host ? " (" + p.host + ")" : "") : p.host || "-");
       cell(row, p.revision == null ? "-" : String(p.revision) + (p.in_sync ? "" : " (stale)"));
       cell(row, p.last_heartbeat_s == null ? "-" : fmtSeconds(p.last_heartbeat_s) + " ago");
