@@ -99,10 +99,12 @@ def test_a_killed_peer_restarts_joins_and_every_row_is_used_once(tmp_path: Path)
     exactly one committed round; the last checkpoint and save_pretrained hold that model."""
     used, ck, out = tmp_path / "used", tmp_path / "ck", tmp_path / "model"
     used.mkdir()
-    steps = 48  # four epochs of 12 global batches, and the rows owed again after the kill
+    # five epochs of 12 global batches and more; the pace leaves the restarted peer (it imports
+    # transformers afresh) the time to join well before the end
+    steps = 64
     p = _isthmus_run(
         tmp_path / "run", "--peers", "2", "--max-restarts", "1", str(PEER),
-        "--fault", "kill@collective:step=12", "--delay", "0.25",
+        "--fault", "kill@collective:step=12", "--delay", "0.3",
         "--steps", str(steps), "--sync-every", "4", "--rows", str(ROWS),
         "--global-batch", str(GLOBAL_BATCH), "--out", str(out), "--used-dir", str(used),
         "--checkpoint-dir", str(ck), "--checkpoint-every", "4",
@@ -124,6 +126,12 @@ def test_a_killed_peer_restarts_joins_and_every_row_is_used_once(tmp_path: Path)
     assert ends["peer0"][0] == ends["peer1.1"][0] == steps, ends
     assert ends["peer0"][1] == ends["peer1.1"][1] == s["final_digest"], ends
     assert ends["peer0"][2] == ends["peer1.1"][2], ends
+    # and its learning-rate schedule jumped with it: both logged the same rate at step 60
+    rates = [
+        re.findall(r"'learning_rate': '([^']+)'", (tmp_path / "run" / f"{n}.log").read_text())
+        for n in ("peer0", "peer1.1")
+    ]
+    assert rates[0] and rates[1] and rates[0][-1] == rates[1][-1], rates
 
     # every member logged the same use of each committed round; whole epochs once each
     by_round: dict[tuple[int, int], list[int]] = {}
