@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "strategies": 5,
     "runconfig": 5,
     "lab": 6,
+    "integrations": 6,
     "run": 7,
     "cli": 8,
 }

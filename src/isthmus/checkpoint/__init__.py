@@ -9,7 +9,7 @@ Ideas from Universal Checkpointing (distributed representation for saving, conso
 loading, resume on any configuration).
 
 checkpoint may import reduce, comm (a round's members and their group), the coordinator and the
-floor. Never imports runconfig, strategies, lab, run or cli: a strategy hands it the shared state
+floor. Never imports runconfig, strategies, lab, integrations, run or cli: a strategy hands it the shared state
 (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

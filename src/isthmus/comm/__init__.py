@@ -13,6 +13,6 @@
 
 comm moves named tensors and never knows what a model is. It may import the coordinator (its client
 and wire types) and the floor (spec, data, models). Never imports reduce, testing, checkpoint,
-runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks
+runconfig, strategies, lab, integrations, run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks
 it).
 """

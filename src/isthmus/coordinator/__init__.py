@@ -16,7 +16,7 @@ What it holds, lowest first:
 * the peer's side: :mod:`.client` and :mod:`.store_client`.
 
 It never sees a tensor, only names, shapes and hashes. It sits just above the floor and may import
-spec, data and models. Never imports comm, reduce, testing, checkpoint, runconfig, strategies, lab,
+spec, data and models. Never imports comm, reduce, testing, checkpoint, runconfig, strategies, lab, integrations,
 run or cli (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it). Inside it, no module
 reaches into another's private members, and no two modules import each other. This file imports
 nothing, so ``import isthmus.coordinator.protocol`` stays light.

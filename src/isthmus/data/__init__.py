@@ -8,7 +8,7 @@
 * :class:`Corpus`: byte corpora (the Python stdlib by default) with deterministic sharding.
 
 data is part of the floor: it imports numpy and torch, and nothing of isthmus outside data. Never
-imports coordinator, comm, reduce, testing, checkpoint, runconfig, strategies, lab, run or
+imports coordinator, comm, reduce, testing, checkpoint, runconfig, strategies, lab, integrations, run or
 cli(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

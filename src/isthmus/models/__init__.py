@@ -4,7 +4,7 @@
 nothing in isthmus depends on this model except the built-in job that trains it.
 
 models is part of the floor: it imports torch and nothing of isthmus. Never imports coordinator,
-comm, reduce, testing, checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md,
+comm, reduce, testing, checkpoint, runconfig, strategies, lab, integrations, run or cli (docs/ARCHITECTURE.md,
 "Layers"; tools/structure.py checks it).
 """
 

@@ -10,6 +10,6 @@
   SparseLoCo's (:mod:`.sparseloco_math`) and DeMo's (:mod:`.demo_math`) codecs.
 
 Pure tensor math with a small distributed interface: reduce may import comm (its ``Group``) and the
-floor. Never imports checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md,
+floor. Never imports checkpoint, runconfig, strategies, lab, integrations, run or cli (docs/ARCHITECTURE.md,
 "Layers"; tools/structure.py checks it).
 """

@@ -17,7 +17,7 @@ the keys :func:`from_flat` takes, and what ``--set`` accepts besides dotted path
 
 The package sits below the lab and the runner, which both import it; :mod:`isthmus.run.config`
 is the same API under the runner's name. It reads the registries of strategies, compressors,
-aggregators, attacks and faults to check a config. Never imports lab, run or cli.
+aggregators, attacks and faults to check a config. Never imports lab, integrations, run or cli.
 """
 
 from isthmus.runconfig import sections, tree

@@ -44,7 +44,7 @@ that fills :data:`STRATEGIES` below. The reducer's staged state is committed by 
 commit hook: a strategy never calls ``reducer.commit()``.
 
 strategies may import checkpoint, reduce, comm (the session), the coordinator and the floor, and
-never see a socket. Never imports lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+never see a socket. Never imports lab, integrations, run or cli (docs/ARCHITECTURE.md, "Layers";
 tools/structure.py checks it).
 """
 

@@ -5,7 +5,7 @@ run's recent history; the page itself is ``static/`` (plain HTML, CSS and JavaSc
 library, no network access beyond this coordinator).
 
 web belongs to the coordinator's layer: it may import the rest of the coordinator and the floor.
-Never imports comm, reduce, testing, checkpoint, runconfig, strategies, lab, run or
+Never imports comm, reduce, testing, checkpoint, runconfig, strategies, lab, integrations, run or
 cli(docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

@@ -11,7 +11,7 @@ the mean included. Threat model and costs: docs/ROBUST.md and
 :mod:`isthmus.reduce.aggregate.sharded`. Attacks for experiments: :mod:`.attacks`.
 
 aggregate belongs to reduce's layer: it may import comm (its ``Group``) and the floor. Never
-imports checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+imports checkpoint, runconfig, strategies, lab, integrations, run or cli (docs/ARCHITECTURE.md, "Layers";
 tools/structure.py checks it).
 """
 

@@ -7,7 +7,7 @@ from a spec string with :func:`make_compressor` (the CLI's ``--compression``); t
 their options are the entries of :data:`COMPRESSORS` (see :mod:`.registry`).
 
 compress belongs to reduce's layer: it may import comm (its ``Group``) and the floor. Never
-imports checkpoint, runconfig, strategies, lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+imports checkpoint, runconfig, strategies, lab, integrations, run or cli (docs/ARCHITECTURE.md, "Layers";
 tools/structure.py checks it).
 """
 

@@ -3,7 +3,7 @@ name): :mod:`.strategy` runs one round per step, :mod:`.math` holds the DCT code
 
 ``math`` is pure: it imports neither :mod:`isthmus.comm` nor ``torch.distributed``.
 
-Like every strategy it never sees a socket. Never imports lab, run or cli
+Like every strategy it never sees a socket. Never imports lab, integrations, run or cli
 (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

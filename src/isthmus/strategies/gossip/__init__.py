@@ -68,7 +68,7 @@ How it runs on isthmus's rounds (docs/GOSSIP.md has the long form):
   the tests compare ``model_digest`` then. Without ``final_merge`` the models stay different.
 
 This package belongs to the strategies' layer: it may import reduce (:mod:`isthmus.reduce.gossip`
-holds its math), comm and the floor. Never imports lab, run or cli (docs/ARCHITECTURE.md,
+holds its math), comm and the floor. Never imports lab, integrations, run or cli (docs/ARCHITECTURE.md,
 "Layers"; tools/structure.py checks it).
 """
 

@@ -4,7 +4,7 @@ holds its codec (chunk-wise top-k, quantization, the message's bytes and their s
 ``math`` is pure: it imports neither :mod:`isthmus.comm` nor ``torch.distributed``, so every rule
 of the message is tested in one process.
 
-Like every strategy it never sees a socket. Never imports lab, run or cli
+Like every strategy it never sees a socket. Never imports lab, integrations, run or cli
 (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

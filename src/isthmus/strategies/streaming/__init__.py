@@ -3,7 +3,7 @@ skeleton and the round pipeline, :mod:`.math` cuts the model into fragments and 
 
 ``math`` is pure: it imports neither :mod:`isthmus.comm` nor ``torch.distributed``.
 
-Like every strategy it never sees a socket. Never imports lab, run or cli
+Like every strategy it never sees a socket. Never imports lab, integrations, run or cli
 (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

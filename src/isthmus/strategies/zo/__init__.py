@@ -5,7 +5,7 @@ log of committed rounds that catches a stale peer up.
 ``math`` and ``replay`` are pure: they import neither :mod:`isthmus.comm` nor
 ``torch.distributed``.
 
-Like every strategy it never sees a socket. Never imports lab, run or cli
+Like every strategy it never sees a socket. Never imports lab, integrations, run or cli
 (docs/ARCHITECTURE.md, "Layers"; tools/structure.py checks it).
 """
 

@@ -25,7 +25,7 @@ a subpackage rather than one ``math.py`` because the math is several independent
 * :mod:`.sam`: DFedSAM's sharpness-aware local step (with a closure, or in two phases).
 
 Errors are ``ValueError`` (or :class:`DisconnectedGraphError`, a ``ValueError``) naming the
-offending argument. Never imports lab, run or cli (docs/ARCHITECTURE.md, "Layers";
+offending argument. Never imports lab, integrations, run or cli (docs/ARCHITECTURE.md, "Layers";
 tools/structure.py checks it).
 """
 
