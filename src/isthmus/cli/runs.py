@@ -24,10 +24,12 @@ RUN_FLAGS = (
     "progress",
     "connections",
     "probe_links",
+    "stall_s",
+    "late_s",
 )
 """The run settings `isthmus run` takes (the script brings its own model, data and strategy;
-`connections` and `probe_links` reach it through SessionConfig.from_env, as every peer must agree
-on them)."""
+`connections`, `probe_links`, `stall_s` and `late_s` reach it through SessionConfig.from_env, as
+every peer must agree on them)."""
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -109,13 +111,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from isthmus.run.config import from_flat
     from isthmus.run.flags import overrides_from
-    from isthmus.run.script_run import run_script
+    from isthmus.run.script_run import run_script, script_config
 
     token = read_token(args, required=args.coordinator is not None)
     try:
-        cfg = from_flat(**overrides_from(args))
+        cfg = script_config(overrides_from(args))  # no wall-clock bound unless --timeout
         summary, run_dir = run_script(
             args.script,
             args.args,
