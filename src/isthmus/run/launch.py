@@ -18,11 +18,11 @@ three commands plugs in, and one driver per command puts it together
   link counters.
 
 A crashed peer (non-zero exit the launcher did not cause) is started again as a joiner, up to
-``max_restarts`` times per slot (torchrun's elastic agent does the same). Every wait is bounded:
-the whole run by ``timeouts.run_timeout`` when it is set (none: the run lasts as long as its peers
-do), each teardown step by a few seconds. On Ctrl-C,
-a timeout or an error every child gets SIGCONT and SIGTERM, then SIGKILL after a short grace
-period, and the embedded coordinator stops; the exception (KeyboardInterrupt) then propagates.
+``max_restarts`` times per slot (torchrun's elastic agent does the same). The whole run is
+bounded by ``timeouts.run_timeout`` when it is set (none: the run lasts as long as its peers do),
+each teardown step by a few seconds. On Ctrl-C, a timeout or an error every child gets SIGCONT
+and SIGTERM, then SIGKILL after a short grace period, and the embedded coordinator stops; the
+exception (KeyboardInterrupt) then propagates.
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ class Launcher:
                         # A transfer runs as long as its bytes move, and each member gives up
                         # a stuck one itself (stall_s, late_s): the coordinator's bound is
                         # only for a member that heartbeats yet never reports.
-                        commit_timeout=max(60.0, 4 * t.collective_timeout, COMMIT_BOUND_S),
+                        commit_timeout=COMMIT_BOUND_S,
                     ),
                     heartbeat_interval=min(0.5, t.heartbeat_timeout / 3),
                     checkpoint_dir=self.checkpoint_dir,
