@@ -235,7 +235,9 @@ class FaultConfig:
 
 @dataclass(kw_only=True)
 class TimeoutConfig(Checked):
-    """``[timeouts]``: every wait of the run is bounded by one of these (seconds)."""
+    """``[timeouts]``: the bounds of the run's waits (seconds). Transfers are bounded by their
+    progress (``stall_s``, ``late_s``), not by their length; the whole run by ``run_timeout``
+    when it is set."""
 
     SECTION = "timeouts"
 
