@@ -259,6 +259,13 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--token-file", help="read the token from this file")
     r.add_argument("--steps", type=int, default=None, help="the run's length, for the progress bar")
     add_config_flags(r, include=RUN_FLAGS)
+    # the shared help shows the built-in job's default; a script's run has no limit by default
+    for action in r._actions:
+        if "--timeout" in action.option_strings:
+            action.help = (
+                "Bound on the whole run in seconds; peers still running after it are stopped "
+                "(default: none, the run lasts as long as its peers)."
+            )
     r.add_argument("script", help="the training script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     r.set_defaults(func=_cmd_run)
