@@ -171,3 +171,32 @@ def test_collective_error_keeps_unreached_as_a_tuple_of_names() -> None:
     e = CollectiveError("x", unreached=[REMOTE])
     assert e.unreached == (REMOTE,) and isinstance(e, RuntimeError)
     assert CollectiveError("y").unreached == ()
+
+
+def test_a_live_path_behind_a_deep_queue_is_not_silent_a_dead_one_is() -> None:
+    # a slow link with a deep queue: 15 s without an acknowledgement, one retransmission
+    # timeout, then the acknowledgements come again; a dead path keeps timing out
+    def live(t: float) -> list[ConnSample]:
+        n = 1000 if t < 30.0 else int(t * 100)
+        r = 1 if 18.0 <= t < 30.0 else 0
+        return [ConnSample("c", REMOTE, acked=n, received=n, in_flight=True, retransmits=r)]
+
+    watch = FakeWatch(live, ProgressConfig(stall_s=10.0, late_s=600.0), step=1.0)
+    g = _group(watch)
+    work = FakeWork()
+    watch.on_sample = lambda e: (
+        work.future.set_result(None) if e >= 40 and not work.future.done() else None
+    )
+    Handle(g, work, torch.ones(4), "all_reduce").wait()
+    assert not g.aborted
+
+    def dead(t: float) -> list[ConnSample]:
+        r = 0 if t < 15.0 else 1 if t < 25.0 else 3
+        return [ConnSample("c", REMOTE, acked=1000, received=1000, in_flight=True, retransmits=r)]
+
+    watch = FakeWatch(dead, ProgressConfig(stall_s=10.0, late_s=600.0), step=1.0)
+    g = _group(watch)
+    with pytest.raises(CollectiveError) as err:
+        Handle(g, FakeWork(), torch.ones(4), "all_reduce").wait()
+    assert err.value.unreached == (REMOTE,)
+    assert 25.0 <= watch.elapsed <= 27.0  # silent once the third timeout in a row came
