@@ -198,8 +198,10 @@ def add_parsers(sub: Any) -> None:
     c.add_argument(
         "--commit-timeout",
         type=float,
-        default=600.0,
-        help="evict a live member that has not reported a round this long after it formed",
+        default=86400.0,
+        help="evict a live member that has not reported a round this long after it formed "
+        "(default a day: a sync runs as long as its bytes move, and each member gives up a "
+        "stuck transfer itself)",
     )
     c.add_argument(
         "--metrics-port",
