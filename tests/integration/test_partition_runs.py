@@ -156,6 +156,20 @@ def _commits(evs: list[dict[str, Any]], after: float, world: int) -> list[dict[s
 
 
 @pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (apt-get install nftables)")
+def _coordinator(net: WanNetwork, membership: MembershipConfig) -> Coordinator:
+    """The run's coordinator, started inside the lab's coordinator namespace."""
+    return _start_coordinator_in(
+        net.coordinator.netns,
+        CoordinatorConfig(
+            token=TOKEN,
+            host=net.coordinator.ip,
+            port=0,
+            heartbeat_interval=0.25,
+            membership=membership,
+        ),
+    )
+
+
 def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
     tmp_path: Path, prefix: str
 ) -> None:
@@ -168,16 +182,7 @@ def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
         partition=PartitionConfig() if defaults else PartitionConfig(probe_every_s=1.0),
     )
     with WanNetwork(4, prefix=prefix) as net:
-        coord = _start_coordinator_in(
-            net.coordinator.netns,
-            CoordinatorConfig(
-                token=TOKEN,
-                host=net.coordinator.ip,
-                port=0,
-                heartbeat_interval=0.25,
-                membership=membership,
-            ),
-        )
+        coord = _coordinator(net, membership)
         run = Run(net, coord, tmp_path)
         try:
             job = {
@@ -254,16 +259,7 @@ def test_a_pair_that_cannot_connect_at_the_start_is_named_and_the_run_starts_wit
         start_peers=3, heartbeat_timeout=3.0, partition=PartitionConfig(probe_every_s=1.0)
     )
     with WanNetwork(3, prefix=prefix) as net:
-        coord = _start_coordinator_in(
-            net.coordinator.netns,
-            CoordinatorConfig(
-                token=TOKEN,
-                host=net.coordinator.ip,
-                port=0,
-                heartbeat_interval=0.25,
-                membership=membership,
-            ),
-        )
+        coord = _coordinator(net, membership)
         run = Run(net, coord, tmp_path)
         try:
             _cut(net, 1, 2, refuse=True)  # before anyone connects
