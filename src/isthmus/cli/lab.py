@@ -28,15 +28,25 @@ SCENARIO_KEYS = (
 
 
 def _cmd_lab_run(args: argparse.Namespace) -> int:
+    from isthmus.lab.jobspec import script_spec
     from isthmus.lab.netns import LabError
     from isthmus.lab.scenario import load_scenario
     from isthmus.run.flags import overrides_from
     from isthmus.run.lab_run import LabOptions, run_lab
 
+    extra = list(getattr(args, "script_args", None) or [])
+    if extra and args.script is None:
+        print(
+            "isthmus lab run: arguments after -- are the script's: give --script FILE "
+            "(the scenario's [job] has its own args)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         scenario = load_scenario(args.scenario)
+        job = script_spec(args.script, extra, key="--script") if args.script else None
         opts = LabOptions(network=args.network, prefix=args.prefix)
-        summary = run_lab(scenario, opts, overrides=overrides_from(args))
+        summary = run_lab(scenario, opts, overrides=overrides_from(args), script=job)
     except (ValueError, FileExistsError, OSError, LabError) as e:
         print(f"isthmus lab run: {e}", file=sys.stderr)
         return 2
@@ -45,7 +55,11 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
             "isthmus lab run: interrupted; peers stopped and the network removed", file=sys.stderr
         )
         return 130
-    print_summary(summary)
+    script = summary.program != "isthmus.run.job"
+    print_summary(
+        summary,
+        title=f"isthmus lab run: {Path(summary.program).name}" if script else "isthmus demo",
+    )
     assert summary.lab is not None
     net, bc = summary.lab.network, summary.lab.bytes_check
     print(f"network: {net['mode']}" + (f" ({net['reason']})" if net["reason"] else ""))
@@ -373,6 +387,14 @@ def add_parsers(sub: Any) -> None:
     r = lsub.add_parser("run", help="run one scenario file (see scenarios/ and docs/LAB.md)")
     r.add_argument("scenario", help="scenario TOML file")
     r.add_argument(
+        "--script",
+        default=None,
+        metavar="FILE",
+        help="run your own peer script (one that uses isthmus.SessionConfig.from_env(), as for "
+        "`isthmus run`) instead of the built-in job; its arguments follow `--` "
+        "(e.g. --script train.py -- --steps 50). Overrides the scenario's [job]",
+    )
+    r.add_argument(
         "--network",
         default="auto",
         choices=["auto", "netns", "loopback"],
@@ -382,7 +404,7 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--prefix", default="isth", help="namespace name prefix (default isth)")
     # what the scenario says (peers, model, strategy, churn, attacks) comes from the file
     add_config_flags(r, exclude=SCENARIO_KEYS)
-    r.set_defaults(func=_cmd_lab_run)
+    r.set_defaults(func=_cmd_lab_run, script_args=[])
 
     k = lsub.add_parser(
         "soak", help="run a scenario for a fixed time; fail on a stall, a parity failure or a hang"
