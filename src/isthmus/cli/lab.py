@@ -118,7 +118,7 @@ def _cmd_lab_compare(args: argparse.Namespace) -> int:
 
     try:
         written = compare_runs(args.runs, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"isthmus lab compare: {e}", file=sys.stderr)
         return 2
     for p in written:
@@ -131,7 +131,7 @@ def _cmd_lab_report(args: argparse.Namespace) -> int:
 
     try:
         written = plot_run(args.run_dir)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"isthmus lab report: {e}", file=sys.stderr)
         return 2
     for p in written:
