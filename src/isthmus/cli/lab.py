@@ -76,7 +76,28 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
             + (f"reached after {hit} s (step {ev['step_at_target']})" if hit else "not reached")
         )
     print(f"report: {Path(summary.run_dir) / 'report.html'}")
+    if script:
+        _print_failures(summary)
     return 0 if summary.ok else 1
+
+
+def _print_failures(summary: Any) -> None:
+    """Each peer process of a script that failed by itself (not killed by the scenario's churn),
+    with the end of its output, as ``isthmus run`` prints them."""
+    from isthmus.run.record import RunDir
+
+    assert summary.lab is not None
+    killed = {c["name"] for c in summary.lab.churn_applied if c["action"] == "kill"}
+    run_dir = RunDir(summary.run_dir)
+    for name, rc in summary.exit_codes.items():
+        if rc in (0, None) or name in killed:
+            continue
+        print(
+            f"{name} exited with {rc}; the end of its output ({run_dir.log(name)}):",
+            file=sys.stderr,
+        )
+        for line in run_dir.tail(name).splitlines():
+            print(f"  | {line}", file=sys.stderr)
 
 
 def _cmd_lab_soak(args: argparse.Namespace) -> int:
