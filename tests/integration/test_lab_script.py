@@ -45,7 +45,9 @@ at_step = 12
 
 
 @pytest.mark.root
-def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(tmp_path: Path, prefix: str) -> None:
+def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(
+    tmp_path: Path, prefix: str, capfd: pytest.CaptureFixture[str]
+) -> None:
     # the scenario names its script relative to its own folder, not to the working directory
     folder = tmp_path / "scenario"
     folder.mkdir()
@@ -91,5 +93,7 @@ def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(tmp_path: Path, p
     report = (run_dir / "report.md").read_text()
     assert "## Lab" in report and "| kill | 1 | at step 6 |" in report
     assert (run_dir / "loss_vs_step.png").stat().st_size > 1000
+    # what the script printed reached this terminal, prefixed, as with `isthmus run`
+    assert "[peer0] peer0: step 40, state " in capfd.readouterr().out
     written = compare_runs([run_dir], tmp_path / "compare")
     assert (tmp_path / "compare" / "compare.md") in written

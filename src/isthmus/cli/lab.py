@@ -45,7 +45,7 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
         job = script_spec(args.script, extra, key="--script") if args.script else None
-        opts = LabOptions(network=args.network, prefix=args.prefix)
+        opts = LabOptions(network=args.network, prefix=args.prefix, tee=not args.quiet)
         summary = run_lab(scenario, opts, overrides=overrides_from(args), script=job)
     except (ValueError, FileExistsError, OSError, LabError) as e:
         print(f"isthmus lab run: {e}", file=sys.stderr)
@@ -414,6 +414,12 @@ def add_parsers(sub: Any) -> None:
         help="run your own peer script (one that uses isthmus.SessionConfig.from_env(), as for "
         "`isthmus run`) instead of the built-in job; its arguments follow `--` "
         "(e.g. --script train.py -- --steps 50). Overrides the scenario's [job]",
+    )
+    r.add_argument(
+        "--quiet",
+        action="store_true",
+        help="with a script: keep what its peers print in the run directory only (by default "
+        "each line also appears here, prefixed with its peer, as for `isthmus run`)",
     )
     r.add_argument(
         "--network",

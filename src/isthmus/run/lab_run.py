@@ -91,6 +91,12 @@ class LabOptions(Checked):
     sample_interval_s: float = setting(
         0.5, gt=0, help="How often link counters are sampled into links.jsonl (seconds)."
     )
+    tee: bool = setting(
+        True,
+        help="""With a user's script: print what its peers write, each line prefixed with its
+        peer, as `isthmus run` does (the run directory's logs hold it either way). The built-in
+        job's peers are never echoed.""",
+    )
 
 
 def scenario_steps(scenario: Scenario, *, batch_size: int) -> int:
@@ -265,7 +271,9 @@ def run_lab(
                 slots=scenario.peers,
             )
         else:
-            summary, outcome = _run_script(program, run, run_dir, spawner, churn, sampler)
+            summary, outcome = _run_script(
+                program, run, run_dir, spawner, churn, sampler, tee=opts.tee
+            )
     summary.lab = _lab_summary(
         scenario, info, outcome, run_dir, sampler, churn, run, net is not None
     )
@@ -281,6 +289,8 @@ def _run_script(
     spawner: Spawner | None,
     churn: ChurnHook,
     sampler: LinkSampler,
+    *,
+    tee: bool,
 ) -> tuple[Summary, Outcome]:
     """The user's script in every slot, through the launcher ``isthmus run`` uses."""
     slots = run.peers
@@ -306,6 +316,7 @@ def _run_script(
         label=f"{run.name}: {program.path.name}",
         progress=run.output.progress,
         stragglers=run.stragglers,
+        tee=tee,
     )
 
 
