@@ -26,21 +26,21 @@ SCENARIO = """
 description = "a user's script on two shaped links; peer 1 killed, then back as a joiner"
 [run]
 name = "userscript"
-steps = 40
+steps = 50
 [network]
 peers = 2
 rate = "20mbit"
 [job]
 script = "user_train.py"
-args = ["--steps", "40", "--delay", "0.25"]
+args = ["--steps", "50", "--delay", "0.3"]
 [[churn]]
 action = "kill"
 peer = 1
-at_step = 6
+at_step = 4
 [[churn]]
 action = "join"
 peer = 1
-at_step = 12
+at_step = 6
 """
 
 
@@ -70,30 +70,34 @@ def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(
 
     # the kill at a step is applied from outside (a script fires no faults of ours)
     kill = next(c for c in lab.churn_applied if c["action"] == "kill")
-    assert kill["peer"] == 1 and kill["how"] == "at step 6", lab.churn_applied
-    assert kill["run_step"] >= 6
+    assert kill["peer"] == 1 and kill["how"] == "at step 4", lab.churn_applied
+    assert kill["run_step"] >= 4
     assert s.exit_codes["peer0"] == 0 and s.exit_codes["peer1"] == -signal.SIGKILL
     assert s.kills == 1
-    # the joiner came in (and ended with the survivor), or arrived after the run ended
+    # the joiner came in and ended with the survivor (on a machine so loaded that its fresh
+    # interpreter took longer than the survivor's remaining 40-odd steps, it is told so instead)
     assert ("join", 1) in {(c["action"], c["peer"]) for c in lab.churn_applied}
-    assert s.exit_codes["peer1.1"] in (0, 4)
+    if s.exit_codes["peer1.1"] == 0:
+        assert s.peers_final == 2
+    else:
+        assert "cannot join: the run is over" in (run_dir / "peer1.1.log").read_text()
 
     # parity: every finished peer reported the same digest when it left
     assert s.parity_failures == 0 and s.peers_final >= 1 and s.final_digest
-    assert s.rounds_committed >= 40 // 5 - 1
+    assert s.rounds_committed >= 50 // 5 - 1
 
     # the same run directory as the built-in job's: records from what the script reported,
     # link counters, the summary, the report with its lab section, and a comparison
     recs = [json.loads(x) for x in (run_dir / "peer0.jsonl").read_text().splitlines()]
-    assert recs and recs[-1]["step"] >= 30 and all("loss" in r for r in recs)
+    assert recs and recs[-1]["step"] >= 40 and all("loss" in r for r in recs)
     per_peer = lab.bytes_check["per_peer"]
     assert set(per_peer) == {"peer0", "peer1"}
     assert per_peer["peer0"]["wire_tx_bytes"] > per_peer["peer0"]["accounted_bytes"] > 0
     assert json.loads((run_dir / "scenario.json").read_text())["job"]["script"] == s.program
     report = (run_dir / "report.md").read_text()
-    assert "## Lab" in report and "| kill | 1 | at step 6 |" in report
+    assert "## Lab" in report and "| kill | 1 | at step 4 |" in report
     assert (run_dir / "loss_vs_step.png").stat().st_size > 1000
     # what the script printed reached this terminal, prefixed, as with `isthmus run`
-    assert "[peer0] peer0: step 40, state " in capfd.readouterr().out
+    assert "[peer0] peer0: step 50, state " in capfd.readouterr().out
     written = compare_runs([run_dir], tmp_path / "compare")
     assert (tmp_path / "compare" / "compare.md") in written
