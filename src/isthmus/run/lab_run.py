@@ -210,14 +210,14 @@ def lab_script(
     wins). Raises :class:`~isthmus.spec.SpecError` naming the scenario's key for what a script
     cannot take (``[[fault]]``, ``[[byzantine]]``, ``[checkpoint]``) and FileNotFoundError for a
     script that does not exist."""
-    if isinstance(job, JobSpec):
-        scenario = scenario.with_job(job)  # checks what a script cannot take
-    elif job is not None:
-        scenario.with_job(JobSpec(script=str(job.path), args=tuple(job.args)))
-    spec = scenario.job
-    if job is None and spec is None:
-        return None
-    program = job if isinstance(job, Script) else Script(spec.script, list(spec.args))  # type: ignore[union-attr]
+    if isinstance(job, Script):
+        scenario.with_job(JobSpec(script=str(job.path), args=tuple(job.args)))  # the checks
+        program = job
+    else:
+        spec = scenario.with_job(job).job if job is not None else scenario.job
+        if spec is None:
+            return None
+        program = Script(spec.script, list(spec.args))
     s = run.strategy
     program.settings = {
         "ISTHMUS_CONNECTIONS": str(s.connections),
