@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "settings": 0,
     "renamed": 0,
     "version": 0,
+    "extras": 0,
     "models": 0,
     "data": 0,
     "coordinator": 1,

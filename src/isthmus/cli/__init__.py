@@ -38,7 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    head = argv[:cut]
+    if "lab" in head and head[head.index("lab") + 1 : head.index("lab") + 2] == ["run"]:
+        # `isthmus lab run S --script F -- ARGS`: argparse cannot split at `--` after a
+        # positional, so the script's arguments are cut off before parsing
+        args = build_parser().parse_args(head)
+        args.script_args = argv[cut + 1 :]
+    else:
+        args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

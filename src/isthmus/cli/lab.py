@@ -28,15 +28,25 @@ SCENARIO_KEYS = (
 
 
 def _cmd_lab_run(args: argparse.Namespace) -> int:
+    from isthmus.lab.jobspec import script_spec
     from isthmus.lab.netns import LabError
     from isthmus.lab.scenario import load_scenario
     from isthmus.run.flags import overrides_from
     from isthmus.run.lab_run import LabOptions, run_lab
 
+    extra = list(getattr(args, "script_args", None) or [])
+    if extra and args.script is None:
+        print(
+            "isthmus lab run: arguments after -- are the script's: give --script FILE "
+            "(the scenario's [job] has its own args)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         scenario = load_scenario(args.scenario)
-        opts = LabOptions(network=args.network, prefix=args.prefix)
-        summary = run_lab(scenario, opts, overrides=overrides_from(args))
+        job = script_spec(args.script, extra, key="--script") if args.script else None
+        opts = LabOptions(network=args.network, prefix=args.prefix, tee=not args.quiet)
+        summary = run_lab(scenario, opts, overrides=overrides_from(args), script=job)
     except (ValueError, FileExistsError, OSError, LabError) as e:
         print(f"isthmus lab run: {e}", file=sys.stderr)
         return 2
@@ -45,7 +55,11 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
             "isthmus lab run: interrupted; peers stopped and the network removed", file=sys.stderr
         )
         return 130
-    print_summary(summary)
+    script = summary.program != "isthmus.run.job"
+    print_summary(
+        summary,
+        title=f"isthmus lab run: {Path(summary.program).name}" if script else "isthmus demo",
+    )
     assert summary.lab is not None
     net, bc = summary.lab.network, summary.lab.bytes_check
     print(f"network: {net['mode']}" + (f" ({net['reason']})" if net["reason"] else ""))
@@ -62,7 +76,28 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
             + (f"reached after {hit} s (step {ev['step_at_target']})" if hit else "not reached")
         )
     print(f"report: {Path(summary.run_dir) / 'report.html'}")
+    if script:
+        _print_failures(summary)
     return 0 if summary.ok else 1
+
+
+def _print_failures(summary: Any) -> None:
+    """Each peer process of a script that failed by itself (not killed by the scenario's churn),
+    with the end of its output, as ``isthmus run`` prints them."""
+    from isthmus.run.record import RunDir
+
+    assert summary.lab is not None
+    killed = {c["name"] for c in summary.lab.churn_applied if c["action"] == "kill"}
+    run_dir = RunDir(summary.run_dir)
+    for name, rc in summary.exit_codes.items():
+        if rc in (0, None) or name in killed:
+            continue
+        print(
+            f"{name} exited with {rc}; the end of its output ({run_dir.log(name)}):",
+            file=sys.stderr,
+        )
+        for line in run_dir.tail(name).splitlines():
+            print(f"  | {line}", file=sys.stderr)
 
 
 def _cmd_lab_soak(args: argparse.Namespace) -> int:
@@ -104,7 +139,7 @@ def _cmd_lab_compare(args: argparse.Namespace) -> int:
 
     try:
         written = compare_runs(args.runs, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"isthmus lab compare: {e}", file=sys.stderr)
         return 2
     for p in written:
@@ -117,7 +152,7 @@ def _cmd_lab_report(args: argparse.Namespace) -> int:
 
     try:
         written = plot_run(args.run_dir)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"isthmus lab report: {e}", file=sys.stderr)
         return 2
     for p in written:
@@ -373,6 +408,20 @@ def add_parsers(sub: Any) -> None:
     r = lsub.add_parser("run", help="run one scenario file (see scenarios/ and docs/LAB.md)")
     r.add_argument("scenario", help="scenario TOML file")
     r.add_argument(
+        "--script",
+        default=None,
+        metavar="FILE",
+        help="run your own peer script (one that uses isthmus.SessionConfig.from_env(), as for "
+        "`isthmus run`) instead of the built-in job; its arguments follow `--` "
+        "(e.g. --script train.py -- --steps 50). Overrides the scenario's [job]",
+    )
+    r.add_argument(
+        "--quiet",
+        action="store_true",
+        help="with a script: keep what its peers print in the run directory only (by default "
+        "each line also appears here, prefixed with its peer, as for `isthmus run`)",
+    )
+    r.add_argument(
         "--network",
         default="auto",
         choices=["auto", "netns", "loopback"],
@@ -382,7 +431,7 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--prefix", default="isth", help="namespace name prefix (default isth)")
     # what the scenario says (peers, model, strategy, churn, attacks) comes from the file
     add_config_flags(r, exclude=SCENARIO_KEYS)
-    r.set_defaults(func=_cmd_lab_run)
+    r.set_defaults(func=_cmd_lab_run, script_args=[])
 
     k = lsub.add_parser(
         "soak", help="run a scenario for a fixed time; fail on a stall, a parity failure or a hang"

@@ -54,20 +54,19 @@ from typing import Any
 import torch
 
 from isthmus.data.sampler import ElasticSampler
+from isthmus.extras import MissingExtra, install_hint
 from isthmus.strategies.base import Strategy
 
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - the hf extra is part of the dev install
-    raise ImportError(
-        "isthmus.integrations.hf needs transformers: pip install 'isthmus[hf]'"
-    ) from e
+    raise MissingExtra(f"isthmus.integrations.hf needs transformers: {install_hint('hf')}") from e
 
 __all__ = ["ElasticReader", "IsthmusCallback", "StrategyOptimizer", "prepare"]
 
 log = logging.getLogger("isthmus.hf")
 
-EXTRA_HINT = "pip install 'isthmus[hf]'"
+EXTRA_HINT = install_hint("hf")
 
 
 def _datasets() -> Any:

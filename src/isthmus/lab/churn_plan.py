@@ -8,7 +8,9 @@ is tested in one process with made-up observations:
 
 * :meth:`ChurnPlan.faults_for`: a kill or stop on the *step* clock is fired by the peer on itself,
   at exactly that step (an injected fault, :mod:`isthmus.comm.faults`): which fault specs does the
-  incarnation that starts at a given step carry?
+  incarnation that starts at a given step carry? A plan made with ``self_fired=False`` (a user's
+  script, which has no injector of the launcher's making) hands out none: such a kill or stop is
+  due like any other event once the run reaches its step.
 * :meth:`ChurnPlan.due`: which events are due at this run step and this many seconds after the
   first round formed?
 * :meth:`ChurnPlan.decide`: given the slot's state now, apply a due event, keep it waiting (a join
@@ -87,6 +89,13 @@ class ChurnPlan:
     pending: list[Planned] = field(default_factory=list)
     fired: dict[int, list[Planned]] = field(default_factory=dict)
     """Per slot: step-clock kills and stops handed to its incarnation as faults, not yet seen."""
+    self_fired: bool = True
+    """Whether peers fire step-clock kills and stops on themselves (the built-in job); False:
+    they are applied from outside when due."""
+
+    def by_fault(self, p: Planned) -> bool:
+        """Whether the peer fires ``p`` on itself."""
+        return self.self_fired and p.by_fault
 
     def __post_init__(self) -> None:
         self.pending.sort(key=lambda p: (p.clock, p.when))
@@ -97,7 +106,7 @@ class ChurnPlan:
         belongs to a later incarnation). They leave the pending list for :attr:`fired`."""
         out: list[str] = []
         mine = sorted(
-            (p for p in self.pending if p.by_fault and p.slot == slot), key=lambda p: p.when
+            (p for p in self.pending if self.by_fault(p) and p.slot == slot), key=lambda p: p.when
         )
         for p in mine:
             if p.when < from_step:
@@ -115,7 +124,7 @@ class ChurnPlan:
         return [
             p
             for p in self.pending
-            if not p.by_fault
+            if not self.by_fault(p)
             and (
                 (p.clock == "step" and run_step >= p.when)
                 or (p.clock == "seconds" and elapsed is not None and elapsed >= p.when)

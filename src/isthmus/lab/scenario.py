@@ -10,7 +10,9 @@ A scenario file holds:
 * any of the RunConfig's own sections as ``config.json`` writes them: ``[data]``, ``[optim]``,
   ``[eval]``, ``[timeouts]``, ``[output]``, ``[stragglers]``;
 * the lab's sections: ``[network]`` (:mod:`isthmus.lab.netspec`), ``[[churn]]`` and
-  ``[random_churn]``.
+  ``[random_churn]``;
+* optionally ``[job]``: the user's own peer script instead of the built-in job
+  (:mod:`isthmus.lab.jobspec`; ``[strategy]`` is then optional, the script brings its own).
 
 :func:`load_scenario` (and :func:`parse_scenario` for text) is the one loader: it builds the
 RunConfig with the config's own checks (strict about TOML types: ``steps = "10"`` is no integer)
@@ -27,7 +29,7 @@ import math
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from isthmus.lab.checks import (
 )
 from isthmus.lab.churn_plan import Planned, check_sequences, starting_slots
 from isthmus.lab.churnspec import CHURN_ACTIONS, ChurnEvent, RandomChurn
+from isthmus.lab.jobspec import JobSpec, check_script_scenario, parse_job
 from isthmus.lab.netspec import (
     CONGESTION_CONTROL_NAME,
     MAX_LAB_PEERS,
@@ -72,6 +75,7 @@ __all__ = [
     "ChurnEvent",
     "FaultEntry",
     "Impairment",
+    "JobSpec",
     "NetworkSpec",
     "RandomChurn",
     "RunSpec",
@@ -165,9 +169,18 @@ class Scenario:
     description: str = ""
     source: str = "<scenario>"
     """Where it came from (a file path), for messages."""
+    job: JobSpec | None = None
+    """``[job]``: the user's peer script the peers run; None: the built-in job."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "churn", tuple(self.churn))
+        if self.job is not None:
+            check_script_scenario(
+                peer_faults=self.config.faults.peer_faults,
+                byzantine=self.config.faults.byzantine,
+                checkpoint=self.config.checkpoint.checkpoint_dir is not None,
+                source=self.source,
+            )
         n = self.network.peers
         if self.config.peers != n:
             raise self._error(
@@ -232,6 +245,11 @@ class Scenario:
             every=c.checkpoint_every, keep=c.checkpoint_keep, dir=c.checkpoint_dir
         )
 
+    def with_job(self, job: JobSpec | None) -> Scenario:
+        """This scenario with its peers running ``job`` (None: the built-in job); raises
+        :class:`~isthmus.spec.SpecError` naming what a script cannot take."""
+        return replace(self, job=job)
+
     def starting_peers(self) -> list[int]:
         """The peers running at the start: all but those whose first churn event is a join."""
         return _starting(self.peers, self.churn)
@@ -256,6 +274,7 @@ class Scenario:
             "byzantine": [asdict(b) for b in self.byzantine],
             "faults": [asdict(f) for f in self.faults],
             "checkpoint": asdict(checkpoint) if checkpoint else None,
+            "job": {"script": self.job.script, "args": list(self.job.args)} if self.job else None,
             "description": self.description,
             "source": self.source,
         }
@@ -294,6 +313,7 @@ _TOP = (
     "byzantine",
     "fault",
     "checkpoint",
+    "job",
     *_RUN_SECTIONS,
 )
 _FILE_KEYS = {
@@ -308,6 +328,7 @@ _FILE_KEYS = {
     "steps": "run.steps",
     "name": "run.name",
 }
+_REQUIRED = ("run", "strategy", "network")
 _ATTACK_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -383,7 +404,10 @@ def _run_table(
         )
     if tokens is not None:
         check_int(tokens, "run.tokens", minimum=1)
-    st = check_keys(t["strategy"], "strategy", _STRATEGY_KEYS, ["name"])
+    # a script brings its own strategy: without [strategy] the config's default fills the run
+    st = check_keys(
+        t.get("strategy", {"name": StrategyConfig().name}), "strategy", _STRATEGY_KEYS, ["name"]
+    )
     options = check_options(st.get("options", {}), "strategy.options")
     byzantine = _byzantine(t["byzantine"], network.peers) if "byzantine" in t else []
     faults = _faults(t["fault"], network.peers) if "fault" in t else []
@@ -446,8 +470,14 @@ def _random_churn(t: Mapping[str, Any]) -> RandomChurn | None:
     return construct(RandomChurn, "random_churn", **r)  # type: ignore[no-any-return]
 
 
-def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>") -> Scenario:
-    """Build a :class:`Scenario` from TOML text or an already-parsed table.
+def parse_scenario(
+    data: str | Mapping[str, Any],
+    *,
+    source: str = "<scenario>",
+    base_dir: str | Path | None = None,
+) -> Scenario:
+    """Build a :class:`Scenario` from TOML text or an already-parsed table; ``[job] script`` is
+    read relative to ``base_dir`` (the working directory when None).
 
     Raises :class:`~isthmus.spec.SpecError` naming ``source``, the key and the problem: invalid
     TOML, unknown or missing keys (with a suggestion), values of the wrong type or out of bounds,
@@ -463,13 +493,14 @@ def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>")
                 raise SpecError(f"not valid TOML: {e}") from None
         else:
             table = data
-        t = check_keys(table, "", _TOP, ["run", "strategy", "network"])
+        t = check_keys(table, "", _TOP, ["run", "network"] if "job" in table else _REQUIRED)
         description = t.get("description", "")
         if not isinstance(description, str):
             raise SpecError("must be a string", key="description")
         network = parse_network(t["network"])
         churn = _churn(t)
         random_churn = _random_churn(t)
+        job = parse_job(t["job"], base_dir) if "job" in t else None
         run_table, tokens, faults = _run_table(t, network, churn)
         try:
             config = _run_from_dict(run_table, strict=True)
@@ -483,6 +514,7 @@ def parse_scenario(data: str | Mapping[str, Any], *, source: str = "<scenario>")
             random_churn=random_churn,
             description=description,
             source=source,
+            job=job,
         )
     except SpecError as e:
         raise e.within("", source) from None
@@ -492,4 +524,4 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file; raises :class:`~isthmus.spec.SpecError` (naming the
     file) for a malformed one and ``OSError`` if it cannot be read."""
     p = Path(path)
-    return parse_scenario(p.read_text(encoding="utf-8"), source=str(p))
+    return parse_scenario(p.read_text(encoding="utf-8"), source=str(p), base_dir=p.parent)

@@ -15,7 +15,6 @@ show kills and joins; the library defaults are 20, local SGD's 80 and SparseLoCo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import urllib.parse
@@ -173,12 +172,19 @@ def run_builtin(
 
 def publish(summary: Summary, run_dir: RunDir, *, also: str | None = None) -> None:
     """Write ``summary.json`` (and a copy at ``also``), the plots and ``report.md``. A failure to
-    plot never loses the run's results."""
+    plot never loses the run's results; without matplotlib (the ``lab`` extra) a line on stderr
+    says that the plots and the report were skipped and how to install them."""
     run_dir.write_summary(summary, also=also)
-    with contextlib.suppress(Exception):
+    from isthmus.extras import MissingExtra
+
+    try:
         from isthmus.run.report import plot_run
 
         plot_run(run_dir.path)
+    except MissingExtra as e:
+        print(f"plots and report skipped: {e}", file=sys.stderr)
+    except Exception:  # a broken plot must not lose the summary already written
+        pass
 
 
 def run_demo(overrides: dict[str, Any] | None = None, *, max_restarts: int = 0) -> Summary:

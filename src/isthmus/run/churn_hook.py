@@ -1,7 +1,9 @@
 """Planned churn, applied: the launcher hook that carries out a :class:`~isthmus.lab.churn_plan.ChurnPlan`.
 
-Step-clock kills and stops travel with the peer as injected faults (it fires them on itself at
-exactly that step); this hook notices them happen and records them. Everything else (joins,
+Step-clock kills and stops travel with the peer of the built-in job as injected faults (it fires
+them on itself at exactly that step); this hook notices them happen and records them. A user's
+script carries no faults of the launcher's making (``self_fired=False``): its step-clock kills and
+stops are applied from outside, at the first tick after a peer reported that step. Everything else (joins,
 continues, timed kills and stops) it applies when due: a join starts a new process in the slot,
 a kill is SIGKILL, stop and cont are SIGSTOP and SIGCONT to the peer's process group. Every
 action, applied or skipped with its reason, goes to ``churn.jsonl`` and to the summary.
@@ -44,7 +46,9 @@ def plan_from_config(run: RunConfig) -> tuple[list[Planned], int]:
 
 class ChurnHook(Hook):
     """Applies ``events`` through the launcher and hands every new incarnation its faults
-    (``static_faults`` per slot go to a slot's first incarnation only)."""
+    (``static_faults`` per slot go to a slot's first incarnation only). With ``self_fired``
+    False no fault is handed out: step-clock kills and stops are applied when due, like the
+    rest, and ``static_faults`` must be empty (raises ValueError)."""
 
     def __init__(
         self,
@@ -52,8 +56,11 @@ class ChurnHook(Hook):
         *,
         static_faults: Mapping[int, list[str]] | None = None,
         log_path: Any = None,
+        self_fired: bool = True,
     ) -> None:
-        self.plan = ChurnPlan(list(events))
+        if not self_fired and any(static_faults.values() if static_faults else ()):
+            raise ValueError("faults need a peer that fires them on itself (the built-in job)")
+        self.plan = ChurnPlan(list(events), self_fired=self_fired)
         self.static = {k: list(v) for k, v in (static_faults or {}).items()}
         self.applied: list[dict[str, Any]] = []
         self.skipped: list[dict[str, Any]] = []
@@ -111,7 +118,7 @@ class ChurnHook(Hook):
     def stop(self, launcher: Launcher) -> None:
         self._observe(launcher)
         for p, reason in self.plan.leftovers():
-            how = p.how if not p.by_fault else f"fault at step {int(p.when)}"
+            how = p.how if not self.plan.by_fault(p) else f"fault at step {int(p.when)}"
             self._record(p.action, p.slot, p.source, how, skipped=reason)
         if self._file is not None:
             self._file.close()

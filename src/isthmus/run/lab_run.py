@@ -15,11 +15,18 @@ What happens, in order:
    namespace to run ``ip``/``tc``, read counters and own the teardown (one process owns the
    network, so :class:`~isthmus.lab.wan.WanNetwork`'s teardown covers every exit path).
 4. **Peers** run the built-in job inside their namespaces, Gloo bound to the namespace's address,
-   through :func:`~isthmus.run.builtin_run.run_builtin`, the demo's own path.
-5. **Churn.** The scenario's ``[[churn]]`` and ``[random_churn]`` become a
+   through :func:`~isthmus.run.builtin_run.run_builtin`, the demo's own path; or, when the
+   scenario names a script (``[job]``, ``isthmus lab run --script``), the user's own peer script
+   through :func:`~isthmus.run.script_run.launch_script`, the path of ``isthmus run``, with
+   ``ISTHMUS_HOSTNAME`` and the run's ``ISTHMUS_CONNECTIONS``/``ISTHMUS_PROBE_LINKS`` in its
+   environment. Both go through the one :class:`~isthmus.run.launch.Launcher`.
+5. **Churn and faults.** The scenario's ``[[churn]]`` and ``[random_churn]`` become a
    :class:`~isthmus.lab.churn_plan.ChurnPlan` applied by :class:`~isthmus.run.churn_hook.ChurnHook`
-   (``kill``/``stop`` at a step are faults the peer fires on itself; the rest is applied when due;
-   timed events count from the first round).
+   (:func:`lab_churn`); timed events count from the first round. In the built-in job
+   ``kill``/``stop`` at a step are faults the peer fires on itself, and ``[[fault]]`` entries go
+   to each slot's first process; a script's step-clock kills and stops are applied from outside
+   once a peer reported the step, and a script cannot take ``[[fault]]`` or ``[[byzantine]]``
+   (refused before anything starts, :mod:`isthmus.lab.jobspec`).
 6. **Measurements.** :class:`~isthmus.lab.links.LinkSampler` records every link's counters; the
    summary gets a :class:`~isthmus.run.record.LabSummary` (bytes on the wire against isthmus's
    accounting, round latency, world size, time lost to recovery, eval curve), and ``report.md``
@@ -33,6 +40,7 @@ before anything starts; a network that cannot be built raises :class:`~isthmus.l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.lab.churn_plan import Planned
+from isthmus.lab.jobspec import JobSpec
 from isthmus.lab.links import NETWORK_MODES, LinkSampler, open_network
 from isthmus.lab.netns import inside_namespace
 from isthmus.lab.rates import format_rate
@@ -49,11 +58,20 @@ from isthmus.run import measure
 from isthmus.run.builtin_run import publish, run_builtin, with_short_h
 from isthmus.run.churn_hook import ChurnHook
 from isthmus.run.config import RunConfig, apply_overrides
-from isthmus.run.launch import Hook, Launcher, Outcome, Spawner
+from isthmus.run.launch import Hook, Launcher, Outcome, Script, Spawner
 from isthmus.run.record import LabSummary, RunDir, Summary
+from isthmus.run.script_run import StepRecords, launch_script
 from isthmus.settings import Checked, setting
 
-__all__ = ["LabOptions", "NamespaceSpawner", "lab_config", "run_lab", "scenario_steps"]
+__all__ = [
+    "LabOptions",
+    "NamespaceSpawner",
+    "lab_churn",
+    "lab_config",
+    "lab_script",
+    "run_lab",
+    "scenario_steps",
+]
 
 
 @dataclass(kw_only=True)
@@ -72,6 +90,12 @@ class LabOptions(Checked):
     )
     sample_interval_s: float = setting(
         0.5, gt=0, help="How often link counters are sampled into links.jsonl (seconds)."
+    )
+    tee: bool = setting(
+        True,
+        help="""With a user's script: print what its peers write, each line prefixed with its
+        peer, as `isthmus run` does (the run directory's logs hold it either way). The built-in
+        job's peers are never echoed.""",
     )
 
 
@@ -161,43 +185,139 @@ class _Links(Hook):
         self.sampler.stop()
 
 
+def lab_churn(
+    scenario: Scenario, run: RunConfig, *, log_path: Any = None, script: bool = False
+) -> ChurnHook:
+    """The churn hook of a lab run: the scenario's ``[[churn]]`` and ``[random_churn]`` events,
+    and its ``[[fault]]`` entries handed to each slot's first process. For a ``script`` nothing
+    is fired by the peer itself (step-clock kills and stops are applied when due); raises
+    ValueError if the run has faults then (:func:`lab_script` refuses them earlier, by key)."""
+    return ChurnHook(
+        _events(scenario, run.timeouts.run_timeout),
+        static_faults=run.faults.peer_faults,
+        log_path=log_path,
+        self_fired=not script,
+    )
+
+
+def lab_script(
+    scenario: Scenario, run: RunConfig, job: JobSpec | Script | None = None
+) -> Script | None:
+    """The program a lab run's peers run when it is a user's script: ``job`` (a
+    :class:`~isthmus.lab.jobspec.JobSpec` or a ready :class:`~isthmus.run.programs.Script`), else
+    the scenario's ``[job]``; None: the built-in job. The script's environment gets the run's
+    ``ISTHMUS_CONNECTIONS`` and ``ISTHMUS_PROBE_LINKS`` (what its own ``SessionConfig`` says
+    wins). Raises :class:`~isthmus.spec.SpecError` naming the scenario's key for what a script
+    cannot take (``[[fault]]``, ``[[byzantine]]``, ``[checkpoint]``) and FileNotFoundError for a
+    script that does not exist."""
+    if isinstance(job, Script):
+        scenario.with_job(JobSpec(script=str(job.path), args=tuple(job.args)))  # the checks
+        program = job
+    else:
+        spec = scenario.with_job(job).job if job is not None else scenario.job
+        if spec is None:
+            return None
+        program = Script(spec.script, list(spec.args))
+    s = run.strategy
+    program.settings = {
+        "ISTHMUS_CONNECTIONS": str(s.connections),
+        "ISTHMUS_PROBE_LINKS": "1" if s.probe_links else "0",
+        **program.settings,
+    }
+    return program
+
+
 def run_lab(
     scenario: Scenario,
     opts: LabOptions | None = None,
     *,
     overrides: Mapping[str, Any] | None = None,
+    script: JobSpec | Script | None = None,
 ) -> Summary:
-    """Run ``scenario`` and return its summary (also written to the run directory).
+    """Run ``scenario`` and return its summary (also written to the run directory). The peers
+    run ``script`` if given (a :class:`~isthmus.lab.jobspec.JobSpec` or a
+    :class:`~isthmus.run.programs.Script`), else the scenario's ``[job]`` script, else the
+    built-in job (see :func:`lab_script`).
 
-    Raises ValueError for settings that cannot work, FileExistsError if the run directory already
-    holds a run, :class:`~isthmus.lab.netns.LabUnavailable` when ``network="netns"`` cannot be
-    honoured, and re-raises KeyboardInterrupt after tearing everything down.
+    Raises ValueError (a :class:`~isthmus.spec.SpecError` naming the key) for settings that
+    cannot work, FileNotFoundError for a script that does not exist, FileExistsError if the run
+    directory already holds a run, :class:`~isthmus.lab.netns.LabUnavailable` when
+    ``network="netns"`` cannot be honoured, and re-raises KeyboardInterrupt after tearing
+    everything down.
     """
     opts = opts or LabOptions()
     run = lab_config(scenario, overrides)
+    program = lab_script(scenario, run, script)
     run_dir = RunDir.create(run.output.run_dir, run.name)
     if run.checkpoint.checkpoint_dir is not None:
         run = apply_overrides(run, {"checkpoint_dir": checkpoint_dir(scenario, run, run_dir.path)})
-    run_dir.write_json("scenario.json", scenario.to_json())
-    churn = ChurnHook(
-        _events(scenario, run.timeouts.run_timeout), log_path=run_dir.path / "churn.jsonl"
+    scenario_json = scenario.to_json()
+    if program is not None:
+        scenario_json["job"] = {"script": str(program.path), "args": list(program.args)}
+    run_dir.write_json("scenario.json", scenario_json)
+    churn = lab_churn(
+        scenario, run, log_path=run_dir.path / "churn.jsonl", script=program is not None
     )
     with open_network(scenario.network, mode=opts.network, prefix=opts.prefix) as (net, info):
         sampler = LinkSampler(net, run_dir.path / "links.jsonl", opts.sample_interval_s)
-        summary, outcome, _ = run_builtin(
-            run,
-            spawner=NamespaceSpawner(net) if net is not None else None,
-            hooks=[_Links(sampler)],
-            churn=churn,
-            run_dir=run_dir,
-            slots=scenario.peers,
-        )
+        spawner = NamespaceSpawner(net) if net is not None else None
+        if program is None:
+            summary, outcome, _ = run_builtin(
+                run,
+                spawner=spawner,
+                hooks=[_Links(sampler)],
+                churn=churn,
+                run_dir=run_dir,
+                slots=scenario.peers,
+            )
+        else:
+            summary, outcome = _run_script(
+                program, run, run_dir, spawner, churn, sampler, tee=opts.tee
+            )
     summary.lab = _lab_summary(
         scenario, info, outcome, run_dir, sampler, churn, run, net is not None
     )
     publish(summary, run_dir, also=run.output.summary_json)
     _append_report(run_dir, summary)
     return summary
+
+
+def _run_script(
+    program: Script,
+    run: RunConfig,
+    run_dir: RunDir,
+    spawner: Spawner | None,
+    churn: ChurnHook,
+    sampler: LinkSampler,
+    *,
+    tee: bool,
+) -> tuple[Summary, Outcome]:
+    """The user's script in every slot, through the launcher ``isthmus run`` uses."""
+    slots = run.peers
+    run_dir.write_json(
+        "config.json",
+        {
+            "program": str(program.path),
+            "args": list(program.args),
+            "peers": slots,
+            "steps": run.steps,
+            "timeouts": dataclasses.asdict(run.timeouts),
+        },
+    )
+    return launch_script(
+        program,
+        run_dir=run_dir,
+        slots=slots,
+        starting=churn.starting(slots),
+        timeouts=run.timeouts,
+        spawner=spawner,
+        hooks=[churn, _Links(sampler), StepRecords(run_dir)],
+        steps=run.steps,
+        label=f"{run.name}: {program.path.name}",
+        progress=run.output.progress,
+        stragglers=run.stragglers,
+        tee=tee,
+    )
 
 
 def _lab_summary(
@@ -216,16 +336,20 @@ def _lab_summary(
     finals = {}
     accounted: dict[str, int] = {}
     records: dict[str, list[dict[str, Any]]] = {}
+    # what each session last told the coordinator (a script's peers write no result file)
+    reported = {
+        str(p.get("name")): int((p.get("info") or {}).get("bytes_sent", 0))
+        for p in outcome.status.get("peers", [])
+    }
     for inc in outcome.incarnations:
         records[inc.name] = run_dir.records(inc.name)
         result = run_dir.result(inc.name)
         if result is not None:
             finals[inc.name] = result
             accounted[inc.name] = result.bytes_sent
-        elif records[inc.name]:
-            accounted[inc.name] = int(records[inc.name][-1]["bytes_sent"])
         else:
-            accounted[inc.name] = 0
+            last = int(records[inc.name][-1]["bytes_sent"]) if records[inc.name] else 0
+            accounted[inc.name] = max(last, reported.get(inc.name, 0))
     per_slot = {
         f"peer{s.index}": sum(accounted[i.name] for i in s.incarnations) for s in outcome.slots
     }

@@ -26,10 +26,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from isthmus.extras import require
 from isthmus.run.report_data import LoadedRun, load_run
 from isthmus.run.report_html import write_compare_html, write_html_report
 
-__all__ = ["LoadedRun", "compare_runs", "load_run", "plot_run", "write_report"]
+__all__ = ["LoadedRun", "compare_runs", "load_run", "plot_run", "pyplot", "write_report"]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (the Agg backend). Raises
+    :class:`~isthmus.extras.MissingExtra` naming the ``lab`` extra when matplotlib is missing."""
+    matplotlib = require("matplotlib", extra="lab", what="plotting a run")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _t0(run: LoadedRun) -> float:
@@ -75,11 +86,9 @@ def _label(run: LoadedRun) -> str:
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write the PNG plots, ``report.md`` and ``report.html`` for one run; returns the files
-    written. Raises FileNotFoundError naming the directory if it is not a run directory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    written. Raises FileNotFoundError naming the directory if it is not a run directory, and
+    :class:`~isthmus.extras.MissingExtra` naming the ``lab`` extra without matplotlib."""
+    plt = pyplot()
 
     run = load_run(run_dir)
     d: Path = run.dir
@@ -253,11 +262,9 @@ def write_report(run: LoadedRun, images: list[str]) -> Path:
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Overlay several runs: mean loss against step, wall-clock and total bytes; a table of their
     summaries in ``compare.md``, and all of it with each run's timeline in ``compare.html``.
-    Returns the files written. Raises FileNotFoundError naming a directory that is not a run's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns the files written. Raises FileNotFoundError naming a directory that is not a run's,
+    and :class:`~isthmus.extras.MissingExtra` naming the ``lab`` extra without matplotlib."""
+    plt = pyplot()
 
     runs = [load_run(r) for r in run_dirs]
     out = Path(out_dir)

@@ -9,9 +9,12 @@ host, the token from a file), so the same command starts this machine's share of
 machines. With GPUs, each peer gets one device through ``CUDA_VISIBLE_DEVICES`` (round robin over
 the visible ones). A crashed peer is restarted as a joiner up to ``max_restarts`` times.
 
-This is the launching side: it puts a :class:`~isthmus.run.programs.Script` program
-(:class:`DeviceScript`) in every slot of the one :class:`~isthmus.run.launch.Launcher`; the
-built-in job is launched by :mod:`isthmus.run.builtin_run` instead.
+This is the launching side: :func:`launch_script` puts a :class:`~isthmus.run.programs.Script`
+program (:class:`DeviceScript`) in every slot of the one :class:`~isthmus.run.launch.Launcher`,
+here and in the lab (:mod:`isthmus.run.lab_run`, inside network namespaces); the built-in job is
+launched by :mod:`isthmus.run.builtin_run` instead. In the lab :class:`StepRecords` also writes
+each peer's per-step records from what its session reports (``session.report(step=..., loss=...)``),
+so that the lab's plots and ``isthmus lab compare`` have curves for a script too.
 
 The run directory gets each peer's log, ``events.jsonl`` (the coordinator's view) and
 ``summary.json``; parity at the end comes from the digests the peers' sessions report when they
@@ -21,15 +24,18 @@ leave.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 from isthmus.run.config import TimeoutConfig
-from isthmus.run.launch import Launcher, PeerLaunch, Script
+from isthmus.run.launch import Hook, Launcher, Outcome, PeerLaunch, Script, Spawner
 from isthmus.run.record import RunDir, Summary
 from isthmus.run.summarize import collect_metrics, summarize
 
-__all__ = ["DeviceScript", "run_script", "visible_devices"]
+__all__ = ["DeviceScript", "StepRecords", "launch_script", "run_script", "visible_devices"]
 
 
 def visible_devices() -> list[str]:
@@ -65,6 +71,78 @@ class DeviceScript(Script):
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[peer.slot % len(self.devices)]
         return env
+
+
+class StepRecords(Hook):
+    """Writes ``<name>.jsonl`` for peers that run a user's script: one record each time the
+    coordinator's view of an active peer shows a new ``step`` with a ``loss`` (what the script
+    passes to ``session.report``), with the time, the world size, the revision and the bytes the
+    session sent. The view comes with heartbeats, so steps between two of them are missing; a
+    script that reports no step or loss gets no records (the run itself is unaffected)."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+        self._last: dict[str, Any] = {}
+
+    def tick(self, launcher: Launcher) -> None:
+        status = launcher.status
+        for p in status.get("peers", []):
+            info = p.get("info") or {}
+            step, loss = info.get("step"), info.get("loss")
+            if p.get("state") != "active" or not _number(step) or not _number(loss):
+                continue
+            name = str(p["name"])
+            if self._last.get(name) == step:
+                continue
+            self._last[name] = step
+            rec = {
+                "ts": round(time.time(), 4),
+                "step": int(step),
+                "loss": float(loss),
+                "world": int(status.get("world", 0)),
+                "revision": int(p.get("revision", 0)),
+                "bytes_sent": int(info.get("bytes_sent", 0)),
+            }
+            with self.run_dir.records_path(name).open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def launch_script(
+    program: Script,
+    *,
+    run_dir: RunDir,
+    slots: int,
+    starting: list[int] | None = None,
+    timeouts: TimeoutConfig,
+    spawner: Spawner | None = None,
+    hooks: list[Hook] | None = None,
+    steps: int | None = None,
+    **launcher: Any,
+) -> tuple[Summary, Outcome]:
+    """Run ``program`` in ``slots`` peer slots (``starting`` of them at once) through the one
+    launcher until every peer exited; returns the summary (not yet written) and the launch's
+    outcome, and writes ``metrics.jsonl`` and ``events.jsonl``. ``launcher`` holds the
+    :class:`~isthmus.run.launch.Launcher`'s other keywords (coordinator, token, restarts,
+    progress, tee...). Re-raises KeyboardInterrupt after stopping every child."""
+    outcome = Launcher(
+        program,
+        run_dir=run_dir,
+        slots=slots,
+        starting=starting,
+        timeouts=timeouts,
+        spawner=spawner,
+        hooks=hooks,
+        total_steps=steps,
+        **launcher,
+    ).run()
+    n = slots if starting is None else len(starting)
+    summary = summarize(outcome, run_dir, steps=steps, program=str(program.path), starting=n)
+    collect_metrics(outcome, run_dir)
+    return summary, outcome
 
 
 def run_script(
@@ -120,22 +198,19 @@ def run_script(
             "timeouts": dataclasses.asdict(timeouts),
         },
     )
-    launcher = Launcher(
+    summary, _ = launch_script(
         program,
         run_dir=rd,
         slots=peers,
         timeouts=timeouts,
+        steps=steps,
         coordinator=coordinator,
         token=token,
         coordinator_fingerprint=coordinator_fingerprint,
         max_restarts=max_restarts,
-        total_steps=steps,
         label=Path(script).name,
         progress=progress,
         tee=tee,
     )
-    outcome = launcher.run()
-    summary = summarize(outcome, rd, steps=steps, program=str(script), starting=peers)
-    collect_metrics(outcome, rd)
     rd.write_summary(summary, also=summary_json)
     return summary, rd

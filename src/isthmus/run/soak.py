@@ -33,9 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isthmus.extras import MissingExtra
 from isthmus.lab.scenario import Scenario
 from isthmus.run.lab_run import LabOptions, run_lab
 from isthmus.run.record import RunDir, read_jsonl
+from isthmus.run.report import pyplot
 
 __all__ = ["SoakOptions", "SoakReport", "analyze", "run_soak"]
 
@@ -378,10 +380,7 @@ def analyze(
 
 
 def _plots(run_dir: RunDir, rows: list[dict[str, Any]], t0: float) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     written = []
     if rows:
@@ -442,7 +441,11 @@ def write_report(run_dir: RunDir, rep: SoakReport) -> Path:
     events = run_dir.events()
     epochs = [e["ts"] for e in events if e["kind"] == "epoch"]
     t0 = min(epochs) if epochs else 0.0
-    plots = _plots(run_dir, read_jsonl(run_dir.path / "resources.jsonl"), t0)
+    try:
+        plots = _plots(run_dir, read_jsonl(run_dir.path / "resources.jsonl"), t0)
+    except MissingExtra as e:  # the verdict and the figures do not need the plots
+        log.warning("soak plots skipped: %s", e)
+        plots = []
     verdict = "PASS" if rep.ok else "FAIL: " + "; ".join(rep.reasons)
     lines = [
         f"# Soak: {rep.scenario}",

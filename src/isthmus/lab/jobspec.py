@@ -1,0 +1,121 @@
+"""What runs in a scenario's peers: the built-in job, or the user's own script (``[job]``).
+
+A scenario file may name a script::
+
+    [job]
+    script = "train.py"              # relative to the scenario file
+    args = ["--steps", "30"]         # its arguments (optional)
+
+and ``isthmus lab run scenario.toml --script train.py -- ARGS`` names one on the command line
+(which wins over the file's). The script is an ordinary peer script, the kind ``isthmus run``
+starts: it finds the run with :meth:`isthmus.SessionConfig.from_env` and brings its own model,
+data and strategy, so the scenario's ``[strategy]`` is optional for it.
+
+What a script cannot take is refused before anything starts (:func:`check_script_scenario`):
+``[[fault]]`` entries and ``[[byzantine]]`` attacks fire *inside* the built-in job (its own
+fault injector and update path), which a script does not run, and ``[checkpoint]`` configures
+the built-in job's saves (a script passes ``checkpoint_dir`` to its own ``SessionConfig``).
+Churn (``[[churn]]``, ``[random_churn]``) works on a script: the launcher applies it from
+outside, a kill or stop at a step once a peer reported that step (``session.report(step=...)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from isthmus.lab.checks import check_str
+from isthmus.settings import check_keys
+from isthmus.spec import SpecError
+
+__all__ = ["JobSpec", "check_script_scenario", "parse_job", "script_spec"]
+
+_JOB_KEYS = ("script", "args")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """``[job]``: the peers run ``python script args...`` (``script`` an absolute path)."""
+
+    script: str
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple(self.args))
+
+
+def script_spec(
+    script: str | Path, args: Sequence[str] = (), *, key: str = "job.script"
+) -> JobSpec:
+    """A :class:`JobSpec` for ``script`` (resolved against the working directory). Raises
+    :class:`~isthmus.spec.SpecError` under ``key`` naming the path when it is not a file."""
+    p = Path(script).expanduser().resolve()
+    if not p.is_file():
+        raise SpecError(f"no such script: {p}", key=key)
+    return JobSpec(script=str(p), args=tuple(str(a) for a in args))
+
+
+def parse_job(raw: Any, base_dir: str | Path | None) -> JobSpec:
+    """``[job]`` as written: ``script`` (a path relative to ``base_dir``, the scenario file's
+    folder; the working directory when None) and ``args`` (a list of strings). Raises
+    :class:`~isthmus.spec.SpecError` naming ``job.script`` when the file does not exist (with the
+    path it looked at) and ``job.args[i]`` for an argument that is not a string."""
+    t = check_keys(raw, "job", _JOB_KEYS, ["script"])
+    script = check_str(t["script"], "job.script")
+    args = t.get("args", [])
+    if not isinstance(args, list):
+        raise SpecError(f"must be a list of strings, got {args!r}", key="job.args")
+    for i, a in enumerate(args):
+        if not isinstance(a, str):
+            raise SpecError(f"must be a string, got {a!r}", key=f"job.args[{i}]")
+    path = Path(script).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise SpecError(
+            f"no such script: {path.resolve()} (a relative path is read from the scenario "
+            "file's folder)",
+            key="job.script",
+        )
+    return JobSpec(script=str(path.resolve()), args=tuple(args))
+
+
+def check_script_scenario(
+    *,
+    peer_faults: Mapping[int, Sequence[str]],
+    byzantine: Sequence[Any],
+    checkpoint: bool,
+    source: str = "",
+) -> None:
+    """Refuse what a user script cannot take (see the module docstring). ``peer_faults`` are the
+    ``[[fault]]`` specs by peer in file order, ``byzantine`` the ``[[byzantine]]`` entries
+    (with ``attack``), ``checkpoint`` whether the file has ``[checkpoint]``. Raises
+    :class:`~isthmus.spec.SpecError` naming the key and, for a fault, its kind."""
+    from isthmus.comm.faults import Fault
+
+    for peer, specs in peer_faults.items():
+        for spec in specs:
+            kind = Fault.parse(spec).action
+            raise SpecError(
+                f"a user script cannot take {kind!r} faults (peer {peer}: {spec}): the built-in "
+                "job fires them on itself; for a kill or a stop use [[churn]] (at_step or "
+                "at_seconds), which the launcher applies to any script",
+                key="fault",
+                source=source,
+            )
+    for j, b in enumerate(byzantine):
+        raise SpecError(
+            f"a user script cannot take byzantine attacks ({b.attack!r}): the built-in job "
+            "applies them to its own updates",
+            key=f"byzantine[{j}]",
+            source=source,
+        )
+    if checkpoint:
+        raise SpecError(
+            "[checkpoint] configures the built-in job's saves; a user script saves its own "
+            "(SessionConfig(checkpoint_dir=...)): remove the section",
+            key="checkpoint",
+            source=source,
+        )
