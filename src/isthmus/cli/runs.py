@@ -132,6 +132,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             summary_json=cfg.output.summary_json,
             connections=cfg.strategy.connections,
             probe_links=cfg.strategy.probe_links,
+            nproc_per_peer=args.nproc_per_peer,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"isthmus run: {e}", file=sys.stderr)
@@ -243,6 +244,13 @@ def add_parsers(sub: Any) -> None:
     )
     r.add_argument(
         "--peers", type=int, default=1, help="peer processes on this machine (default 1)"
+    )
+    r.add_argument(
+        "--nproc-per-peer",
+        type=int,
+        default=1,
+        help="processes per peer (default 1): above 1 each peer is an island of that many ranks "
+        "with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT...)",
     )
     _restarts_flag(r)
     r.add_argument(

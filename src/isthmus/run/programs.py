@@ -95,7 +95,13 @@ class Script(Program):
         args: list[str] | tuple[str, ...] = (),
         *,
         settings: Mapping[str, str] | None = None,
+        nproc_per_peer: int = 1,
     ) -> None:
+        if nproc_per_peer < 1:
+            raise ValueError(f"--nproc-per-peer must be at least 1, got {nproc_per_peer}")
+        self.nproc_per_peer = nproc_per_peer
+        """Processes per peer: above 1, each peer is an island of that many ranks, started by
+        :mod:`isthmus.run.island` with torchrun's environment."""
         self.path = Path(path)
         self.settings = dict(settings or {})
         """More environment for every peer: the run's settings that every peer must share
@@ -106,6 +112,9 @@ class Script(Program):
         self.label = str(self.path)
 
     def command(self, peer: PeerLaunch) -> list[str]:
+        if self.nproc_per_peer > 1:
+            island = ["-m", "isthmus.run.island", str(self.nproc_per_peer)]
+            return [sys.executable, *island, str(self.path), *self.args]
         return [sys.executable, str(self.path), *self.args]
 
     def env(self, peer: PeerLaunch) -> dict[str, str]:

@@ -106,6 +106,15 @@ class DiLoCo(PhasedStrategy):
     name = "diloco"
     Config = DiLoCoConfig
     config: DiLoCoConfig
+    islands = ""  # every rule is elementwise: each rank of an island runs it on its shards
+
+    def _refuse_islands(self, session: object) -> None:
+        super()._refuse_islands(session)
+        if getattr(session, "island", None) is not None and self.config.inner_budget == "time":
+            raise ValueError(
+                "diloco on islands: inner_budget='time' is not built yet (every rank of an "
+                "island must end its phase at the same step): use inner_budget='steps'"
+            )
 
     def setup(self) -> None:
         super().setup()
@@ -120,7 +129,7 @@ class DiLoCo(PhasedStrategy):
         self._fastest = 0.0  # the fastest member's inner steps per second in the last round
         self.share_model(self.global_params, "global", self.buffers)
         if self.session is not None:
-            register_optimizer(self.session, "outer", self.outer)
+            register_optimizer(self.session, "outer", self.outer, self.placements)
             self._register_counter()
 
     def _step(self, tokens: float = 1.0) -> None:
