@@ -1,9 +1,11 @@
 """Islands through `isthmus run --nproc-per-peer 2`: peers of two local ranks each (FSDP2 on
 Gloo inside, one membership slot each), exchanging their shards across islands in parallel.
 
-* DiLoCo on 2 islands x 2 ranks: every rank of both islands ends with the same full gathered
-  state (parameters, buffers, outer optimizer state, counter) and the same island digest; each
-  rank sent its own bytes; strategies that cannot run on islands refused, naming why.
+* DiLoCo on 2 islands x 2 ranks, one rank SIGKILLed inside a cross-island collective: its island
+  leaves and rejoins as a whole, resynced shard by shard; every rank of both islands ends with
+  the same full gathered state (parameters, buffers, outer optimizer state, counter) and the same
+  island digest; each rank sent its own bytes; strategies that cannot run on islands refused,
+  naming why.
 * DDP across 2 islands x 2 ranks (HSDP) equals 4 single-rank peers with the same global batch,
   to fp32 rounding.
 """
@@ -22,7 +24,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_peer.py"
 
 
 def _run(
-    tmp: Path, name: str, *args: str, strategy: str = "diloco"
+    tmp: Path, name: str, *args: str, strategy: str = "diloco", extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """One `isthmus run` of the island script with ``args`` for the launcher; returns its
     summary and every rank's record (by "peer.rank")."""
@@ -32,7 +34,7 @@ def _run(
     p = subprocess.run(
         [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
          "--run-dir", str(run_dir), "--summary-json", str(run_dir / "s.json"), *args,
-         str(SCRIPT), "--out", str(out), "--strategy", strategy],
+         str(SCRIPT), "--out", str(out), "--strategy", strategy, *extra],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
@@ -41,10 +43,22 @@ def _run(
     return json.loads((run_dir / "s.json").read_text()), records
 
 
-def test_diloco_on_two_islands_of_two_ranks(tmp_path: Path) -> None:
-    summary, recs = _run(tmp_path, "diloco", "--peers", "2", "--nproc-per-peer", "2")
+def test_diloco_on_two_islands_of_two_ranks_one_killed_and_rejoining(tmp_path: Path) -> None:
+    """Rank 1 of island 1 SIGKILLs itself inside the cross-island collective of step 4: its
+    island leaves as a whole (the agent stops its other rank), island 0 commits the retried
+    round alone, the launcher starts island 1 again, which rejoins, is resynced shard by shard
+    (verified by the island's hashes) and trains on; every rank ends on the same state."""
+    summary, recs = _run(
+        tmp_path, "diloco", "--peers", "2", "--nproc-per-peer", "2", "--max-restarts", "1",
+        extra=("--steps", "20", "--delay", "0.3", "--fault", "kill@collective:step=4"),
+    )  # fmt: skip
     assert sorted(recs) == ["0.0", "0.1", "1.0", "1.1"]
-    assert summary["peers_final"] == 2 and summary["rounds_committed"] >= 3, summary
+    assert summary["restarts"] == 1 and summary["exit_codes"]["peer1.1"] == 0, summary
+    assert summary["rounds_aborted"] >= 1 and summary["peers_final"] == 2, summary
+    events = [json.loads(line) for line in (tmp_path / "diloco" / "events.jsonl").open()]
+    resyncs = [e for e in events if e["kind"] == "resync"]
+    assert resyncs and all(t["dst"] == 2 for e in resyncs for t in e["transfers"]), resyncs
+    assert any(e["kind"] == "commit" and e["world"] == 1 for e in events)  # island 0 alone
     full = {r["full_digest"] for r in recs.values()}
     assert len(full) == 1, full  # every rank of both islands: the same full gathered state
     assert len({r["digest"] for r in recs.values()}) == 1
@@ -53,7 +67,7 @@ def test_diloco_on_two_islands_of_two_ranks(tmp_path: Path) -> None:
     assert {"outer/0/momentum_buffer", "global/seen", "meta/step"} <= set(state)
     assert state["outer/0/momentum_buffer"].abs().sum() > 0  # outer steps happened
     for key, r in recs.items():
-        assert r["revision"] == recs["0.0"]["revision"] and r["step"] >= 4
+        assert r["revision"] == recs["0.0"]["revision"] and r["step"] >= 20
         # traffic by shard: each rank sent its own part, the island counts them all
         rank = int(key.split(".")[1])
         assert r["bytes"] > 0 and r["island_bytes"][rank] == r["bytes"], r

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, Group
+from isthmus.comm.island_transfer import island_transfers
 from isthmus.comm.layout import Placement, hash_hex, layout_hash
 from isthmus.comm.session import Round, Session
 from isthmus.comm.session_config import IslandDispatch, RoundFailed, SessionConfig
@@ -320,13 +321,15 @@ class IslandSession(Session):
             error = ""
             try:
                 group = self._group_for(plan)
-                if any(self.peer_id in (t.src, t.dst) for t in plan.transfers):
-                    raise TransferError(
-                        "resyncing an island (a joiner, or a state that differs) is not built "
-                        "yet: start every island from the same state"
-                    )
             except (CollectiveError, TransferError) as e:
                 error = str(e)
+            if plan.transfers and not error:  # every rank: the island's verdict is collective
+                try:
+                    island_transfers(group, plan, self.state, self.peer_id or 0)
+                    if self.peer_id in plan.resynced:
+                        self.revision = plan.round
+                except (CollectiveError, TransferError) as e:
+                    error = str(e)
             if error or not all(ok for ok in self.island.gather(not error)):
                 self._report_outcome(plan, ok=not error, error=error, t0=t0, stage="setup")
                 continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--strategy", choices=["diloco", "ddp"], default="diloco")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fault", default=None, help="a fault spec fired by --fault-rank")
+    ap.add_argument("--fault-rank", default="peer1.1", help="NAME.RANK (first incarnation)")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds per step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     nproc = int(os.environ.get("ISTHMUS_NPROC_PER_PEER", "1"))
@@ -51,9 +55,10 @@ def main() -> None:
         fully_shard(model.a)
         fully_shard(model.b)
         fully_shard(model)
-    session = isthmus.Session(
-        isthmus.SessionConfig.from_env(collective_timeout=30.0, round_timeout=120.0)
-    )
+    config = isthmus.SessionConfig.from_env(collective_timeout=30.0, round_timeout=120.0)
+    mine = args.fault and f"{config.name}.{rank}" == args.fault_rank
+    faults = isthmus.FaultInjector([isthmus.Fault.parse(args.fault)] if mine else [])
+    session = isthmus.Session(config, faults=faults)
     refusals = {}
     if hasattr(session, "island"):  # what cannot run on islands says so, before touching anything
         for name, build in (
@@ -81,6 +86,7 @@ def main() -> None:
         loss.backward()
         strategy.step()
         opt.zero_grad()
+        time.sleep(args.delay)
     strategy.finish()
     state = session.state
     full = state.gathered() if hasattr(state, "gathered") else state.snapshot()
