@@ -90,6 +90,21 @@ class Island:
         dist.all_gather_object(out, obj, group=self.control)
         return out
 
+    def mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The island's elementwise means of replicated floating tensors (fresh tensors, the
+        same bits on every rank): what a rank's local copies of buffers contribute."""
+        if self.size == 1 or not tensors:
+            return tensors
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64).cpu() for t in tensors])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.control)
+        flat /= self.size
+        out, off = [], 0
+        for t in tensors:
+            part = flat[off : off + t.numel()].view(t.shape).to(t.dtype).to(t.device)
+            out.append(part)
+            off += t.numel()
+        return out
+
     def sum_int64(self, values: torch.Tensor) -> torch.Tensor:
         """The island's elementwise sum of an int64 tensor (wrapping mod 2**64)."""
         out = values.clone()
@@ -192,13 +207,21 @@ class IslandState(SharedState):
 
     def gathered(self) -> dict[str, torch.Tensor]:
         """The full tensors, assembled from every rank's shards (every rank calls it; meant for
-        checks and exports of small states: each rank ends holding all of it)."""
+        checks and exports of small states: each rank ends holding all of it). Raises
+        ValueError naming a replicated tensor whose copies differ between ranks."""
         mine = {n: (t.detach().cpu(), self.placements[n]) for n, t in self.items()}
         ranks = self.island.gather(mine)
         out: dict[str, torch.Tensor] = {}
         for n, t in self.items():
             if self.placements[n] is None:
-                out[n] = ranks[0][n][0].clone()
+                copies = [r[n][0] for r in ranks]
+                differ = [i for i, c in enumerate(copies) if not torch.equal(c, copies[0])]
+                if differ:
+                    raise ValueError(
+                        f"replicated tensor {n!r} differs between the island's ranks 0 and "
+                        f"{differ}: its ranks did not apply the same update"
+                    )
+                out[n] = copies[0].clone()
                 continue
             full = torch.empty(self.full_shape(n), dtype=t.dtype).reshape(-1)
             for shard, p in (r[n] for r in ranks):
@@ -399,7 +422,11 @@ class IslandSession(Session):
         outcomes = self.island.gather((ok, error, self.stats.bytes_sent))
         self.island_bytes = [int(b) for _, _, b in outcomes]
         all_ok = all(o for o, _, _ in outcomes)
-        why = "; ".join(f"rank {i}: {e}" for i, (o, e, _) in enumerate(outcomes) if not o)
+        failed = [(i, e) for i, (o, e, _) in enumerate(outcomes) if not o]
+        if len({e for _, e in failed}) == 1 and len(failed) == self.island.size:
+            why = failed[0][1]  # the island's own verdict (a resync), the same on every rank
+        else:
+            why = "; ".join(f"rank {i}: {e}" for i, e in failed)
         if self.island.leader:
             try:
                 committed = super()._report_outcome(

@@ -51,6 +51,7 @@ from isthmus.data.global_batch import micro_batches, share_positions, step_posit
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers
+from isthmus.strategies.sharded import island_snapshot
 
 __all__ = ["DDP", "DDPConfig", "LossFn", "accumulate_share"]
 
@@ -178,7 +179,7 @@ class DDP(Strategy):
             grads = self._grads()
             items = list(zip(self.names, grads, strict=True))
             reducer, buffers = self.reducer, self.buffers
-            snap = buffers.snapshot()
+            snap = island_snapshot(self.session, buffers.snapshot())
             exact = buffers.flat(snap) if buffers else None
 
             def reduce(rnd: Round) -> Reduced | None:

@@ -55,6 +55,7 @@ from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 from isthmus.strategies.phased import PhasedStrategy
+from isthmus.strategies.sharded import island_snapshot
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -181,7 +182,7 @@ class DiLoCo(PhasedStrategy):
         nothing: this peer has no work yet, and its parameters may not have started from theta
         (a peer resumed without its local state); at the start of a run nobody contributes, which
         leaves theta as a zero outer gradient would."""
-        snap = self.buffers.snapshot()
+        snap = island_snapshot(self.session, self.buffers.snapshot())
         steps = torch.tensor([float(self.since)])
         if self.buffers:
             steps = torch.cat([steps, self.buffers.flat(snap)])

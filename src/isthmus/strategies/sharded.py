@@ -16,7 +16,7 @@ import torch
 
 from isthmus.comm.layout import Placement, shard_placement
 
-__all__ = ["is_dtensor", "local_view", "register_shard"]
+__all__ = ["is_dtensor", "island_snapshot", "local_view", "register_shard"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -63,3 +63,12 @@ def register_shard(
         state.register(name, tensor)
     else:
         state.register(name, tensor, placement)
+
+
+def island_snapshot(session: Any, snap: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A snapshot of replicated buffers as the island contributes it: on a rank of an island,
+    the mean over its ranks (each rank's forward passes moved its own copy; every rank must
+    send the same values, or ranks of one island would land different buffers); else ``snap``.
+    Every rank of the island calls it at the same point."""
+    island = getattr(session, "island", None)
+    return snap if island is None else island.mean(snap)

@@ -30,6 +30,8 @@ class Net(torch.nn.Module):
         self.register_buffer("seen", torch.zeros(3))  # a persistent buffer, replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # running statistics: each rank's own forward passes move them
+            self.seen.mul_(0.5).add_(x[:, :3].mean(0))
         return self.b(torch.relu(self.norm(self.a(x))))
 
 
