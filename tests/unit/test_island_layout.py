@@ -17,8 +17,10 @@ from isthmus.comm.layout import (
     layout_hash,
     merge,
     owner_pieces,
+    piece_groups,
     row_chunk,
     shard_placement,
+    tensor_pieces,
 )
 from isthmus.strategies.sharded import local_view
 
@@ -161,3 +163,14 @@ def test_a_rank_without_a_process_group_is_refused(monkeypatch: pytest.MonkeyPat
 def test_plain_tensors_are_their_own_local_view() -> None:
     t = torch.zeros(3)
     assert local_view(t) == (t, None)
+
+
+def test_piece_groups_of_islands_of_two_and_one() -> None:
+    """An island of 2 beside one of 1: rank 0 of each meets on the first rows of every tensor,
+    rank 1 of the first meets rank 0 of the second on the rest; with equal sizes, rank i with
+    rank i."""
+    assert tensor_pieces((5, 3), (2, 1)) == [((0, 9), (0, 0)), ((9, 15), (1, 0))]
+    assert tensor_pieces((), (2, 1)) == [((0, 1), (0, 0))]
+    assert piece_groups([(5, 3), (4,), ()], (2, 1)) == [(0, 0), (1, 0)]
+    assert piece_groups([(5, 3)], (3, 3)) == [(0, 0), (1, 1), (2, 2)]
+    assert piece_groups([(1, 3)], (2, 2)) == [(0, 0)]  # one row: rank 1 holds nothing

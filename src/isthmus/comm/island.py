@@ -10,12 +10,14 @@ on every rank. ``Session(...)`` finds the island from the default process group 
   membership: they follow the leader's decisions, broadcast inside the island (registration,
   each round's plan, each round's outcome, a refusal). Every decision is taken by all ranks of
   the island together, in the same order, so the island acts as one peer.
-* **traffic by shard.** Each local rank ``i`` builds its own cross-island group for every epoch,
-  with rank ``i`` of every other island (on its own store prefix, ``.../epoch<N>/...rank<i>``),
-  and runs the round's collectives on its own shard: all of an island's links work at once and
-  nothing is gathered to the leader (the HSDP pattern). Islands of one run must have the same
-  size for now (the leader checks it when an epoch connects); :mod:`isthmus.comm.layout` holds
-  the owner mapping that unequal sizes need.
+* **traffic by shard.** The leaders connect first and compare their islands' sizes. With equal
+  sizes each local rank ``i`` builds one cross-island group per epoch, with rank ``i`` of every
+  other island (on a store prefix of its own, ``isthmus/<run>/island-rank<i>/epoch<N>/``), and
+  runs the round's collectives on its own shards: all of an island's links work at once and
+  nothing is gathered to the leader (the HSDP pattern). With different sizes, the owner mapping
+  of :mod:`isthmus.comm.layout` gives one group per tuple of owners (``island-g<a>-<b>...``):
+  each rank joins those it is part of, in one order everywhere, and :attr:`Round.pieces` maps
+  each to its group; a strategy exchanges there the elements that tuple owns.
 * **one outcome.** A round commits for the island only if every local rank succeeded: the ranks
   gather their outcomes and the leader reports one (naming each failing rank), then tells the
   followers what the coordinator answered. Byte counts are per rank (each rank's
@@ -29,9 +31,9 @@ on every rank. ``Session(...)`` finds the island from the default process group 
 What happens on failure: a rank whose collective fails reports it through the island's outcome,
 which aborts the round for everyone. A rank that dies breaks the island's own process group:
 its other ranks' next island collective raises and the processes end, so the launcher restarts
-the island as a whole. Not built yet (refused with an error naming it): islands of different
-sizes in one run, resyncing a stale island (a joiner of a run that moved on), checkpoints and
-restores, link probing.
+the island as a whole; it rejoins and is resynced shard by shard
+(:mod:`isthmus.comm.island_transfer`). Not built yet (refused with an error naming it):
+resyncing between islands of different sizes, checkpoints and restores, link probing.
 """
 
 from __future__ import annotations
@@ -41,193 +43,20 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, Group
+from isthmus.comm.island_state import NPROC_VAR, Island, IslandState, find_island
 from isthmus.comm.island_transfer import island_transfers
-from isthmus.comm.layout import Placement, hash_hex, layout_hash
+from isthmus.comm.layout import piece_groups
 from isthmus.comm.session import Round, Session
 from isthmus.comm.session_config import IslandDispatch, RoundFailed, SessionConfig
-from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError
-from isthmus.coordinator.protocol import RoundPlan, TensorSpec
+from isthmus.coordinator import protocol as msgs
+from isthmus.coordinator.protocol import RoundPlan
 
 __all__ = ["NPROC_VAR", "Island", "IslandSession", "IslandState", "find_island"]
-
-NPROC_VAR = "ISTHMUS_NPROC_PER_PEER"
-"""Set by ``isthmus run --nproc-per-peer N`` for every rank of a peer: how many ranks it has."""
-
-
-class Island:
-    """The local ranks of one peer: ``rank`` of ``size`` in ``group`` (None: the default
-    group), with a Gloo group for the island's own decisions (the group itself when it is
-    Gloo, else a new one over the same ranks)."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        if dist.get_backend(group) == "gloo":
-            self.control = group
-        else:  # decisions are Python objects: they travel over Gloo, beside NCCL
-            self.control = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-    def broadcast(self, obj: Any = None) -> Any:
-        """The leader's ``obj`` on every rank (the followers' argument is ignored)."""
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.control, group_src=0)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.control)
-        return out
-
-    def mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The island's elementwise means of replicated floating tensors (fresh tensors, the
-        same bits on every rank): what a rank's local copies of buffers contribute."""
-        if self.size == 1 or not tensors:
-            return tensors
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float64).cpu() for t in tensors])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.control)
-        flat /= self.size
-        out, off = [], 0
-        for t in tensors:
-            part = flat[off : off + t.numel()].view(t.shape).to(t.dtype).to(t.device)
-            out.append(part)
-            off += t.numel()
-        return out
-
-    def sum_int64(self, values: torch.Tensor) -> torch.Tensor:
-        """The island's elementwise sum of an int64 tensor (wrapping mod 2**64)."""
-        out = values.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.control)
-        return out
-
-
-def find_island(island: Any = None) -> Island | None:
-    """The island of this process: ``island`` (a process group) or the default group when one
-    is initialized; None for a plain peer (no group, or a group of one rank).
-
-    Raises RuntimeError when the launcher started this process as one of several ranks of a
-    peer (``isthmus run --nproc-per-peer N``) and no process group is initialized: the script
-    must call ``torch.distributed.init_process_group()`` before building the session."""
-    nproc = int(os.environ.get(NPROC_VAR, "1") or "1")
-    if island is None and not (dist.is_available() and dist.is_initialized()):
-        if nproc > 1:
-            raise RuntimeError(
-                f"this process is rank {os.environ.get('RANK', '?')} of a peer of {nproc} "
-                f"ranks (isthmus run --nproc-per-peer {nproc}), but the script never called "
-                "torch.distributed.init_process_group() before isthmus.Session(...): call "
-                "it first (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set), or run "
-                "with --nproc-per-peer 1"
-            )
-        return None
-    size = dist.get_world_size(island)
-    if nproc > 1 and size != nproc:
-        raise RuntimeError(
-            f"a rank of a peer of {nproc} ranks cannot register on its own: its island group "
-            f"has {size} rank(s); pass the group of all {nproc} (or none: the default group)"
-        )
-    return Island(island) if size > 1 or island is not None else None
-
-
-class IslandState(SharedState):
-    """The shared state of one rank of an island: local shards with their placements.
-
-    :meth:`schema` names full shapes; :meth:`prepare` (every rank together) computes the
-    layout-independent hashes (:func:`~isthmus.comm.layout.layout_hash`, summed over the island)
-    that :meth:`hashes` and :meth:`digest` then return. A replicated tensor (no placement)
-    counts once, the leader's copy."""
-
-    def __init__(self, island: Island) -> None:
-        super().__init__()
-        self.island = island
-        self.placements: dict[str, Placement | None] = {}
-        self._hashes: dict[str, str] | None = None
-
-    def register(self, name: str, tensor: torch.Tensor, placement: Placement | None = None) -> None:
-        """As :meth:`SharedState.register`; ``placement``: the part of the full tensor this rank
-        holds (None: all of it, replicated on every rank). Raises ValueError when the placement
-        does not match the tensor's size."""
-        if placement is not None and placement.numel != tensor.numel():
-            raise ValueError(
-                f"shared tensor {name!r}: {tensor.numel()} elements, its placement says "
-                f"{placement.numel}"
-            )
-        super().register(name, tensor)
-        self.placements[name] = placement
-
-    def unregister_prefix(self, prefix: str) -> None:
-        super().unregister_prefix(prefix)
-        self.placements = {n: p for n, p in self.placements.items() if n in self}
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        p = self.placements.get(name)
-        return tuple(self[name].shape) if p is None else p.full_shape
-
-    def schema(self) -> list[TensorSpec]:
-        return [TensorSpec(n, self.full_shape(n), str(t.dtype)) for n, t in self.items()]
-
-    def prepare(self) -> dict[str, str]:
-        """Hash the island's state (every rank calls it at the same point); returns the hashes."""
-        mine = []
-        for n, t in self.items():
-            p = self.placements[n]
-            counts = p is not None or self.island.leader
-            mine.append(layout_hash(t, p) if counts else 0)
-        totals = self.island.sum_int64(torch.tensor(mine, dtype=torch.int64)).tolist()
-        self._hashes = {
-            n: hash_hex(h, self.full_shape(n), str(t.dtype))
-            for (n, t), h in zip(self.items(), totals, strict=True)
-        }
-        return dict(self._hashes)
-
-    def hashes(self) -> dict[str, str]:
-        if self._hashes is None:
-            raise RuntimeError("an island's hashes are computed by all its ranks: prepare() first")
-        return dict(self._hashes)
-
-    def digest(self) -> str:
-        """One hash of the whole state as of the last :meth:`prepare` (names and hashes): the
-        same on every rank of every island that holds the same full state."""
-        import xxhash
-
-        h = xxhash.xxh3_64()
-        for n, v in self.hashes().items():
-            h.update(f"{n}={v};".encode())
-        return h.hexdigest()
-
-    def gathered(self) -> dict[str, torch.Tensor]:
-        """The full tensors, assembled from every rank's shards (every rank calls it; meant for
-        checks and exports of small states: each rank ends holding all of it). Raises
-        ValueError naming a replicated tensor whose copies differ between ranks."""
-        mine = {n: (t.detach().cpu(), self.placements[n]) for n, t in self.items()}
-        ranks = self.island.gather(mine)
-        out: dict[str, torch.Tensor] = {}
-        for n, t in self.items():
-            if self.placements[n] is None:
-                copies = [r[n][0] for r in ranks]
-                differ = [i for i, c in enumerate(copies) if not torch.equal(c, copies[0])]
-                if differ:
-                    raise ValueError(
-                        f"replicated tensor {n!r} differs between the island's ranks 0 and "
-                        f"{differ}: its ranks did not apply the same update"
-                    )
-                out[n] = copies[0].clone()
-                continue
-            full = torch.empty(self.full_shape(n), dtype=t.dtype).reshape(-1)
-            for shard, p in (r[n] for r in ranks):
-                full[p.start : p.stop] = shard.reshape(-1)
-            out[n] = full.view(self.full_shape(n))
-        return out
 
 
 class IslandSession(Session):
@@ -248,6 +77,13 @@ class IslandSession(Session):
         self.island_bytes: list[int] = [0] * found.size
         """Bytes each local rank sent across islands, as of the last round's outcome."""
         self._asking = False
+        self._extra: list[Group] = []  # this epoch's other groups (islands of other sizes)
+        self.island_sizes: list[int] = []
+        """The sizes of the islands of the current epoch, in member order."""
+        self.pieces: dict[tuple[int, ...], Group] | None = None
+        """With islands of different sizes: this rank's cross-island group for each tuple of
+        owners it is part of (:func:`~isthmus.comm.layout.piece_groups`); None when every
+        island has this one's size (then :attr:`Round.group` is rank i's group)."""
         super().__init__(config, faults=faults)
         self.state = IslandState(found)
 
@@ -348,6 +184,12 @@ class IslandSession(Session):
                 error = str(e)
             if plan.transfers and not error:  # every rank: the island's verdict is collective
                 try:
+                    if self.pieces is not None and any(
+                        self.peer_id in (t.src, t.dst) for t in plan.transfers
+                    ):
+                        raise TransferError(
+                            "resyncing between islands of different sizes is not built yet"
+                        )
                     island_transfers(group, plan, self.state, self.peer_id or 0)
                     if self.peer_id in plan.resynced:
                         self.revision = plan.round
@@ -357,7 +199,9 @@ class IslandSession(Session):
                 self._report_outcome(plan, ok=not error, error=error, t0=t0, stage="setup")
                 continue
             self.rank, self.world = group.rank, group.world
-            return Round(self, plan, group, t0)
+            rnd = Round(self, plan, group, t0)
+            rnd.pieces = self.pieces  # type: ignore[attr-defined]
+            return rnd
         raise RoundFailed(f"round could not be set up in {self.config.max_attempts} attempts")
 
     def _group_for(self, plan: RoundPlan) -> Group:
@@ -368,34 +212,56 @@ class IslandSession(Session):
         if all(self.island.gather(reuse)):
             assert g is not None
             return g
-        # The leader connects first and checks the islands' sizes with its peers (every island
-        # has a rank 0); only then do the followers connect theirs, which would otherwise wait
-        # for ranks that an island of another size does not have.
+        # The leaders connect first (every island has a rank 0) and compare the islands' sizes;
+        # only then do the other ranks connect theirs, which depend on the sizes.
         if self.island.leader:
             try:
-                g = self._connect(plan)
+                g = self._connect(plan, "rank0")
                 sizes = g.all_gather_flat(torch.tensor([float(self.island.size)]))
                 sizes = [int(s) for s in sizes.tolist()]
-                if len(set(sizes)) > 1:
-                    raise RoundFailed(
-                        f"islands of different sizes in one run ({sizes} ranks) are not built "
-                        "yet: give every peer the same --nproc-per-peer"
-                    )
             except BaseException as e:
                 self._tell("error", e)
                 raise
-            self._tell("connected")
+            self._tell("sizes", sizes)
+        else:
+            _, sizes = self._hear()
+        self.island_sizes = sizes
+        self.pieces = None
+        if len(set(sizes)) == 1:  # rank i meets rank i of every other island
+            if not self.island.leader:
+                g = self._connect(plan, f"rank{self.island.rank}")
+            self._set_group(g)
             return g
-        self._hear()
-        return self._connect(plan)
+        # Islands of different sizes: one group per tuple of owners (comm/layout.py), connected
+        # in the same order everywhere, so that no two ranks wait for each other in a cycle.
+        shapes = [self.state.full_shape(n) for n, p in self.state.placements.items() if p]
+        me = plan.rank_of(self.peer_id or 0)
+        pieces: dict[tuple[int, ...], Group] = {}
+        for owners in piece_groups(shapes, sizes):
+            if owners[me] != self.island.rank:
+                continue
+            if self.island.leader and not any(owners):
+                pieces[owners] = g  # rank 0 of every island: the group the leaders just made
+            else:
+                pieces[owners] = self._connect(plan, "g" + "-".join(map(str, owners)))
+        if not pieces:
+            raise RoundFailed(
+                f"rank {self.island.rank} of an island of {self.island.size} holds no part of "
+                f"the shared state beside islands of {sizes} ranks: nothing to exchange"
+            )
+        primary, *extra = pieces.values()
+        self._set_group(primary)
+        self._extra = extra
+        self.pieces = pieces
+        return primary
 
-    def _connect(self, plan: RoundPlan) -> Group:
+    def _connect(self, plan: RoundPlan, key: str) -> Group:
         g, _agreed = connect_epoch(
             plan,
             peer_id=self.peer_id or 0,
             owner=f"{self.name}.rank{self.island.rank}",
-            # each local rank meets the same rank of the other islands on a prefix of its own
-            run_id=f"{self.run_id}/island-rank{self.island.rank}",
+            # each set of ranks (one per island) meets on a store prefix of its own
+            run_id=f"{self.run_id}/island-{key}",
             config=self.config,
             backend=self._backend(),
             stats=self.stats,
@@ -404,10 +270,29 @@ class IslandSession(Session):
             graveyard=self._graveyard,
             reach_source=self.reach.source if self.island.leader else None,
         )
-        self._set_group(g)
         if plan.epoch in self._aborted_epochs:
             g.abort(f"epoch {plan.epoch} was aborted")
         return g
+
+    def _set_group(self, g: Group | None) -> None:
+        # a new epoch (or none): the other groups of the old one are retired with it
+        if g is not self._group:
+            self._abort_extra("superseded by a new epoch", park=True)
+        super()._set_group(g)
+
+    def _abort_extra(self, reason: str, *, park: bool = False) -> None:
+        for x in self._extra:
+            x.abort(reason)
+            if park:
+                self._graveyard.park(x)
+        if park:
+            self._extra = []
+
+    def _on_push(self, msg: Any) -> None:
+        super()._on_push(msg)
+        g = self._group
+        if isinstance(msg, msgs.AbortPush) and g is not None and g.name == f"epoch{msg.epoch}":
+            self._abort_extra(f"round {msg.round} aborted by the coordinator: {msg.reason}")
 
     def _report_outcome(
         self,
@@ -436,8 +321,12 @@ class IslandSession(Session):
                 self._tell("error", e)
                 raise
             self._tell("outcome", committed)
+            if not committed:
+                self._abort_extra(f"round {plan.round} aborted")
             return committed
         _, committed = self._hear()
+        if not committed:
+            self._abort_extra(f"round {plan.round} aborted")
         if committed:
             self.revision = plan.round + 1
             for hook in self._commit_hooks:

@@ -39,8 +39,10 @@ __all__ = [
     "layout_hash",
     "merge",
     "owner_pieces",
+    "piece_groups",
     "row_chunk",
     "shard_placement",
+    "tensor_pieces",
 ]
 
 Interval = tuple[int, int]
@@ -195,6 +197,31 @@ def owner_pieces(
         else:
             out.append(((a, b), key))
     return out
+
+
+def tensor_pieces(
+    full_shape: Sequence[int], sizes: Sequence[int]
+) -> list[tuple[Interval, tuple[int, ...]]]:
+    """The pieces of one tensor's flat elements for islands of ``sizes`` ranks each sharding it
+    with ``Shard(0)``: ``((start, stop), owners)`` as :func:`owner_pieces` gives them."""
+    shape = tuple(int(d) for d in full_shape)
+    islands = [
+        [[(p.start, p.stop)] for p in (shard_placement(shape, n, i) for i in range(n))]
+        for n in sizes
+    ]
+    total = math.prod(shape)
+    return owner_pieces(islands, total) if total else []
+
+
+def piece_groups(shapes: Sequence[Sequence[int]], sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every tuple of owners (rank of island 0, rank of island 1, ...) that holds some piece of
+    the tensors of ``shapes``, sorted: one cross-island group each. Rank 0 of every island
+    always meets in ``(0, ..., 0)`` (the groups' shared first member set). With equal sizes
+    these are ``(i, ..., i)``."""
+    out = {tuple(0 for _ in sizes)}
+    for shape in shapes:
+        out.update(owners for _, owners in tensor_pieces(shape, sizes))
+    return sorted(out)
 
 
 # -- the layout-independent hash -----------------------------------------------------------------

@@ -183,6 +183,8 @@ class DDP(Strategy):
             exact = buffers.flat(snap) if buffers else None
 
             def reduce(rnd: Round) -> Reduced | None:
+                if getattr(rnd, "pieces", None):
+                    raise ValueError("ddp across islands of different sizes is not built yet")
                 ok = not rnd.resynced and (not buffers or buffers.finite(snap))
                 pending = reducer.start(rnd, items, contribute=ok, exact=exact)
                 rnd.check_faults("collective", step=self.step_count)

@@ -14,9 +14,17 @@ from typing import Any
 
 import torch
 
-from isthmus.comm.layout import Placement, shard_placement
+from isthmus.comm.layout import Placement, shard_placement, tensor_pieces
+from isthmus.reduce.reducer import Reduced, Reducer
 
-__all__ = ["is_dtensor", "island_snapshot", "local_view", "register_shard"]
+__all__ = [
+    "is_dtensor",
+    "island_agree",
+    "island_snapshot",
+    "local_view",
+    "register_shard",
+    "start_by_piece",
+]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -72,3 +80,87 @@ def island_snapshot(session: Any, snap: list[torch.Tensor]) -> list[torch.Tensor
     Every rank of the island calls it at the same point."""
     island = getattr(session, "island", None)
     return snap if island is None else island.mean(snap)
+
+
+def island_agree(session: Any, ok: bool) -> bool:
+    """True only if ``ok`` on every rank of ``session``'s island (``ok`` itself on a plain
+    peer): whether an island contributes to a round is one decision, or its ranks' pieces would
+    be averaged over different contributors. Every rank calls it at the same point."""
+    island = getattr(session, "island", None)
+    return ok if island is None else all(island.gather(ok))
+
+
+class _PieceRound:
+    """A round seen through one of its piece groups (what the reducer reads of a round)."""
+
+    def __init__(self, rnd: Any, group: Any) -> None:
+        self._rnd = rnd
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rnd, name)
+
+    @property
+    def world(self) -> int:
+        return int(self.group.world)
+
+    @property
+    def rank(self) -> int:
+        return int(self.group.rank)
+
+
+class _PiecesPending:
+    """The reductions of every piece group of a round, reassembled into local shards."""
+
+    def __init__(
+        self, parts: list[tuple[list[tuple[int, int, int]], Any]], like: list[torch.Tensor]
+    ):
+        self.parts = parts
+        self.like = like
+
+    def wait(self) -> Reduced | None:
+        results = [(segs, pending.wait()) for segs, pending in self.parts]
+        if any(r is None for _, r in results):
+            return None  # nobody contributed: the same in every group (one decision per island)
+        outs = [torch.empty_like(t) for t in self.like]
+        exact, count = None, 0
+        for segs, r in results:
+            assert r is not None
+            flat, off = r.tensors[0], 0
+            for i, a, b in segs:
+                outs[i].view(-1)[a:b] = flat[off : off + b - a]
+                off += b - a
+            exact, count = r.exact, r.contributors
+        return Reduced(outs, exact, count)
+
+
+def start_by_piece(
+    reducer: Reducer,
+    rnd: Any,
+    items: list[tuple[str, torch.Tensor]],
+    placements: list[Placement | None],
+    **options: Any,
+) -> Any:
+    """Start reducing ``items`` (local shards, ``placements`` in their full tensors) on a round
+    of islands of different sizes: for every piece group of this rank (``rnd.pieces``), the
+    elements of the shards that group's owners hold, one reduction each (``options`` are
+    :meth:`Reducer.start`'s: every group carries the exact values, identical on every rank of
+    an island). Returns an object whose ``wait()`` gives the :class:`Reduced` in the shape of
+    ``items``. Raises ValueError for a tensor held whole on every rank (not sharded): not built
+    for islands of different sizes yet."""
+    sizes = rnd.session.island_sizes
+    parts = []
+    for owners, group in rnd.pieces.items():
+        segs: list[tuple[int, int, int]] = []
+        for i, ((name, _t), p) in enumerate(zip(items, placements, strict=True)):
+            if p is None:
+                raise ValueError(
+                    f"{name!r} is not sharded: islands of different sizes exchange sharded "
+                    "tensors only (shard every parameter with fully_shard)"
+                )
+            segs += [(i, a - p.start, b - p.start)
+                     for (a, b), own in tensor_pieces(p.full_shape, sizes) if own == owners]  # fmt: skip
+        pieces = [items[i][1].reshape(-1)[a:b] for i, a, b in segs]
+        flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=items[0][1].dtype)
+        parts.append((segs, reducer.start(_PieceRound(rnd, group), [("piece", flat)], **options)))
+    return _PiecesPending(parts, [t for _, t in items])

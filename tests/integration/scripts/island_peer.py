@@ -45,13 +45,13 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.0, help="seconds per step")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    nproc = int(os.environ.get("ISTHMUS_NPROC_PER_PEER", "1"))
-    if nproc > 1:
+    if "WORLD_SIZE" in os.environ:  # started as an island (of any size) by isthmus run
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    local = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)
     model = Net()
-    if nproc > 1:
+    if dist.is_initialized():
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model.a)
@@ -82,7 +82,7 @@ def main() -> None:
     peer = int(os.environ["ISTHMUS_PEER"])
     w = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
     while strategy.step_count < args.steps:
-        g = torch.Generator().manual_seed(1000 * strategy.step_count + peer * nproc + rank)
+        g = torch.Generator().manual_seed(1000 * strategy.step_count + peer * local + rank)
         x = torch.randn(8, 6, generator=g)
         loss = torch.nn.functional.mse_loss(model(x), x @ w)
         loss.backward()
