@@ -62,8 +62,8 @@ __all__ = ["NPROC_VAR", "Island", "IslandSession", "IslandState", "find_island"]
 class IslandSession(Session):
     """The session of one rank of an island (see the module docstring). Built by
     ``Session(config)`` on every rank; the same API as a plain :class:`Session`, plus
-    :attr:`island` and :attr:`island_bytes`. ``config.probe_links`` is refused (not built for
-    islands yet)."""
+    :attr:`island` and :attr:`island_bytes`. ``config.probe_links``, ``checkpoint_dir`` and
+    ``resume`` are refused with a ValueError (not built for islands yet)."""
 
     def __init__(
         self, config: SessionConfig, *, faults: FaultInjector | None = None, island: Any = None
@@ -73,6 +73,11 @@ class IslandSession(Session):
             found = Island(island)
         if config.probe_links:
             raise ValueError("probe_links is not built for islands yet: leave it off")
+        if config.checkpoint_dir or config.resume:
+            raise ValueError(
+                "checkpoints of islands (every rank writing its shards) are not built yet: "
+                "leave checkpoint_dir and resume unset"
+            )
         self.island = found
         self.island_bytes: list[int] = [0] * found.size
         """Bytes each local rank sent across islands, as of the last round's outcome."""
