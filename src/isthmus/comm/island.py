@@ -39,6 +39,7 @@ resyncing between islands of different sizes, checkpoints and restores, link pro
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from typing import Any
 
@@ -94,6 +95,11 @@ class IslandSession(Session):
 
     # -- the island's decisions ---------------------------------------------------------------
     def _tell(self, kind: str, payload: Any = None) -> None:
+        if isinstance(payload, BaseException):  # raised again on every follower: must travel
+            try:
+                pickle.loads(pickle.dumps(payload))
+            except Exception:
+                payload = RuntimeError(f"{type(payload).__name__}: {payload}")
         self.island.broadcast((kind, payload))
 
     def _hear(self) -> tuple[str, Any]:
