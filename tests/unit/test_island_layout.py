@@ -174,3 +174,30 @@ def test_piece_groups_of_islands_of_two_and_one() -> None:
     assert piece_groups([(5, 3), (4,), ()], (2, 1)) == [(0, 0), (1, 0)]
     assert piece_groups([(5, 3)], (3, 3)) == [(0, 0), (1, 1), (2, 2)]
     assert piece_groups([(1, 3)], (2, 2)) == [(0, 0)]  # one row: rank 1 holds nothing
+
+
+def test_session_builds_the_islands_class_only_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Session(config)`` builds what the island factory names (an island's session on a rank
+    of an island); a subclass built on purpose is never redirected."""
+    from isthmus.comm.session import Session
+    from isthmus.comm.session_config import IslandDispatch, SessionConfig
+
+    class Made(Session):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.args = args
+
+    class Mine(Session):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    seen: list[Any] = []
+
+    def factory(island: Any) -> type | None:
+        seen.append(island)
+        return Made
+
+    monkeypatch.setattr(IslandDispatch, "island_factory", factory)
+    config = SessionConfig(coordinator="127.0.0.1:1", token="t")
+    made = Session(config, island="group")
+    assert type(made) is Made and made.args == (config,) and seen == ["group"]
+    assert type(Mine(config)) is Mine and seen == ["group"]
