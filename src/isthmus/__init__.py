@@ -14,6 +14,7 @@ See the README for a quickstart and docs/ for the protocol.
 from isthmus import renamed as _renamed
 from isthmus.comm.faults import Fault, FaultInjector
 from isthmus.comm.group import CollectiveError
+from isthmus.comm.island import IslandSession
 from isthmus.comm.session import (
     Round,
     RoundFailed,
@@ -77,6 +78,7 @@ __all__ = [
     "FaultInjector",
     "Gossip",
     "GossipConfig",
+    "IslandSession",
     "LocalSGD",
     "LocalSGDConfig",
     "MembershipConfig",

@@ -108,6 +108,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def _counts(text: str) -> list[int]:
+    """``--nproc-per-peer``: one count or a comma-separated list of counts >= 1."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 2 or 2,1, got {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"counts must be at least 1, got {text!r}")
+    return counts
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from isthmus.run.config import from_flat
     from isthmus.run.flags import overrides_from
@@ -132,6 +143,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             summary_json=cfg.output.summary_json,
             connections=cfg.strategy.connections,
             probe_links=cfg.strategy.probe_links,
+            nproc_per_peer=args.nproc_per_peer,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"isthmus run: {e}", file=sys.stderr)
@@ -243,6 +255,15 @@ def add_parsers(sub: Any) -> None:
     )
     r.add_argument(
         "--peers", type=int, default=1, help="peer processes on this machine (default 1)"
+    )
+    r.add_argument(
+        "--nproc-per-peer",
+        type=_counts,
+        default=[1],
+        metavar="N[,N...]",
+        help="processes per peer (default 1): above 1 each peer is an island of that many ranks "
+        "with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT...); a list "
+        "gives peer i the i-th count (2,1: islands of 2 and 1 ranks)",
     )
     _restarts_flag(r)
     r.add_argument(

@@ -50,6 +50,7 @@ from isthmus.comm.group import CollectiveError, CommStats, Group
 from isthmus.comm.peer_reach import PeerReach
 from isthmus.comm.probe import LinkProber
 from isthmus.comm.session_config import (
+    IslandDispatch,
     RoundFailed,
     RoundTimeout,
     RunFinished,
@@ -137,7 +138,7 @@ def _default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Session:
+class Session(IslandDispatch):
     """A peer's membership in one run. Create it, register shared state, run rounds, close.
 
     ``Session(config)`` connects and registers at once, so a wrong address or token fails here
@@ -180,8 +181,7 @@ class Session:
         )
         self._stores: Rendezvous | None = None
         self._group: Group | None = None
-        # Abandoned groups and connection attempts, held until torch is done with them.
-        self._graveyard = Graveyard()
+        self._graveyard = Graveyard()  # abandoned groups, held until torch is done with them
         self._aborted_epochs: set[int] = set()
         self._push_lock = threading.Lock()
         self._fresh = True  # never began a round since (re)registering: send schema and hashes

@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from isthmus.coordinator.client import CoordinatorError
 from isthmus.coordinator.tls import normalize_fingerprint
 from isthmus.spec import coerce
 
-__all__ = ["RoundFailed", "RoundTimeout", "RunFinished", "SessionConfig", "StateMismatch"]
+__all__ = [
+    "IslandDispatch",
+    "RoundFailed",
+    "RoundTimeout",
+    "RunFinished",
+    "SessionConfig",
+    "StateMismatch",
+]
+
+
+class IslandDispatch:
+    """The base of :class:`~isthmus.comm.session.Session` that picks the session class when one
+    is built: ``Session(config)`` on a rank of an island (a process of several local ranks, see
+    :mod:`isthmus.comm.island`) builds the island's session, which ``island_factory`` names."""
+
+    island_factory: ClassVar[Callable[[Any], type | None] | None] = None
+    """Set by :mod:`isthmus.comm.island`: given ``island=`` (a process group or None), the class
+    to build, or None for a plain peer."""
+
+    def __new__(cls, *args: Any, island: Any = None, **kwargs: Any) -> Any:
+        make = IslandDispatch.island_factory
+        # only ``Session(...)`` itself is redirected, never a subclass someone builds on purpose
+        sub = make(island) if make is not None and cls.__mro__[1] is IslandDispatch else None
+        return super().__new__(sub or cls)
 
 
 class StateMismatch(CoordinatorError):

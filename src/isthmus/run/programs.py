@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +95,15 @@ class Script(Program):
         args: list[str] | tuple[str, ...] = (),
         *,
         settings: Mapping[str, str] | None = None,
+        nproc_per_peer: int | Sequence[int] = 1,
     ) -> None:
+        counts = (nproc_per_peer,) if isinstance(nproc_per_peer, int) else tuple(nproc_per_peer)
+        if not counts or any(n < 1 for n in counts):
+            raise ValueError(f"--nproc-per-peer needs counts of at least 1, got {nproc_per_peer}")
+        self.nprocs = counts
+        """Processes per peer (peer ``i`` has ``nprocs[i % len]``): unless every peer has one,
+        each peer is an island of that many ranks, started by :mod:`isthmus.run.island` with
+        torchrun's environment."""
         self.path = Path(path)
         self.settings = dict(settings or {})
         """More environment for every peer: the run's settings that every peer must share
@@ -105,7 +113,14 @@ class Script(Program):
         self.args = list(args)
         self.label = str(self.path)
 
+    def nproc(self, slot: int) -> int:
+        """How many processes peer ``slot`` has."""
+        return self.nprocs[slot % len(self.nprocs)]
+
     def command(self, peer: PeerLaunch) -> list[str]:
+        if self.nprocs != (1,):
+            island = ["-m", "isthmus.run.island", str(self.nproc(peer.slot))]
+            return [sys.executable, *island, str(self.path), *self.args]
         return [sys.executable, str(self.path), *self.args]
 
     def env(self, peer: PeerLaunch) -> dict[str, str]:

@@ -62,13 +62,19 @@ class DeviceScript(Script):
         devices: list[str],
         *,
         settings: dict[str, str] | None = None,
+        nproc_per_peer: int | list[int] = 1,
     ) -> None:
-        super().__init__(path, args, settings=settings)
+        super().__init__(path, args, settings=settings, nproc_per_peer=nproc_per_peer)
         self.devices = devices
 
     def env(self, peer: PeerLaunch) -> dict[str, str]:
         env = super().env(peer)
-        if self.devices:
+        n = self.nproc(peer.slot)
+        if self.devices and n > 1:  # an island: peer i sees the n devices after the others'
+            first = sum(self.nproc(s) for s in range(peer.slot))
+            mine = [self.devices[(first + r) % len(self.devices)] for r in range(n)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        elif self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[peer.slot % len(self.devices)]
         return env
 
@@ -162,6 +168,7 @@ def run_script(
     summary_json: str | None = None,
     connections: int = 1,
     probe_links: bool = False,
+    nproc_per_peer: int | list[int] = 1,
 ) -> tuple[Summary, RunDir]:
     """Run ``script`` on ``peers`` local processes until they all exit; returns the summary
     (also in ``summary.json``) and the run directory.
@@ -171,7 +178,8 @@ def run_script(
     :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins). With
     ``tee`` (``isthmus run`` without ``--quiet``) every line the peers write is also printed
     here, prefixed with its peer (:mod:`isthmus.run.tee`); the logs in the run directory hold it
-    either way.
+    either way. ``nproc_per_peer`` above 1 makes each peer an island of that many processes
+    (:mod:`isthmus.run.island`); a list gives peer ``i`` the ``i``-th count (cycled).
 
     Raises FileNotFoundError if the script does not exist, ValueError for bad settings, and
     re-raises KeyboardInterrupt after stopping every child.
@@ -182,7 +190,9 @@ def run_script(
         "ISTHMUS_CONNECTIONS": str(connections),
         "ISTHMUS_PROBE_LINKS": "1" if probe_links else "0",
     }
-    program = DeviceScript(script, args, visible_devices(), settings=settings)
+    program = DeviceScript(
+        script, args, visible_devices(), settings=settings, nproc_per_peer=nproc_per_peer
+    )
     rd = RunDir.create(run_dir, Path(script).stem)
     timeouts = timeouts or TimeoutConfig()
     rd.write_json(
@@ -191,6 +201,7 @@ def run_script(
             "program": str(script),
             "args": list(args),
             "peers": peers,
+            "nproc_per_peer": nproc_per_peer,
             "max_restarts": max_restarts,
             "coordinator": coordinator,
             "connections": connections,

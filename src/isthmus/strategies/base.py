@@ -43,6 +43,7 @@ import torch
 
 from isthmus.checkpoint.attach import checkpointer_for, restore_shared, resume_from
 from isthmus.checkpoint.save import Checkpointer
+from isthmus.comm.layout import Placement
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reducer
 from isthmus.spec import config_from
@@ -53,6 +54,7 @@ from isthmus.strategies.model_state import (
     load_tensors,
     unblob,
 )
+from isthmus.strategies.sharded import local_view, register_shard
 
 __all__ = ["Strategy", "materialize_optimizer_state", "outer_sgd", "register_optimizer"]
 
@@ -100,8 +102,17 @@ def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 st["step"] = 0
 
 
-def register_optimizer(session: Session, prefix: str, opt: torch.optim.Optimizer) -> None:
-    """Register every tensor of ``opt``'s state (after :func:`materialize_optimizer_state`)."""
+def register_optimizer(
+    session: Session,
+    prefix: str,
+    opt: torch.optim.Optimizer,
+    placements: Sequence[Placement | None] = (),
+) -> None:
+    """Register every tensor of ``opt``'s state (after :func:`materialize_optimizer_state`).
+
+    On a rank of an island, a DTensor state tensor is registered as its local shard with its
+    placement, and a plain one shaped like its parameter with ``placements[i]``, parameter
+    ``i``'s placement (the outer optimizer of a strategy keeps shard-sized copies)."""
     materialize_optimizer_state(opt)
     i = 0
     for g in opt.param_groups:
@@ -115,7 +126,10 @@ def register_optimizer(session: Session, prefix: str, opt: torch.optim.Optimizer
                         f"optimizer state {key!r} of parameter {i} is a {type(v).__name__}, not a "
                         f"tensor; isthmus can only share tensor state"
                     )
-                session.state.register(f"{prefix}/{i}/{key}", v)
+                local, place = local_view(v)
+                if place is None and i < len(placements) and local.shape == p.shape:
+                    place = placements[i]
+                register_shard(session, f"{prefix}/{i}/{key}", local, place)
             i += 1
 
 
@@ -178,6 +192,9 @@ class Strategy(ABC):
         self.model_state = ModelState.of(model)
         self.params = [p for _, p in self.model_state.trainable]
         self.names = [n for n, _ in self.model_state.trainable]
+        self.placements = [self.model_state.placements.get(n) for n in self.names]
+        """Each trainable parameter's placement in its full tensor (None: held whole); on a
+        rank of an island :attr:`params` are the local shards of FSDP2's parameters."""
         self.held_by: dict[str, str] = {}
         """Each of the model's tensors (by its first name) -> the shared tensor that holds it
         once the run ended (:meth:`model_keys`); filled by :meth:`share_model`."""
@@ -195,6 +212,7 @@ class Strategy(ABC):
         self.reducer = reducer or Reducer(
             compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
         )
+        self._refuse_islands(session)
         if session is not None:
             # The reducer keeps what a round's reduction staged once the round committed.
             self.reducer.attach(session)
@@ -223,6 +241,24 @@ class Strategy(ABC):
                 session, point.url, point.revision
             )
             self.checkpointer = checkpointer_for(session, self)
+
+    islands: ClassVar[str] = "it has not been ported to sharded state yet"
+    """Why this strategy cannot run on islands (peers of several local ranks), or ``""`` when
+    it can. Declared per class: a subclass does not inherit its parent's support."""
+
+    def _refuse_islands(self, session: Session | None) -> None:
+        """Raise ValueError naming why, when ``session`` is a rank of an island and this
+        strategy (or its reducer) cannot run there."""
+        if getattr(session, "island", None) is None:
+            return
+        why = vars(type(self)).get("islands", Strategy.islands)
+        if why:
+            raise ValueError(f"{self.name} cannot run on islands: {why}")
+        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
+            raise ValueError(
+                f"{self.name} on islands: compression and robust aggregation are not built for "
+                "sharded state yet (drop compression= and aggregator=)"
+            )
 
     def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Create this strategy's own state and register the shared part with the session (in a
@@ -268,10 +304,14 @@ class Strategy(ABC):
             ]
         ms = self.model_state
         parts += [(n, f"model/{n}", t.data) for n, t in ms.frozen + ms.other_buffers]
+        places = self.model_state.placements
         for n, shared, t in parts:
             self.held_by[n] = shared
             if self.session is not None:
-                self.session.register(shared, t)
+                if n in places:  # a shard of a tensor sharded inside an island
+                    register_shard(self.session, shared, t, places[n])
+                else:
+                    self.session.register(shared, t)
 
     def drop_catch_up_forward(self) -> None:
         """Called by a catch-up round (a strategy's first ``step()`` with a session, whose

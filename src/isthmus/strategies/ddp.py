@@ -51,6 +51,7 @@ from isthmus.data.global_batch import micro_batches, share_positions, step_posit
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers
+from isthmus.strategies.sharded import island_snapshot
 
 __all__ = ["DDP", "DDPConfig", "LossFn", "accumulate_share"]
 
@@ -116,6 +117,33 @@ class DDP(Strategy):
     Config = DDPConfig
     config: DDPConfig
     first_round_uses_work = True  # the first step trains on the batch drawn before the round
+    islands = ""  # HSDP: each rank of an island reduces its gradient shard across islands
+
+    def _refuse_islands(self, session: object) -> None:
+        super()._refuse_islands(session)
+        if getattr(session, "island", None) is not None and self.config.global_batch:
+            raise ValueError(
+                "ddp on islands: global_batch is not built yet (its shares are per peer, an "
+                "island's ranks would need to split theirs): set global_batch=0"
+            )
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Every trainable parameter's gradient as a plain tensor, zeros where there is none
+        (on a rank of an island: the local shard of the DTensor gradient, sharing its storage,
+        so that writing into it changes what the optimizer steps with)."""
+        sources = self.model_state.sources
+        out = []
+        for n, p in zip(self.names, self.params, strict=True):
+            src = sources.get(n)
+            if src is None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                out.append(p.grad)
+                continue
+            if src.grad is None:
+                src.grad = torch.zeros_like(src)
+            out.append(src.grad.to_local())  # type: ignore[attr-defined]
+        return out
 
     @property
     def takes_batch_fn(self) -> bool:
@@ -148,15 +176,15 @@ class DDP(Strategy):
         elif self.session is None:
             self.optimizer.step()
         else:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            items = [(n, p.grad) for n, p in zip(self.names, self.params, strict=True)]
+            grads = self._grads()
+            items = list(zip(self.names, grads, strict=True))
             reducer, buffers = self.reducer, self.buffers
-            snap = buffers.snapshot()
+            snap = island_snapshot(self.session, buffers.snapshot())
             exact = buffers.flat(snap) if buffers else None
 
             def reduce(rnd: Round) -> Reduced | None:
+                if getattr(rnd, "pieces", None):
+                    raise ValueError("ddp across islands of different sizes is not built yet")
                 ok = not rnd.resynced and (not buffers or buffers.finite(snap))
                 pending = reducer.start(rnd, items, contribute=ok, exact=exact)
                 rnd.check_faults("collective", step=self.step_count)
@@ -165,8 +193,8 @@ class DDP(Strategy):
             result = self.session.run_round(reduce)
             # Committed on every peer; every peer holds the same result, so takes the same branch.
             if result is not None:
-                for p, g in zip(self.params, result.tensors, strict=True):
-                    p.grad.copy_(g)  # type: ignore[union-attr]
+                for grad, g in zip(grads, result.tensors, strict=True):
+                    grad.copy_(g)
                 self.optimizer.step()
                 if result.exact is not None:
                     buffers.land(result.exact)

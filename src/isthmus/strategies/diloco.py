@@ -55,6 +55,7 @@ from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 from isthmus.strategies.phased import PhasedStrategy
+from isthmus.strategies.sharded import island_agree, island_snapshot, start_by_piece
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -106,6 +107,15 @@ class DiLoCo(PhasedStrategy):
     name = "diloco"
     Config = DiLoCoConfig
     config: DiLoCoConfig
+    islands = ""  # every rule is elementwise: each rank of an island runs it on its shards
+
+    def _refuse_islands(self, session: object) -> None:
+        super()._refuse_islands(session)
+        if getattr(session, "island", None) is not None and self.config.inner_budget == "time":
+            raise ValueError(
+                "diloco on islands: inner_budget='time' is not built yet (every rank of an "
+                "island must end its phase at the same step): use inner_budget='steps'"
+            )
 
     def setup(self) -> None:
         super().setup()
@@ -120,7 +130,7 @@ class DiLoCo(PhasedStrategy):
         self._fastest = 0.0  # the fastest member's inner steps per second in the last round
         self.share_model(self.global_params, "global", self.buffers)
         if self.session is not None:
-            register_optimizer(self.session, "outer", self.outer)
+            register_optimizer(self.session, "outer", self.outer, self.placements)
             self._register_counter()
 
     def _step(self, tokens: float = 1.0) -> None:
@@ -172,7 +182,7 @@ class DiLoCo(PhasedStrategy):
         nothing: this peer has no work yet, and its parameters may not have started from theta
         (a peer resumed without its local state); at the start of a run nobody contributes, which
         leaves theta as a zero outer gradient would."""
-        snap = self.buffers.snapshot()
+        snap = island_snapshot(self.session, self.buffers.snapshot())
         steps = torch.tensor([float(self.since)])
         if self.buffers:
             steps = torch.cat([steps, self.buffers.flat(snap)])
@@ -202,13 +212,21 @@ class DiLoCo(PhasedStrategy):
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
                 ok = not catch_up and not rnd.resynced and buffers.finite(snap)
+                if getattr(self.session, "island", None) is not None:  # one decision per island
+                    ok = island_agree(self.session, ok and all(all_finite(d) for _, d in items))
                 if timed:
                     # before the reducer's collectives, from this thread: the same order on
                     # every member
                     mine = torch.tensor([rate, float(self.since)] if ok else [0.0, 0.0])
                     device = self.params[0].device if self.params else torch.device("cpu")
                     gathered[:] = [rnd.group.all_gather_flat(mine.to(device)).cpu()]
-                pending = reducer.start(rnd, items, contribute=ok, exact=steps, weight=weight)
+                if getattr(rnd, "pieces", None):  # islands of different sizes
+                    pending = start_by_piece(
+                        reducer, rnd, items, self.placements, contribute=ok, exact=steps,
+                        weight=weight,
+                    )  # fmt: skip
+                else:
+                    pending = reducer.start(rnd, items, contribute=ok, exact=steps, weight=weight)
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 

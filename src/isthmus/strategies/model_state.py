@@ -9,12 +9,14 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from isthmus.comm.layout import Placement
 from isthmus.reduce.compress.compressor import all_finite
+from isthmus.strategies.sharded import local_view
 
 __all__ = [
     "ModelState",
@@ -68,6 +70,13 @@ class ModelState:
     float_buffers: Named
     other_buffers: Named
     keys: dict[str, str]
+    placements: dict[str, Placement] = field(default_factory=dict)
+    """For a model sharded inside an island (DTensor parameters): each sharded tensor's
+    placement in the full tensor; the lists above then hold the local shards (views of the
+    parameters' storage, :func:`~isthmus.strategies.sharded.local_view`)."""
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The DTensor parameters behind those local views, by name (their gradients are
+    DTensors too)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelState:
@@ -77,8 +86,15 @@ class ModelState:
         first: dict[int, str] = {}
         trainable: Named = []
         frozen: Named = []
+        placements: dict[str, Placement] = {}
+        sources: dict[str, torch.Tensor] = {}
         for n, p in model.named_parameters():
-            (trainable if p.requires_grad else frozen).append((n, p))
+            local, place = local_view(p)
+            if local is not p:
+                sources[n] = p
+            if place is not None:
+                placements[n] = place
+            (trainable if p.requires_grad else frozen).append((n, local))
             first[id(p)] = n
         floats: Named = []
         others: Named = []
@@ -89,7 +105,10 @@ class ModelState:
                     continue
                 full = f"{prefix}.{bname}" if prefix else bname
                 first[id(b)] = full
-                (floats if b.is_floating_point() else others).append((full, b))
+                local, place = local_view(b)
+                if place is not None:
+                    placements[full] = place
+                (floats if b.is_floating_point() else others).append((full, local))
         keys: dict[str, str] = {}
         unknown: list[str] = []
         for key, v in model.state_dict(keep_vars=True).items():
@@ -102,7 +121,7 @@ class ModelState:
                 "state_dict entries that are not parameters or buffers are not shared: %s",
                 ", ".join(unknown),
             )
-        return cls(trainable, frozen, floats, others, keys)
+        return cls(trainable, frozen, floats, others, keys, placements, sources)
 
     def state_dict_keys(self) -> dict[str, str]:
         """Every ``state_dict`` key -> the first name of its tensor (a copy)."""

@@ -1,0 +1,118 @@
+"""A torchrun-style script for island tests: `isthmus run --peers M --nproc-per-peer N` (each
+peer an island of N ranks, FSDP2 on Gloo inside) or `--nproc-per-peer 1` (plain peers, no
+process group). Trains a tiny MLP with a LayerNorm and a persistent buffer; the batch of rank
+``r`` of peer ``p`` is batch ``p * N + r`` of every step, so M islands of N ranks see the same
+data as M * N single peers. Writes ``<out>/<peer>.<rank>.pt``: the full gathered shared state
+(every rank assembles it from the island's shards), its digest, the island digest and bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+import isthmus
+from isthmus.comm.state import tensor_bytes
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 10)
+        self.norm = torch.nn.LayerNorm(10)
+        self.b = torch.nn.Linear(10, 3)
+        self.register_buffer("seen", torch.zeros(3))  # a persistent buffer, replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # running statistics: each rank's own forward passes move them
+            self.seen.mul_(0.5).add_(x[:, :3].mean(0))
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", choices=["diloco", "ddp"], default="diloco")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--fault", default=None, help="a fault spec fired by --fault-rank")
+    ap.add_argument("--fault-rank", default="peer1.1", help="NAME.RANK (first incarnation)")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds per step")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if "WORLD_SIZE" in os.environ:  # started as an island (of any size) by isthmus run
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = dist.get_world_size() if dist.is_initialized() else 1
+    torch.manual_seed(0)
+    model = Net()
+    if dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.a)
+        fully_shard(model.b)
+        fully_shard(model)
+    config = isthmus.SessionConfig.from_env(collective_timeout=30.0, round_timeout=120.0)
+    mine = args.fault and f"{config.name}.{rank}" == args.fault_rank
+    faults = isthmus.FaultInjector([isthmus.Fault.parse(args.fault)] if mine else [])
+    session = isthmus.Session(config, faults=faults)
+    refusals = {}
+    if hasattr(session, "island"):  # what cannot run on islands says so, before touching anything
+        for name, build in (
+            ("streaming", lambda: isthmus.StreamingDiLoCo(session, model, torch.optim.SGD(
+                model.parameters(), lr=0.1))),
+            ("compressed", lambda: isthmus.DiLoCo(session, model, torch.optim.SGD(
+                model.parameters(), lr=0.1), compression="int8")),
+        ):  # fmt: skip
+            try:
+                build()
+            except ValueError as e:
+                refusals[name] = str(e)
+    if args.strategy == "ddp":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        strategy: isthmus.Strategy = isthmus.DDP(session, model, opt)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        strategy = isthmus.DiLoCo(session, model, opt, isthmus.DiLoCoConfig(sync_every=2))
+    peer = int(os.environ["ISTHMUS_PEER"])
+    w = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    while strategy.step_count < args.steps:
+        g = torch.Generator().manual_seed(1000 * strategy.step_count + peer * local + rank)
+        x = torch.randn(8, 6, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), x @ w)
+        loss.backward()
+        strategy.step()
+        opt.zero_grad()
+        time.sleep(args.delay)
+    strategy.finish()
+    state = session.state
+    full = state.gathered() if hasattr(state, "gathered") else state.snapshot()
+    h = xxhash.xxh3_64()
+    for n, t in full.items():
+        h.update(n.encode())
+        h.update(tensor_bytes(t))
+    island_bytes = getattr(session, "island_bytes", [session.stats.bytes_sent])
+    session.close()  # every rank together: the island's final digest
+    record = {
+        "full": full,
+        "full_digest": h.hexdigest(),
+        "digest": state.digest(),
+        "bytes": session.stats.bytes_sent,
+        "island_bytes": island_bytes,
+        "revision": session.revision,
+        "step": strategy.step_count,
+        "refusals": refusals,
+    }
+    torch.save(record, Path(args.out) / f"{peer}.{rank}.pt")
+    print(f"peer {peer} rank {rank}: full state {record['full_digest']}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Islands through `isthmus run --nproc-per-peer 2`: peers of two local ranks each (FSDP2 on
+Gloo inside, one membership slot each), exchanging their shards across islands in parallel.
+
+* DiLoCo on 2 islands x 2 ranks, one rank SIGKILLed inside a cross-island collective: its island
+  leaves and rejoins as a whole, resynced shard by shard; every rank of both islands ends with
+  the same full gathered state (parameters, buffers, outer optimizer state, counter) and the same
+  island digest; each rank sent its own bytes; strategies that cannot run on islands refused,
+  naming why.
+* DDP across 2 islands x 2 ranks (HSDP) equals 4 single-rank peers with the same global batch,
+  to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_peer.py"
+
+
+def _run(
+    tmp: Path, name: str, *args: str, strategy: str = "diloco", extra: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One `isthmus run` of the island script with ``args`` for the launcher; returns its
+    summary and every rank's record (by "peer.rank")."""
+    out = tmp / f"{name}-out"
+    out.mkdir()
+    run_dir = tmp / name
+    p = subprocess.run(
+        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
+         "--run-dir", str(run_dir), "--summary-json", str(run_dir / "s.json"), *args,
+         str(SCRIPT), "--out", str(out), "--strategy", strategy, *extra],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
+    assert p.returncode == 0, p.stdout + p.stderr + logs
+    records = {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
+    return json.loads((run_dir / "s.json").read_text()), records
+
+
+def test_diloco_on_two_islands_of_two_ranks_one_killed_and_rejoining(tmp_path: Path) -> None:
+    """Rank 1 of island 1 SIGKILLs itself inside the cross-island collective of step 4: its
+    island leaves as a whole (the agent stops its other rank), island 0 commits the retried
+    round alone, the launcher starts island 1 again, which rejoins, is resynced shard by shard
+    (verified by the island's hashes) and trains on; every rank ends on the same state."""
+    summary, recs = _run(
+        tmp_path, "diloco", "--peers", "2", "--nproc-per-peer", "2", "--max-restarts", "1",
+        extra=("--steps", "20", "--delay", "0.3", "--fault", "kill@collective:step=4"),
+    )  # fmt: skip
+    assert sorted(recs) == ["0.0", "0.1", "1.0", "1.1"]
+    assert summary["restarts"] == 1 and summary["exit_codes"]["peer1.1"] == 0, summary
+    assert summary["rounds_aborted"] >= 1 and summary["peers_final"] == 2, summary
+    events = [json.loads(line) for line in (tmp_path / "diloco" / "events.jsonl").open()]
+    resyncs = [e for e in events if e["kind"] == "resync"]
+    assert resyncs and all(t["dst"] == 2 for e in resyncs for t in e["transfers"]), resyncs
+    assert any(e["kind"] == "commit" and e["world"] == 1 for e in events)  # island 0 alone
+    full = {r["full_digest"] for r in recs.values()}
+    assert len(full) == 1, full  # every rank of both islands: the same full gathered state
+    assert len({r["digest"] for r in recs.values()}) == 1
+    state = recs["0.0"]["full"]
+    assert state["global/a.weight"].shape == (10, 6)  # full shapes, assembled from shards
+    assert {"outer/0/momentum_buffer", "global/seen", "meta/step"} <= set(state)
+    assert state["outer/0/momentum_buffer"].abs().sum() > 0  # outer steps happened
+    for key, r in recs.items():
+        assert r["revision"] == recs["0.0"]["revision"] and r["step"] >= 20
+        # traffic by shard: each rank sent its own part, the island counts them all
+        rank = int(key.split(".")[1])
+        assert r["bytes"] > 0 and r["island_bytes"][rank] == r["bytes"], r
+        assert "streaming cannot run on islands" in r["refusals"]["streaming"]
+        assert "compression" in r["refusals"]["compressed"]
+    # rank 0 of an island also carries the replicated tensors (buffers, counter): more bytes
+    assert recs["0.0"]["bytes"] > recs["0.1"]["bytes"]
+
+
+def test_ddp_across_islands_equals_four_single_peers(tmp_path: Path) -> None:
+    _, islands = _run(tmp_path, "hsdp", "--peers", "2", "--nproc-per-peer", "2", strategy="ddp")
+    _, singles = _run(tmp_path, "single", "--peers", "4", strategy="ddp")
+    assert len({r["full_digest"] for r in islands.values()}) == 1
+    a, b = islands["0.0"]["full"], singles["0.0"]["full"]
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert a["opt/0/momentum_buffer"].abs().sum() > 0  # it trained: the comparison means something
+    assert islands["0.0"]["step"] == singles["0.0"]["step"] == 4
+
+
+def test_diloco_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
+    """Islands sharded differently (2 ranks and 1) in one run: each rank of the island of 2
+    exchanges its rows with the matching rows of the island of 1, which takes part in both
+    exchanges; the islands' hashes (summed over the layout) agree at every parity check, and
+    every rank ends with the same full state."""
+    summary, recs = _run(
+        tmp_path, "mixed", "--peers", "2", "--nproc-per-peer", "2,1", extra=("--steps", "6")
+    )
+    assert sorted(recs) == ["0.0", "0.1", "1.0"]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert len({r["digest"] for r in recs.values()}) == 1
+    assert summary["parity_checks"] >= 3 and summary["parity_failures"] == 0, summary
+    assert summary["resyncs"] == 0 and summary["peers_final"] == 2, summary
+    assert recs["1.0"]["full"]["outer/0/momentum_buffer"].abs().sum() > 0
+    # the island of one sends its whole state, each rank of the island of two its own part
+    halves = recs["0.0"]["bytes"], recs["0.1"]["bytes"]
+    assert min(halves) > 0 and recs["1.0"]["bytes"] >= sum(halves) * 0.9, (halves, recs["1.0"])
