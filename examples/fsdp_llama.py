@@ -22,6 +22,7 @@ every rank. Each rank prints its tokens per second, its peak memory and the byte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import time
@@ -81,6 +82,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--backend", choices=("auto", "gloo", "nccl"), default="auto",
+        help="between islands: auto is NCCL for CUDA state; gloo where islands share one GPU "
+        "(NCCL refuses two ranks of a group on one device)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:  # torchrun, or isthmus run --nproc-per-peer N
@@ -99,7 +105,8 @@ def main() -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     session = None
     if os.environ.get("ISTHMUS_COORDINATOR"):  # started by isthmus run
-        session = isthmus.Session(isthmus.SessionConfig.from_env())
+        config = dataclasses.replace(isthmus.SessionConfig.from_env(), backend=args.backend)
+        session = isthmus.Session(config)
     strategy = isthmus.DiLoCo(
         session, model, inner, isthmus.DiLoCoConfig(sync_every=args.sync_every)
     )
