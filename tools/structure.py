@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "version": 0,
     "models": 0,
     "data": 0,
+    "mesh": 0,
     "coordinator": 1,
     "comm": 2,
     "testing": 3,
