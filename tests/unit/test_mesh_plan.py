@@ -19,8 +19,8 @@ A, B, C, D, R = (_key(i) for i in range(1, 6))
 
 
 def test_addresses_count_up_and_end() -> None:
-    assert overlay_address(0) == "10.77.0.1"
-    assert overlay_address(255) == "10.77.1.0"
+    assert overlay_address(0) == "10.99.0.1"
+    assert overlay_address(255) == "10.99.1.0"
     assert overlay_address(0, "fd00::/64") == "fd00::1"
     with pytest.raises(ValueError, match="no host number"):
         overlay_address(254, "10.0.0.0/24")

@@ -118,7 +118,7 @@ class MeshAgent:
 
     def _start(self) -> None:
         cfg = self.config
-        self.iface = iface = Interface.create(f"ism{os.getpid()}.{next(_SERIAL)}"[:15])
+        self.iface = iface = Interface.create(f"ism{os.getpid()}.{next(_SERIAL)}")
         iface.configure(private_key=self.keys.private, listen_port=cfg.mesh_port)
         port = iface.listen_port()
         host = local_address(cfg.coordinator, hostname=cfg.hostname, interface=cfg.interface)
@@ -173,8 +173,15 @@ class MeshAgent:
             if removed or changed:
                 self.iface.configure(remove=removed, upsert=changed)
             self.peers, self.version, self.members = new, view.version, view.members
-        if removed:
-            log.info("%s: mesh removed %d member(s)", self.name, len(removed))
+        if removed or changed:
+            names = {m.public_key: m.name or m.address for m in view.members}
+            log.info(
+                "%s: mesh now %s; removed %d, added or changed %s",
+                self.name,
+                view.version,
+                len(removed),
+                sorted(names.get(p.key, p.key[:8]) for p in changed),
+            )
 
     def _follow(self) -> None:
         while not self._stop.is_set():

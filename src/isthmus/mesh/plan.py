@@ -31,8 +31,9 @@ __all__ = [
     "wg_peers",
 ]
 
-DEFAULT_NETWORK = "10.77.0.0/16"
-"""The overlay network the coordinator hands addresses out of."""
+DEFAULT_NETWORK = "10.99.0.0/16"
+"""The overlay network the coordinator hands addresses out of (apart from the lab's
+10.77.0.0/24, so a lab run can carry the mesh over its emulated links)."""
 
 
 @dataclass(frozen=True)

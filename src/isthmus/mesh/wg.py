@@ -8,8 +8,10 @@ Every failure raises :class:`~isthmus.mesh.MeshError` saying what is missing and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -49,6 +51,28 @@ def uapi_set(
         lines.append(f"persistent_keepalive_interval={p.keepalive}")
         lines += [f"allowed_ip={ip}" for ip in p.allowed_ips]
     return "\n".join(lines) + "\n\n"
+
+
+def _accepts(sock: Path) -> bool:
+    """Something listens on control socket ``sock``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock))
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the thread that started it ends (a peer that
+    is SIGKILLed takes its wireguard-go, and so its interface, with it)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -114,6 +138,11 @@ class Interface:
                 "(modprobe tun) or, in a container, pass --device /dev/net/tun (and "
                 "--cap-add NET_ADMIN)"
             )
+        sock = SOCKET_DIR / f"{name}.sock"
+        if _accepts(sock):
+            raise MeshError(f"a WireGuard interface named {name} is running already ({sock})")
+        with contextlib.suppress(OSError):
+            sock.unlink()  # left by a process that was killed: nothing listens on it
         env = {**os.environ, "WG_PROCESS_FOREGROUND": "1", "LOG_LEVEL": "error"}
         proc = subprocess.Popen(
             [exe, "-f", name],
@@ -122,11 +151,11 @@ class Interface:
             stderr=subprocess.PIPE,
             env=env,
             start_new_session=True,  # a Ctrl-C of the peer's terminal is the peer's to handle
+            preexec_fn=_die_with_parent,
         )
         iface = cls(name, process=proc)
-        sock = SOCKET_DIR / f"{name}.sock"
         deadline = time.monotonic() + timeout
-        while not sock.exists():
+        while not _accepts(sock):
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
                 raise MeshError(f"wireguard-go could not create {name}: {err or 'it exited'}")

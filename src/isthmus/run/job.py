@@ -236,6 +236,7 @@ def run_job(job: PeerJob) -> PeerResult:
             round_timeout=t.round_timeout,
             connections=run.strategy.connections,
             probe_links=run.strategy.probe_links,
+            mesh=run.strategy.mesh,
             checkpoint_dir=run.checkpoint.checkpoint_dir,
             checkpoint_every=run.checkpoint.checkpoint_every,
             checkpoint_keep=run.checkpoint.checkpoint_keep,
