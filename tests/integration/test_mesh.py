@@ -69,7 +69,7 @@ def test_mesh_hides_tensors_and_drops_a_revoked_peer(tmp_path: Path, prefix: str
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}
     stop = tmp_path / "stop"
     procs: list[subprocess.Popen[bytes]] = []
-    with WanNetwork(3, rates_mbit=100, nat=[2], prefix=prefix) as net:
+    with WanNetwork(3, rates_mbit=100, nat=[1, 2], prefix=prefix) as net:
         membership = MembershipConfig(start_peers=3, start_timeout=60.0)
         with inside_namespace(net.coordinator.netns):
             coord = Coordinator(
@@ -110,6 +110,7 @@ def test_mesh_hides_tensors_and_drops_a_revoked_peer(tmp_path: Path, prefix: str
                     "--pattern", TENSOR,
                     "--out", str(tmp_path / f"got{i}"),
                     "--stop", str(stop),
+                    *(["--relay"] if i == 0 else []),
                 ]  # fmt: skip
                 log = open(tmp_path / f"peer{i}.log", "wb")  # noqa: SIM115
                 procs.append(net.popen(i, argv, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -127,20 +128,16 @@ def test_mesh_hides_tensors_and_drops_a_revoked_peer(tmp_path: Path, prefix: str
                 )
                 for f in logs
             ]
-            assert [m["nat"] for m in info] == [False, False, True]
+            assert [m["nat"] for m in info] == [False, True, True]
             assert all(m["gloo"] == m["address"] for m in info)  # Gloo bound the overlay
             # plaintext beside the mesh, over the same links: the capture sees it
-            _send(net, 0, net.peers[1].ip, 9, CLEAR)
-            # the NATed peer reaches a member through the mesh
+            _send(net, 0, net.coordinator.ip, 9, CLEAR)
+            # a NATed peer reaches a member, and the other NATed peer through the relay
             _send(net, 2, info[0]["address"], 7777, b"before-revoke")
-            _wait(
-                "a datagram from the NATed peer",
-                lambda: (
-                    "before-revoke"
-                    in ((tmp_path / "got0").read_text() if (tmp_path / "got0").exists() else "")
-                ),
-                timeout=20,
-            )
+            _send(net, 2, info[1]["address"], 7777, b"through-the-relay")
+            for got, what in (("got0", "before-revoke"), ("got1", "through-the-relay")):
+                f = tmp_path / got
+                _wait(what, lambda f=f, w=what: f.exists() and w in f.read_text(), timeout=20)
             time.sleep(1.0)  # tcpdump writes what it has seen
         finally:
             dump.terminate()
@@ -238,3 +235,60 @@ def test_lab_run_with_nat_and_mesh_trains_through_a_kill_and_a_join(
     logs = {p: (tmp_path / f"{p}.log").read_text() for p in ("peer0", "peer2", "peer1.1")}
     assert "behind NAT" in logs["peer2"] and "reachable" in logs["peer0"]
     assert "joined the mesh" in logs["peer1.1"]
+
+
+@pytest.mark.root
+@needs_tools
+def test_what_the_mesh_refuses_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No wireguard-go, no TUN device, a key the members do not hold, a revoked token: each is
+    refused with a message that says what is wrong, and nothing is left behind."""
+    from isthmus.comm.mesh_agent import MeshAgent
+    from isthmus.comm.session_config import SessionConfig
+    from isthmus.coordinator.client import AuthError, CoordinatorClient
+    from isthmus.mesh import MeshError
+    from isthmus.mesh import wg as wg_mod
+    from isthmus.mesh.keys import KeyPair
+
+    real_which = shutil.which
+    with monkeypatch.context() as m:
+        m.setattr(wg_mod.shutil, "which", lambda n: None if n == "wireguard-go" else real_which(n))
+        with pytest.raises(MeshError, match="apt-get install wireguard-go"):
+            wg_mod.Interface.create("ismtest0")
+    real_exists = os.path.exists
+    with monkeypatch.context() as m:
+        m.setattr(wg_mod.os.path, "exists", lambda p: p != "/dev/net/tun" and real_exists(p))
+        with pytest.raises(MeshError, match=r"/dev/net/tun is missing.*modprobe tun"):
+            wg_mod.Interface.create("ismtest0")
+
+    fake = KeyPair.generate().public
+
+    class WrongKey(MeshAgent):
+        def reported_key(self) -> str:
+            return fake  # not the key this peer's WireGuard holds
+
+    coord = Coordinator(CoordinatorConfig(token=ADMIN, port=0)).start()
+    agents: list[MeshAgent] = []
+    try:
+
+        def config(name: str) -> SessionConfig:
+            return SessionConfig(
+                coordinator=coord.address,
+                token=join_token(ADMIN, name),
+                mesh=True,
+                mesh_handshake_timeout=2.0,
+            )
+
+        def client(name: str) -> CoordinatorClient:
+            return CoordinatorClient(coord.address, join_token(ADMIN, name), connect_timeout=5)
+
+        agents.append(MeshAgent.start(client("good"), config("good"), "good"))
+        with pytest.raises(MeshError, match=r"no WireGuard handshake.*refuse this peer's key"):
+            WrongKey.start(client("liar"), config("liar"), "liar")
+        asyncio.run_coroutine_threadsafe(coord.admin.revoke("gone"), coord._loop).result(10)
+        with pytest.raises(AuthError, match="revoked"):
+            MeshAgent.start(client("gone"), config("gone"), "gone")
+    finally:
+        for a in agents:
+            a.close()
+        coord.stop()
+    assert not [p for p in Path("/var/run/wireguard").glob(f"ism{os.getpid()}.*")]

@@ -116,3 +116,17 @@ def test_keys() -> None:
     assert check_public_key("short") is not None
     assert check_public_key("!" * 44) == "not base64"
     assert check_public_key(base64.b64encode(b"x" * 31).decode() + "=" * 0) is not None
+
+
+def test_the_lab_keys_of_the_mesh() -> None:
+    from isthmus.lab.scenario import parse_scenario
+    from isthmus.spec import SpecError
+
+    base = '[run]\nname = "m"\nsteps = 5\n[strategy]\nname = "ddp"\nmesh = true\n'
+    sc = parse_scenario(base + '[network]\npeers = 3\nrate = "10mbit"\nnat = [2, 1]\n')
+    assert sc.config.strategy.mesh is True and sc.network.nat == (1, 2)
+    sc = parse_scenario(base + '[network]\npeers = 3\nrate = "10mbit"\nnat = 0\n')
+    assert sc.network.nat == (0,)
+    assert parse_scenario(base + '[network]\npeers = 2\nrate = "10mbit"\n').network.nat == ()
+    with pytest.raises(SpecError, match="nat"):
+        parse_scenario(base + '[network]\npeers = 2\nrate = "10mbit"\nnat = [2]\n')

@@ -71,7 +71,8 @@ class MeshAgent:
 
     @property
     def public_key(self) -> str:
-        return self.keys.public
+        """The key this peer is known by in the mesh (the one it reported)."""
+        return self.reported_key()
 
     def reported_key(self) -> str:
         """The public key this peer tells the coordinator (its own)."""
@@ -168,7 +169,7 @@ class MeshAgent:
         assert self.iface is not None
         nodes = [Node(m.public_key, m.address, m.endpoint, m.relay) for m in view.members]
         with self._lock:
-            new = wg_peers(self.keys.public, nodes, keepalive=self.keepalive)
+            new = wg_peers(self.public_key, nodes, keepalive=self.keepalive)
             removed, changed = diff(self.peers, new)
             if removed or changed:
                 self.iface.configure(remove=removed, upsert=changed)
@@ -185,7 +186,7 @@ class MeshAgent:
 
     def _follow(self) -> None:
         while not self._stop.is_set():
-            poll = msgs.MeshPoll(public_key=self.keys.public, version=self.version)
+            poll = msgs.MeshPoll(public_key=self.public_key, version=self.version)
             try:
                 view = self.client.call("/v1/mesh/view", poll, msgs.MeshView, read_timeout=60.0)
             except AuthError as e:  # revoked: talk to no one

@@ -453,5 +453,5 @@ def parse_network(raw: Any) -> NetworkSpec:
         congestion_control=t.get("congestion_control"),
         impairments=impairments,
         sites=_sites(t),
-        nat=tuple(t.get("nat", ())) if isinstance(t.get("nat", ()), list) else (t["nat"],),
+        nat=tuple(nat) if isinstance(nat := t.get("nat", []), list) else (nat,),
     )

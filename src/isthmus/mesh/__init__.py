@@ -6,6 +6,11 @@ between two configurations, the relay for two peers behind NAT) and the interfac
 (:mod:`.wg`: ``wireguard-go`` or the kernel module, its control socket, addresses). The
 coordinator's side is :mod:`isthmus.coordinator.mesh_room`; the peer's agent that ties them
 together is :mod:`isthmus.comm.mesh_agent`.
+
+mesh is part of the floor: it imports the standard library (and ``cryptography`` when present),
+nothing of isthmus outside mesh. Never imports coordinator, comm, reduce, testing, checkpoint,
+runconfig, strategies, lab, integrations, run or cli (docs/ARCHITECTURE.md, "Layers";
+tools/structure.py checks it).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--hostname", required=True)
     ap.add_argument("--pattern", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--relay", action="store_true", help="offer to relay between NATed peers")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stop", required=True)
     args = ap.parse_args()
@@ -37,6 +38,7 @@ def main() -> None:
         name=args.name,
         hostname=args.hostname,
         mesh=True,
+        mesh_relay=args.relay,
         collective_timeout=30.0,
         round_timeout=120.0,
     )
