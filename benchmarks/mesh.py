@@ -42,7 +42,11 @@ def _cpu_s(pid: int) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
+    import faulthandler
+
     import torch
+
+    faulthandler.dump_traceback_later(args.stream_s + 90, exit=True)  # a hang says where
 
     import isthmus
 
@@ -99,13 +103,18 @@ def _stream(session: Any, args: argparse.Namespace) -> dict[str, Any]:
         while chunk := conn.recv(1 << 20):
             got += len(chunk)
         dt = time.perf_counter() - t0
+        conn.close()
         return {"bytes": got, "seconds": dt, "wg_cpu_s": _cpu_s(proc.pid) - cpu0}
     time.sleep(1.0)
-    conn = socket.create_connection((other, 5201), timeout=30)
+    conn = socket.create_connection((other, 5201), timeout=120)
     buf = b"\0" * (1 << 20)
     end = time.perf_counter() + args.stream_s
     while time.perf_counter() < end:
         conn.sendall(buf)
+    # what the kernel still holds must cross before this peer's WireGuard goes: wait for the
+    # receiver to have read it all and closed
+    conn.shutdown(socket.SHUT_WR)
+    conn.recv(1)
     conn.close()
     return {"wg_cpu_s": _cpu_s(proc.pid) - cpu0}
 
