@@ -76,6 +76,8 @@ class MeshRoom:
         self.keepalive = keepalive
         self.grace_s = grace_s
         self.nodes: dict[str, _Node] = {}
+        self._joins = 0
+        self._cached: tuple[tuple[int, ...], msgs.MeshView] | None = None
 
     def install(self, app: web.Application) -> None:
         app.add_routes(
@@ -106,36 +108,46 @@ class MeshRoom:
                 split_endpoint(e)
             except ValueError as err:
                 raise BadRequest(f"field 'endpoints[{i}]': {err}") from None
-        endpoint = classify_endpoint(msg.endpoints, request.remote, public=msg.public)
+        answer = self.admit(msg, who.name, request.remote)
+        if isinstance(answer, tuple):
+            return error(*answer)
+        self.hub.mutated()
+        return web.json_response(wire.encode(answer))
+
+    def admit(
+        self, msg: msgs.MeshJoin, identity: str, remote: str | None
+    ) -> msgs.MeshJoined | tuple[int, str]:
+        """Take ``msg`` (already checked) from ``identity``, seen from address ``remote``, into
+        the mesh; its answer, or (status, why) when refused. Takes the hub's lock."""
+        endpoint = classify_endpoint(msg.endpoints, remote, public=msg.public)
         with self.hub.lock:
             node = self.nodes.get(msg.public_key)
-            if node is not None and node.identity != who.name:
-                return error(403, "this WireGuard key was brought into the mesh by another token")
+            if node is not None and node.identity != identity:
+                return 403, "this WireGuard key was brought into the mesh by another token"
             if node is None:
                 if len(self.nodes) >= MAX_NODES:
-                    return error(429, f"the mesh holds {MAX_NODES} keys already")
+                    return 429, f"the mesh holds {MAX_NODES} keys already"
                 address = overlay_address(len(self.nodes), self.network)
             else:
                 address = node.address
             self.nodes[msg.public_key] = _Node(
                 key=msg.public_key,
                 name=msg.name[:200],
-                identity=who.name,
+                identity=identity,
                 address=address,
                 endpoint=endpoint,
                 relay=msg.relay and endpoint is not None,
                 joined_at=self.hub.now(),
             )
+            self._joins += 1
             view = self.view()
-        self.hub.mutated()
-        answer = msgs.MeshJoined(
+        return msgs.MeshJoined(
             address=address,
             prefix=self.prefix,
             view=view,
             endpoint=endpoint,
             keepalive=self.keepalive,
         )
-        return web.json_response(wire.encode(answer))
 
     async def _poll(self, request: web.Request) -> web.Response:
         msg = await self._read(request, msgs.MeshPoll)
@@ -157,8 +169,18 @@ class MeshRoom:
             await self.hub.changed(remaining)
 
     def view(self) -> msgs.MeshView:
-        """The members now (call under the hub's lock)."""
+        """The members now (call under the hub's lock). Computed once per change of what it
+        depends on (membership events, revocations, joins, the second for the grace), not once
+        per waiting member."""
         now = self.hub.now()
+        key = (
+            self.hub.membership.events_total,
+            len(self.identities.revoked),
+            self._joins,
+            int(now),
+        )
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
         owner = self.identities.owner
         registered = {
             (p.info.get("mesh_key"), owner.get(p.id))
@@ -184,4 +206,6 @@ class MeshRoom:
             )
         members.sort(key=lambda m: ipaddress.ip_address(m.address))
         body = json.dumps(wire.encode(tuple(members)), sort_keys=True).encode()
-        return msgs.MeshView(hashlib.sha256(body).hexdigest()[:16], tuple(members))
+        view = msgs.MeshView(hashlib.sha256(body).hexdigest()[:16], tuple(members))
+        self._cached = (key, view)
+        return view
