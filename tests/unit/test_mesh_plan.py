@@ -130,3 +130,18 @@ def test_the_lab_keys_of_the_mesh() -> None:
     assert parse_scenario(base + '[network]\npeers = 2\nrate = "10mbit"\n').network.nat == ()
     with pytest.raises(SpecError, match="nat"):
         parse_scenario(base + '[network]\npeers = 2\nrate = "10mbit"\nnat = [2]\n')
+
+
+def test_the_run_hands_the_mesh_to_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from isthmus.comm.session_config import SessionConfig
+    from isthmus.runconfig import RunConfig, apply_overrides
+
+    monkeypatch.setenv("ISTHMUS_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("ISTHMUS_TOKEN", "t")
+    monkeypatch.setenv("ISTHMUS_MESH", "1")
+    assert SessionConfig.from_env().mesh is True
+    monkeypatch.setenv("ISTHMUS_MESH", "0")
+    assert SessionConfig.from_env().mesh is False
+    assert apply_overrides(RunConfig(), {"mesh": True}).strategy.mesh is True
+    with pytest.raises(ValueError, match="mesh_port"):
+        SessionConfig(coordinator="c:1", token="t", mesh_port=70000)

@@ -107,8 +107,10 @@ class SessionConfig:
     the peer makes a key pair, joins the coordinator's mesh, brings up its own WireGuard
     interface and binds Gloo to the overlay address it is given, so every byte between peers is
     encrypted and authenticated and a peer behind NAT needs no open port. Needs root (or
-    CAP_NET_ADMIN) and WireGuard (the kernel's, or ``wireguard-go``); ``interface`` and
-    ``hostname`` then say where WireGuard itself is reached."""
+    CAP_NET_ADMIN) and WireGuard (the kernel's, or ``wireguard-go``, which runs as a child of
+    the thread that creates the session and ends with it); ``interface`` and ``hostname`` then
+    say where WireGuard itself is reached. Fails with :class:`~isthmus.mesh.MeshError` saying
+    what is missing or refused."""
     mesh_port: int = 0
     """The UDP port this peer's WireGuard listens on (0: any free port)."""
     mesh_endpoint: str | None = None
