@@ -120,6 +120,7 @@ def run_script(
             "coordinator": coordinator,
             "connections": connections,
             "probe_links": probe_links,
+            "mesh": mesh,
             "timeouts": dataclasses.asdict(timeouts),
         },
     )
