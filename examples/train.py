@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--token-file", required=True)
     ap.add_argument("--coordinator-fingerprint", help="pin the coordinator's TLS certificate")
     ap.add_argument("--interface", default=None, help="network interface for Gloo, e.g. eth0")
+    ap.add_argument(
+        "--mesh", action="store_true", help="tensors inside the run's WireGuard mesh (root)"
+    )
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--model", choices=["default", "tiny"], default="default")
     args = ap.parse_args()
@@ -48,6 +51,7 @@ def main() -> None:
             token=Path(args.token_file).read_text().strip(),
             coordinator_fingerprint=args.coordinator_fingerprint,
             interface=args.interface,
+            mesh=args.mesh,
         )
     )
     # DiLoCo: 20 local AdamW steps, then one averaged outer step (Nesterov SGD, lr 0.7).

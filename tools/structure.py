@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "extras": 0,
     "models": 0,
     "data": 0,
+    "mesh": 0,
     "coordinator": 1,
     "comm": 2,
     "testing": 3,

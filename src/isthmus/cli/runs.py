@@ -24,6 +24,7 @@ RUN_FLAGS = (
     "progress",
     "connections",
     "probe_links",
+    "mesh",
 )
 """The run settings `isthmus run` takes (the script brings its own model, data and strategy;
 `connections` and `probe_links` reach it through SessionConfig.from_env, as every peer must agree
@@ -144,6 +145,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             connections=cfg.strategy.connections,
             probe_links=cfg.strategy.probe_links,
             nproc_per_peer=args.nproc_per_peer,
+            mesh=cfg.strategy.mesh,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"isthmus run: {e}", file=sys.stderr)

@@ -47,6 +47,7 @@ from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group
+from isthmus.comm.mesh_agent import MeshAgent
 from isthmus.comm.peer_reach import PeerReach
 from isthmus.comm.probe import LinkProber
 from isthmus.comm.session_config import (
@@ -186,17 +187,20 @@ class Session(IslandDispatch):
         self._push_lock = threading.Lock()
         self._fresh = True  # never began a round since (re)registering: send schema and hashes
         self._closed = False
-        self.reach = PeerReach.for_session(config, self.name)  # probes: comm/peer_reach.py
+        self.mesh, self.config = MeshAgent.for_session(self._client, config, self.name)  # overlay
+        self.reach = PeerReach.for_session(self.config, self.name)  # probes: comm/peer_reach.py
         try:
             self._register()
         except BaseException:
             self.reach.close()
             self._client.close()
+            MeshAgent.close_if(self.mesh)
             raise
 
     # -- registration, heartbeat, pushes --------------------------------------------------------
     def _register(self) -> None:
         info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
+        info.update(MeshAgent.info_of(self.mesh))  # the mesh lists its key while this peer lives
         if self.reach.address is not None:
             info["probe"] = self.reach.address
         reply = self._client.register(self.name, info)
@@ -339,23 +343,16 @@ class Session(IslandDispatch):
             t0 = time.monotonic()
             try:
                 group = self._group_for(plan)
-                links = self.prober.run(  # on a new member set (comm/probe.py)
-                    group,
-                    plan,
-                    functools.partial(self._probe_fault, plan.round),
-                )
+                fault = functools.partial(self._probe_fault, plan.round)
+                links = self.prober.run(group, plan, fault)  # on a new member set (probe.py)
                 if links is not None:
                     self.report(probed=links)
                 if plan.transfers:
                     apply_transfers(group, plan, self.state, self.peer_id or 0)
                     if self.peer_id in plan.resynced:
                         self.revision = plan.round
-                        log.info(
-                            "%s resynced %d tensors at round %d",
-                            self.name,
-                            sum(len(t.names) for t in plan.transfers if t.dst == self.peer_id),
-                            plan.round,
-                        )
+                        n = sum(len(t.names) for t in plan.transfers if t.dst == self.peer_id)
+                        log.info("%s resynced %d tensors at round %d", self.name, n, plan.round)
             except (CollectiveError, TransferError) as e:
                 log.warning("%s: setting up round %d failed: %s", self.name, plan.round, e)
                 self._report_outcome(plan, ok=False, error=str(e), t0=t0, stage="setup", cause=e)
@@ -585,6 +582,7 @@ class Session(IslandDispatch):
         # Cut groups go idle within milliseconds; give them that (bounded), so that none is left
         # for the interpreter's exit to destroy while it still works.
         self._graveyard.drain(5.0)
+        MeshAgent.close_if(self.mesh)
 
     def __enter__(self) -> Session:
         return self

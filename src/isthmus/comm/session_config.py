@@ -126,6 +126,26 @@ class SessionConfig:
     members are probed to name the ones not reached; the coordinator's probes of a broken pair
     take as long. Two SYN retransmissions fit in the default."""
 
+    mesh: bool = False
+    """Carry this peer's tensors inside the run's WireGuard mesh (:mod:`isthmus.comm.mesh_agent`):
+    the peer makes a key pair, joins the coordinator's mesh, brings up its own WireGuard
+    interface and binds Gloo to the overlay address it is given, so every byte between peers is
+    encrypted and authenticated and a peer behind NAT needs no open port. Needs root (or
+    CAP_NET_ADMIN) and WireGuard (the kernel's, or ``wireguard-go``, which runs as a child of
+    the thread that creates the session and ends with it); ``interface`` and ``hostname`` then
+    say where WireGuard itself is reached. Fails with :class:`~isthmus.mesh.MeshError` saying
+    what is missing or refused."""
+    mesh_port: int = 0
+    """The UDP port this peer's WireGuard listens on (0: any free port)."""
+    mesh_endpoint: str | None = None
+    """``host:port`` others send this peer's WireGuard to, when it is not what the coordinator
+    sees (a forwarded port on a router); default: the local address toward the coordinator and
+    ``mesh_port``, taken as behind NAT when the coordinator sees another address."""
+    mesh_relay: bool = False
+    """Offer to forward between members behind NAT (a reachable peer only)."""
+    mesh_handshake_timeout: float = 10.0
+    """How long joining the mesh waits for a first WireGuard handshake with a reachable member."""
+
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("SessionConfig.token is empty: pass the run's token")
@@ -158,6 +178,10 @@ class SessionConfig:
             raise ValueError("give either interface or hostname for Gloo, not both")
         if self.coordinator_fingerprint and self.coordinator_ca:
             raise ValueError("give either coordinator_fingerprint or coordinator_ca, not both")
+        if not isinstance(self.mesh_port, int) or not 0 <= self.mesh_port < 65536:
+            raise ValueError(f"mesh_port must be a port number (0: any), got {self.mesh_port!r}")
+        if self.mesh_handshake_timeout <= 0:
+            raise ValueError("mesh_handshake_timeout must be positive")
         if self.coordinator_fingerprint:
             normalize_fingerprint(self.coordinator_fingerprint)  # raises saying what it expects
 
@@ -177,7 +201,8 @@ class SessionConfig:
         TLS, ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo, and the run's
         ``ISTHMUS_CONNECTIONS`` (an integer: ``connections``) and ``ISTHMUS_PROBE_LINKS`` (``1``
         or ``0``: ``probe_links``), which ``isthmus run`` sets from ``--connections`` and
-        ``--probe-links`` so that every peer of the run agrees. Keyword arguments win over the
+        ``--probe-links`` so that every peer of the run agrees, and ``ISTHMUS_MESH`` (``1``:
+        ``mesh``). Keyword arguments win over the
         environment (which never overrides what the script says).
 
         Raises ValueError naming the missing variable when the script was not started by
@@ -204,6 +229,7 @@ class SessionConfig:
         for key, var, hint in (
             ("connections", "ISTHMUS_CONNECTIONS", int),
             ("probe_links", "ISTHMUS_PROBE_LINKS", bool),
+            ("mesh", "ISTHMUS_MESH", bool),
         ):
             if env.get(var):
                 values[key] = coerce(env[var].strip(), hint, key=var)  # SpecError names var

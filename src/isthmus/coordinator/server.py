@@ -52,6 +52,7 @@ from isthmus.coordinator.gate import BadRequest as _BadRequest
 from isthmus.coordinator.gate import Gate
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.membership import Membership, PeerState
+from isthmus.coordinator.mesh_room import MeshRoom
 from isthmus.coordinator.server_config import CoordinatorConfig
 from isthmus.coordinator.store_service import RendezvousStore, StoreRoute
 from isthmus.coordinator.stragglers import StragglerDetector
@@ -105,6 +106,7 @@ class Coordinator:
             identities=identities, limits=config.limits, roster=self.hub, open_path=self.web.handles
         )
         self.admin = AdminAPI(identities, self.hub)
+        self.mesh = MeshRoom(self.gate, identities, self.hub, poll_s=config.poll_s)
         self.store = RendezvousStore(
             lambda: f"isthmus/{self.run_id}/",
             max_keys=config.limits.max_store_keys,
@@ -199,6 +201,7 @@ class Coordinator:
         )
         self.web.install(app)
         self.admin.install(app)
+        self.mesh.install(app)
         StoreRoute(self.store, self.hub.stale_run).install(app)
         # a stop waits for handlers in flight (a long-poll of a peer that has gone runs to its
         # own timeout) at most 1 s, not aiohttp's 60 s

@@ -12,6 +12,7 @@ no tbf or htb).
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Sequence
 
 from isthmus.lab.lines import DelayLine, access_line, shape_per_destination, site_core
@@ -25,7 +26,35 @@ from isthmus.lab.netns import (
 )
 from isthmus.lab.netspec import Sites
 
-__all__ = ["add_namespace", "build_network", "set_congestion_control", "shape"]
+__all__ = [
+    "NAT_LAN_PEER",
+    "add_namespace",
+    "add_nat_router",
+    "build_network",
+    "set_congestion_control",
+    "shape",
+]
+
+NAT_LAN_ROUTER = "192.168.1.1"
+NAT_LAN_PEER = "192.168.1.2"
+"""A peer behind NAT and its router on their private network (the same behind every router,
+as behind home routers; each pair lives in namespaces of its own)."""
+
+_NAT_RULES = """\
+table ip isthmus_nat {
+  chain postrouting { type nat hook postrouting priority srcnat; oifname "%(wan)s" masquerade; }
+  chain forward {
+    type filter hook forward priority filter; policy drop;
+    ct state established,related accept
+    iifname "lan0" accept
+  }
+  chain input {
+    type filter hook input priority filter; policy drop;
+    ct state established,related accept
+    iifname { "lo", "lan0" } accept
+  }
+}
+"""
 
 
 def add_namespace(name: str, created: list[str]) -> None:
@@ -45,6 +74,37 @@ def add_namespace(name: str, created: list[str]) -> None:
         check=False,
     )
     run_cmd(["ip", "-n", name, "link", "set", "lo", "up"])
+
+
+def add_nat_router(node: Node, created: list[str]) -> None:
+    """Put ``node`` (a peer, its namespace already made) behind its router: a veth from the
+    peer's ``ifname`` to the router's ``lan0`` on a private network, a default route through
+    the router, and nftables in the router that masquerade what leaves by its link and drop
+    every connection that starts outside (a home router's NAT). The router's own link is built
+    like any node's. Raises :class:`LabError`, or :class:`LabUnavailable` without nftables."""
+    router = node.router_netns
+    assert router is not None
+    add_namespace(router, created)
+    n, dev = node.netns, node.ifname
+    run_cmd(f"ip -n {router} link add lan0 type veth peer name {dev} netns {n}".split())
+    run_cmd(f"ip -n {router} addr add {NAT_LAN_ROUTER}/24 dev lan0".split())
+    run_cmd(f"ip -n {router} link set lan0 up".split())
+    run_cmd(f"ip -n {n} addr add {node.ip}/24 dev {dev}".split())
+    run_cmd(f"ip -n {n} link set {dev} up".split())
+    run_cmd(f"ip -n {n} route add default via {NAT_LAN_ROUTER}".split())
+    run_cmd(f"ip netns exec {router} sysctl -q -w net.ipv4.ip_forward=1".split())
+    try:
+        proc = subprocess.run(
+            ["ip", "netns", "exec", router, "nft", "-f", "-"],
+            input=_NAT_RULES % {"wan": node.ifname},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LabUnavailable(f"NAT needs nftables (apt-get install nftables): {e}") from e
+    if proc.returncode != 0:
+        raise LabError(f"nft in {router} failed: {proc.stderr.strip()}")
 
 
 def shape(netns: str, dev: str, rate_bps: float) -> None:
@@ -99,7 +159,10 @@ def build_network(
         run_cmd(["ip", "-n", br, "link", "set", f"br{k}", "up"])
     for node in nodes:
         add_namespace(node.netns, created)
-        n, dev = node.netns, node.ifname
+        if node.router_netns is not None:
+            add_nat_router(node, created)
+        # behind NAT the shaped link is the router's, with the router's address
+        n, dev = node.router_netns or node.netns, node.ifname
         if node.impairment is not None:
             start_line(
                 access_line(
@@ -118,13 +181,13 @@ def build_network(
                 f"ip -n {br} link add {node.bridge_port} type veth peer name {dev} netns {n}".split()
             )
         run_cmd(f"ip -n {br} link set {node.bridge_port} master {node.bridge} up".split())
-        run_cmd(f"ip -n {n} addr add {node.ip}/{prefixlen} dev {dev}".split())
+        run_cmd(f"ip -n {n} addr add {node.wan_ip or node.ip}/{prefixlen} dev {dev}".split())
         run_cmd(f"ip -n {n} link set {dev} up".split())
         if node.rate_bps is not None:
             shape(n, dev, node.rate_bps)  # the node's upload
             shape(br, node.bridge_port, node.rate_bps)  # the node's download
         if congestion_control is not None:
-            set_congestion_control(n, congestion_control)
+            set_congestion_control(node.netns, congestion_control)
     if sites is not None and n_sites > 1:
         _join_sites(br, nodes, sites, seed, start_line)
 
@@ -140,7 +203,7 @@ def _join_sites(
         for m in range(len(sites.sites)):
             rate = sites.link(k, m).rate_bps if m != k else None
             if rate is not None:
-                classes.append((rate, [p.ip for p in nodes if p.bridge == f"br{m}"]))
+                classes.append((rate, [p.wan_ip or p.ip for p in nodes if p.bridge == f"br{m}"]))
         if classes:
             # each site's traffic to every other site waits behind that link's own rate
             shape_per_destination(br, port, classes)

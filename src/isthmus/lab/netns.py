@@ -130,6 +130,14 @@ class Node:
     """Round trip, jitter and loss of its link (a delay line carries it); ``None``: a veth."""
     bridge: str = "br0"
     """The bridge its link joins (its site's), in the bridge namespace."""
+    wan_ip: str | None = None
+    """Behind NAT: its router's address on the emulated network (``ip`` is then its private
+    address behind the router, which nothing outside can reach); None: not behind NAT."""
+
+    @property
+    def router_netns(self) -> str | None:
+        """Behind NAT: the namespace of its router (which holds the shaped link); else None."""
+        return None if self.wan_ip is None else f"{self.netns}-r"
 
 
 def run_cmd(argv: Sequence[str], *, check: bool = True, timeout_s: float = CMD_TIMEOUT_S) -> str:

@@ -270,6 +270,8 @@ class NetworkSpec:
     """Per-peer round trip, jitter and loss, one entry per peer; empty: none anywhere."""
     sites: Sites | None = None
     """Sites and the links between them; ``None``: every peer on one bridge."""
+    nat: tuple[int, ...] = ()
+    """Peers behind a NAT router of their own that accepts no inbound connection (indices)."""
 
     def __post_init__(self) -> None:
         check_int(self.peers, "peers", minimum=1)
@@ -306,6 +308,10 @@ class NetworkSpec:
         object.__setattr__(self, "impairments", imps)
         if self.sites is not None:
             self.sites.check_peers(self.peers)
+        for i in self.nat:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.peers:
+                raise SpecError(f"must list peer indices 0..{self.peers - 1}, got {i!r}", key="nat")
+        object.__setattr__(self, "nat", tuple(sorted(set(self.nat))))
 
     def rtt_ms(self, a: int, b: int) -> float:
         """The round trip the emulation should give between peers ``a`` and ``b``, in ms (queues
@@ -351,6 +357,7 @@ _NETWORK_KEYS = (
     "sites",
     "site_links",
     "coordinator_site",
+    "nat",
 )
 _HINTS = {
     name: " (write the round trip as rtt_ms, e.g. rtt_ms = 80)"
@@ -446,4 +453,5 @@ def parse_network(raw: Any) -> NetworkSpec:
         congestion_control=t.get("congestion_control"),
         impairments=impairments,
         sites=_sites(t),
+        nat=tuple(nat) if isinstance(nat := t.get("nat", []), list) else (nat,),
     )

@@ -301,7 +301,15 @@ def _token_steps(tokens: int, starting: int, batch_size: int, block_size: int) -
 # ---------------------------------------------------------------------------- the loader
 
 _RUN_KEYS = ("name", "steps", "tokens", "seed", "model")
-_STRATEGY_KEYS = ("name", "options", "compression", "aggregator", "connections", "probe_links")
+_STRATEGY_KEYS = (
+    "name",
+    "options",
+    "compression",
+    "aggregator",
+    "connections",
+    "probe_links",
+    "mesh",
+)
 _RUN_SECTIONS = ("data", "optim", "eval", "timeouts", "output", "stragglers")
 _TOP = (
     "description",

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
-from isthmus.lab.build import build_network
+from isthmus.lab.build import NAT_LAN_PEER, build_network
 from isthmus.lab.counters import InterfaceCounters, read_counters
 from isthmus.lab.lines import DelayLine
 from isthmus.lab.netns import (
@@ -85,7 +85,10 @@ class WanNetwork:
     ``None`` entries for none) give peers' links a round trip, jitter and loss, and ``sites``
     puts peers on per-site bridges joined by thin links (see :mod:`isthmus.lab.netspec` for what
     the numbers mean; :meth:`rtt_ms` is the round trip the emulation should show between two
-    peers). ``seed`` seeds the lines' jitter and loss draws.
+    peers). ``seed`` seeds the lines' jitter and loss draws. Peers listed in ``nat`` sit behind a
+    router of their own (:func:`~isthmus.lab.build.add_nat_router`): it masquerades what they
+    send and accepts no inbound connection; such a peer's ``ip`` is its private address and
+    ``wan_ip`` the router's.
     ``congestion_control`` (e.g. ``"reno"``, ``"bbr"``) sets TCP's congestion control in every
     node's namespace (default: the host's); it matters on shaped links: loss-based TCP (reno,
     cubic) and BBR share a tbf queue differently. The host's
@@ -113,6 +116,7 @@ class WanNetwork:
         impairments: Impairment | Sequence[Impairment | None] | None = None,
         sites: Sites | None = None,
         seed: int = 0,
+        nat: Sequence[int] = (),
     ) -> None:
         if not isinstance(n_peers, int) or isinstance(n_peers, bool) or n_peers < 1:
             raise ValueError(f"n_peers must be a positive int, got {n_peers!r}")
@@ -198,12 +202,15 @@ class WanNetwork:
             rate_bps=bps(coordinator_rate_mbit),
             bridge=bridge(None),
         )
+        if any(not isinstance(i, int) or not 0 <= i < n_peers for i in nat):
+            raise ValueError(f"nat lists peers 0..{n_peers - 1}, got {list(nat)}")
         self.peers: tuple[Node, ...] = tuple(
             Node(
                 role="peer",
                 index=i,
                 netns=f"{self.run_id}-p{i}",
-                ip=str(hosts[i + 1]),
+                ip=NAT_LAN_PEER if i in nat else str(hosts[i + 1]),
+                wan_ip=str(hosts[i + 1]) if i in nat else None,
                 ifname=IFNAME,
                 bridge_port=f"p{i}",
                 rate_bps=bps(per_peer[i]),
@@ -239,6 +246,7 @@ class WanNetwork:
             congestion_control=network.congestion_control,
             impairments=network.impairments,
             sites=network.sites,
+            nat=network.nat,
             **kwargs,
         )
 
@@ -275,8 +283,9 @@ class WanNetwork:
 
     @property
     def namespaces(self) -> list[str]:
-        """Every namespace of this run (nodes and the bridge)."""
-        return [n.netns for n in self.nodes] + [self.bridge_netns]
+        """Every namespace of this run (nodes, routers of peers behind NAT, the bridge)."""
+        routers = [n.router_netns for n in self.nodes if n.router_netns is not None]
+        return [n.netns for n in self.nodes] + routers + [self.bridge_netns]
 
     def node(self, which: int | Literal["coordinator"]) -> Node:
         """The peer with that index, or the coordinator; ``IndexError`` for an unknown peer."""
@@ -392,7 +401,7 @@ class WanNetwork:
                 if counters is not None:
                     self.line_counters.append(counters)
             # node namespaces before the bridge: each veth goes with its node's namespace
-            for name in [n.netns for n in self.nodes] + [self.bridge_netns]:
+            for name in self.namespaces:
                 with contextlib.suppress(LabError):
                     delete_namespace(name)
             try:

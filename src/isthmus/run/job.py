@@ -236,6 +236,8 @@ def run_job(job: PeerJob) -> PeerResult:
             round_timeout=t.round_timeout,
             connections=run.strategy.connections,
             probe_links=run.strategy.probe_links,
+            mesh=run.strategy.mesh,
+            mesh_relay=run.strategy.mesh,  # a reachable peer relays between NATed ones
             checkpoint_dir=run.checkpoint.checkpoint_dir,
             checkpoint_every=run.checkpoint.checkpoint_every,
             checkpoint_keep=run.checkpoint.checkpoint_keep,

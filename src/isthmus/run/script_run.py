@@ -169,12 +169,14 @@ def run_script(
     connections: int = 1,
     probe_links: bool = False,
     nproc_per_peer: int | list[int] = 1,
+    mesh: bool = False,
 ) -> tuple[Summary, RunDir]:
     """Run ``script`` on ``peers`` local processes until they all exit; returns the summary
     (also in ``summary.json``) and the run directory.
 
-    ``connections`` and ``probe_links`` (``--connections``, ``--probe-links``) reach every peer
-    as ``ISTHMUS_CONNECTIONS`` and ``ISTHMUS_PROBE_LINKS``, which
+    ``connections``, ``probe_links`` and ``mesh`` (``--connections``, ``--probe-links``,
+    ``--mesh``) reach every peer as ``ISTHMUS_CONNECTIONS``, ``ISTHMUS_PROBE_LINKS`` and
+    ``ISTHMUS_MESH``, which
     :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins). With
     ``tee`` (``isthmus run`` without ``--quiet``) every line the peers write is also printed
     here, prefixed with its peer (:mod:`isthmus.run.tee`); the logs in the run directory hold it
@@ -189,6 +191,7 @@ def run_script(
     settings = {
         "ISTHMUS_CONNECTIONS": str(connections),
         "ISTHMUS_PROBE_LINKS": "1" if probe_links else "0",
+        "ISTHMUS_MESH": "1" if mesh else "0",  # SessionConfig.mesh
     }
     program = DeviceScript(
         script, args, visible_devices(), settings=settings, nproc_per_peer=nproc_per_peer
@@ -206,6 +209,7 @@ def run_script(
             "coordinator": coordinator,
             "connections": connections,
             "probe_links": probe_links,
+            "mesh": mesh,
             "timeouts": dataclasses.asdict(timeouts),
         },
     )

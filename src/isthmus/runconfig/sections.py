@@ -178,6 +178,12 @@ class StrategyConfig(Checked):
         (4 or more peers) and the coordinator orders the ring by them (docs/LAB.md, ring
         order).""",
     )
+    mesh: bool = setting(
+        False,
+        help="""Peers carry their tensors inside a WireGuard mesh the run sets up (encrypted and
+        authenticated; peers behind NAT need no open port). Needs root and WireGuard
+        (wireguard-go); see docs/SECURITY.md.""",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
