@@ -38,7 +38,7 @@ the other islands abort and retry the round, and ``--max-restarts`` starts the i
 a whole; it rejoins and is resynced shard by shard (:mod:`isthmus.comm.island_transfer`). The
 coordinator's round aborts reach the leader; it relays them to its followers over the same
 channel, so every rank cuts its own cross-island groups at once. Not built yet (refused with an error naming it):
-resyncing between islands of different sizes, checkpoints and restores, link probing.
+checkpoints and restores, link probing.
 """
 
 from __future__ import annotations
@@ -241,13 +241,14 @@ class IslandSession(Session):
                 error = str(e)
             if plan.transfers and not error:  # every rank: the island's verdict is collective
                 try:
-                    if self.pieces is not None and any(
-                        self.peer_id in (t.src, t.dst) for t in plan.transfers
-                    ):
-                        raise TransferError(
-                            "resyncing between islands of different sizes is not built yet"
-                        )
-                    island_transfers(group, plan, self.state, self.peer_id or 0)
+                    island_transfers(
+                        group,
+                        plan,
+                        self.state,
+                        self.peer_id or 0,
+                        pieces=self.pieces,
+                        sizes=self.island_sizes,
+                    )
                     if self.peer_id in plan.resynced:
                         self.revision = plan.round
                 except (CollectiveError, TransferError) as e:
