@@ -77,6 +77,26 @@ def test_diloco_on_two_islands_of_two_ranks_one_killed_and_rejoining(tmp_path: P
     assert recs["0.0"]["bytes"] > recs["0.1"]["bytes"]
 
 
+def test_island_with_a_sigstopped_rank_leaves_and_is_replaced(tmp_path: Path) -> None:
+    """Rank 1 of island 1 SIGSTOPs itself inside a cross-island collective: its leader finds it
+    silent for the heartbeat timeout and ends itself, so the agent ends the island (the stopped
+    rank included) and the launcher starts it again; island 0 commits the retried round alone,
+    and every rank ends on the same state."""
+    summary, recs = _run(
+        tmp_path, "stopped", "--peers", "2", "--nproc-per-peer", "2", "--max-restarts", "1",
+        extra=("--steps", "20", "--delay", "0.3", "--fault", "stop@collective:step=4"),
+    )  # fmt: skip
+    assert sorted(recs) == ["0.0", "0.1", "1.0", "1.1"]
+    assert summary["restarts"] == 1 and summary["peers_final"] == 2, summary
+    events = [json.loads(line) for line in (tmp_path / "stopped" / "events.jsonl").open()]
+    assert any(e["kind"] == "commit" and e["world"] == 1 for e in events)  # island 0 alone
+    assert any(e["kind"] == "resync" for e in events)  # the new island 1 was resynced
+    logs = (tmp_path / "stopped" / "peer1.log").read_text()
+    assert "rank(s) [1] of the island silent" in logs, logs[-2000:]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert len({r["digest"] for r in recs.values()}) == 1
+
+
 def test_ddp_across_islands_equals_four_single_peers(tmp_path: Path) -> None:
     _, islands = _run(tmp_path, "hsdp", "--peers", "2", "--nproc-per-peer", "2", strategy="ddp")
     _, singles = _run(tmp_path, "single", "--peers", "4", strategy="ddp")
@@ -93,17 +113,23 @@ def test_ddp_across_islands_equals_four_single_peers(tmp_path: Path) -> None:
 def test_diloco_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
     """Islands sharded differently (2 ranks and 1) in one run: each rank of the island of 2
     exchanges its rows with the matching rows of the island of 1, which takes part in both
-    exchanges; the islands' hashes (summed over the layout) agree at every parity check, and
-    every rank ends with the same full state."""
+    exchanges; the islands' hashes (summed over the layout) agree at every parity check. The
+    island of 1 is killed inside a collective, restarts and is resynced piece by piece from the
+    two ranks of the other island (verified by hash); every rank ends with the same full state."""
     summary, recs = _run(
-        tmp_path, "mixed", "--peers", "2", "--nproc-per-peer", "2,1", extra=("--steps", "6")
-    )
+        tmp_path, "mixed", "--peers", "2", "--nproc-per-peer", "2,1", "--max-restarts", "1",
+        extra=("--steps", "16", "--delay", "0.3", "--fault", "kill@collective:step=4",
+               "--fault-rank", "peer1.0"),
+    )  # fmt: skip
     assert sorted(recs) == ["0.0", "0.1", "1.0"]
     assert len({r["full_digest"] for r in recs.values()}) == 1
     assert len({r["digest"] for r in recs.values()}) == 1
     assert summary["parity_checks"] >= 3 and summary["parity_failures"] == 0, summary
-    assert summary["resyncs"] == 0 and summary["peers_final"] == 2, summary
+    assert summary["restarts"] == 1 and summary["peers_final"] == 2, summary
+    events = [json.loads(line) for line in (tmp_path / "mixed" / "events.jsonl").open()]
+    resyncs = [e for e in events if e["kind"] == "resync"]
+    assert resyncs and all(t["dst"] == 2 for e in resyncs for t in e["transfers"]), resyncs
     assert recs["1.0"]["full"]["outer/0/momentum_buffer"].abs().sum() > 0
-    # the island of one sends its whole state, each rank of the island of two its own part
-    halves = recs["0.0"]["bytes"], recs["0.1"]["bytes"]
-    assert min(halves) > 0 and recs["1.0"]["bytes"] >= sum(halves) * 0.9, (halves, recs["1.0"])
+    # each rank of the island of two sent its own part (the new island of one counts only the
+    # rounds since its restart, so the sizes of the figures are not comparable here)
+    assert min(recs["0.0"]["bytes"], recs["0.1"]["bytes"], recs["1.0"]["bytes"]) > 0

@@ -393,3 +393,26 @@ def test_ranks_follow_peer_names_not_registration_order():
     c, a, b = r.add("peer2"), r.add("peer0"), r.add("peer1")
     plan = full_round(r, [c, a, b])
     assert plan.members == (a, b, c) and plan.rank_of(a) == 0 and plan.rank_of(c) == 2
+
+
+def test_islands_and_single_process_peers_refuse_each_other():
+    """An island (registered with ``info.island``) joining a run of single-process peers is
+    refused at its first begin, naming both kinds and the peer it conflicts with; so is a
+    single-process peer joining islands. Islands of different sizes go together."""
+    r = Run(start_peers=1)
+    a = r.m.register("plain", r.now)
+    full_round(r, [a])
+    island = r.m.register("isl", r.now, {"island": {"size": 2}})
+    d = r.begin(island)
+    assert d.kind == "refused", d
+    assert "an island of 2 rank(s)" in d.reason and "'plain' (peer 0)" in d.reason, d.reason
+    assert "a single-process peer" in d.reason and "--nproc-per-peer" in d.reason
+
+    r = Run(start_peers=1)
+    big = r.m.register("big", r.now, {"island": {"size": 2}})
+    full_round(r, [big])
+    small = r.m.register("small", r.now, {"island": {"size": 1}})
+    assert r.begin(small).kind != "refused"
+    plain = r.m.register("plain", r.now)
+    d = r.begin(plain)
+    assert d.kind == "refused" and "this peer ('plain') is a single-process peer" in d.reason

@@ -29,17 +29,23 @@ on every rank. ``Session(...)`` finds the island from the default process group 
   every hash is the layout-independent hash summed over the island's ranks.
 
 What happens on failure: a rank whose collective fails reports it through the island's outcome,
-which aborts the round for everyone. A rank that dies breaks the island's own process group:
-its other ranks' next island collective raises and the processes end, so the launcher restarts
-the island as a whole; it rejoins and is resynced shard by shard
-(:mod:`isthmus.comm.island_transfer`). Not built yet (refused with an error naming it):
-resyncing between islands of different sizes, checkpoints and restores, link probing.
+which aborts the round for everyone. Every rank watches the others
+(:mod:`isthmus.comm.island_watch`): a rank that dies or is SIGSTOPped is silent, and after the
+coordinator's ``heartbeat_timeout`` the ranks that notice exit with :data:`ISLAND_LOST_EXIT`
+(nothing else can interrupt a collective blocked on a stopped process), so the launcher's agent
+(or torchrun) stops the rest, the leader's heartbeats and every group's sockets end with them,
+the other islands abort and retry the round, and ``--max-restarts`` starts the island again as
+a whole; it rejoins and is resynced shard by shard (:mod:`isthmus.comm.island_transfer`). The
+coordinator's round aborts reach the leader; it relays them to its followers over the same
+channel, so every rank cuts its own cross-island groups at once. Not built yet (refused with an error naming it):
+checkpoints and restores, link probing.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from typing import Any
 
@@ -50,6 +56,7 @@ from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, Group
 from isthmus.comm.island_state import NPROC_VAR, Island, IslandState, find_island
 from isthmus.comm.island_transfer import island_transfers
+from isthmus.comm.island_watch import IslandWatch, bind_watch
 from isthmus.comm.layout import piece_groups
 from isthmus.comm.session import Round, Session
 from isthmus.comm.session_config import IslandDispatch, RoundFailed, SessionConfig
@@ -57,7 +64,18 @@ from isthmus.comm.transfer import TransferError
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.protocol import RoundPlan
 
-__all__ = ["NPROC_VAR", "Island", "IslandSession", "IslandState", "find_island"]
+__all__ = [
+    "ISLAND_LOST_EXIT",
+    "NPROC_VAR",
+    "Island",
+    "IslandSession",
+    "IslandState",
+    "find_island",
+]
+
+ISLAND_LOST_EXIT = 75
+"""The exit status of a rank that found another rank of its island silent (stopped or dead)
+for the coordinator's ``heartbeat_timeout``: it ends itself so that its island leaves whole."""
 
 
 class IslandSession(Session):
@@ -83,6 +101,7 @@ class IslandSession(Session):
         self.island_bytes: list[int] = [0] * found.size
         """Bytes each local rank sent across islands, as of the last round's outcome."""
         self._asking = False
+        self._watch: IslandWatch | None = None
         self._extra: list[Group] = []  # this epoch's other groups (islands of other sizes)
         self.island_sizes: list[int] = []
         """The sizes of the islands of the current epoch, in member order."""
@@ -144,6 +163,33 @@ class IslandSession(Session):
         self._stores = rendezvous(
             self._client, reply, self.peer_id or 0, self.run_id, self.config.collective_timeout
         )
+        if self._watch is None and self.island.size > 1:  # every rank, at its first registration
+            sock, address = bind_watch()
+            timeout = reply.heartbeat_timeout or 5.0  # a rank is held to a peer's bound
+            self._watch = IslandWatch(
+                self.island.rank,
+                sock,
+                self.island.gather(address),
+                interval=min(reply.heartbeat_interval, timeout / 3),
+                timeout=timeout,
+                on_lost=self._island_lost,
+                on_abort=self._relayed_abort,
+            )
+
+    def _island_lost(self, ranks: list[int]) -> None:
+        # Runs on the watch's thread while the main thread may be blocked in a collective with
+        # the silent rank, which nothing can interrupt: ending the process ends the island.
+        print(
+            f"isthmus island: {self.name} rank {self.island.rank}: rank(s) {ranks} of the island "
+            f"silent for {self._watch.timeout if self._watch else 0:.1f} s (stopped or dead); "
+            f"this rank exits with {ISLAND_LOST_EXIT} so that the island leaves as a whole",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(ISLAND_LOST_EXIT)
+
+    def _relayed_abort(self, epoch: int, rnd: int, reason: str) -> None:
+        self._on_push(msgs.AbortPush(reason=reason, epoch=epoch, round=rnd))
 
     def _heartbeat_info(self) -> dict[str, Any]:
         info = super()._heartbeat_info()
@@ -195,13 +241,14 @@ class IslandSession(Session):
                 error = str(e)
             if plan.transfers and not error:  # every rank: the island's verdict is collective
                 try:
-                    if self.pieces is not None and any(
-                        self.peer_id in (t.src, t.dst) for t in plan.transfers
-                    ):
-                        raise TransferError(
-                            "resyncing between islands of different sizes is not built yet"
-                        )
-                    island_transfers(group, plan, self.state, self.peer_id or 0)
+                    island_transfers(
+                        group,
+                        plan,
+                        self.state,
+                        self.peer_id or 0,
+                        pieces=self.pieces,
+                        sizes=self.island_sizes,
+                    )
                     if self.peer_id in plan.resynced:
                         self.revision = plan.round
                 except (CollectiveError, TransferError) as e:
@@ -301,6 +348,8 @@ class IslandSession(Session):
 
     def _on_push(self, msg: Any) -> None:
         super()._on_push(msg)
+        if isinstance(msg, msgs.AbortPush) and self.island.leader and self._watch is not None:
+            self._watch.tell_abort(msg.epoch, msg.round, msg.reason)  # followers cut theirs too
         g = self._group
         if isinstance(msg, msgs.AbortPush) and g is not None and g.name == f"epoch{msg.epoch}":
             self._abort_extra(f"round {msg.round} aborted by the coordinator: {msg.reason}")
@@ -363,6 +412,8 @@ class IslandSession(Session):
         """Leave the run (every rank together: the final digest is the island's)."""
         if self._closed:
             return
+        if self._watch is not None:  # this rank's exit is no failure of the island
+            self._watch.close()
         if leave and not self._asking:
             self.state.prepare()
         super().close(leave=leave and self.island.leader)

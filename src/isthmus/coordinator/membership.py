@@ -151,6 +151,7 @@ class Membership(RunState):
         p.last_seen = now
         if schema is not None and not p.schema_ok:
             why = None if self.schema is None else schema_mismatch(self.schema, schema)
+            why = why or self.roster.kind_conflict(pid)
             if why is not None:
                 reason = f"shared state does not match the run: {why}"
                 self.remove(pid, now, reason, state=PeerState.REFUSED)

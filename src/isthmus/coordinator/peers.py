@@ -105,6 +105,16 @@ class Peer:
         a = self.info.get("probe")
         return a if isinstance(a, str) else None
 
+    @property
+    def kind(self) -> str:
+        """What it is, from its registration: "an island of N ranks" (``info.island``) or "a
+        single-process peer"; the two hash their state differently (over the island-independent
+        layout, or whole tensors) and connect different groups."""
+        island = self.info.get("island")
+        if isinstance(island, dict):
+            return f"an island of {island.get('size', '?')} rank(s)"
+        return "a single-process peer"
+
     def describe(self, now: float, *, member: bool) -> dict[str, Any]:
         """This peer as ``/v1/status`` lists it (``member``: of the current or last epoch)."""
         return {
@@ -148,6 +158,24 @@ class Roster:
     def alive(self, pids: Iterable[int]) -> list[int]:
         """Those of ``pids`` that are active, in the order given."""
         return [pid for pid in pids if self.is_active(pid)]
+
+    def kind_conflict(self, pid: int) -> str | None:
+        """Why peer ``pid`` cannot join the run's checked peers, or None: one is an island and
+        the other a single-process peer (see :attr:`Peer.kind`), which cannot compare their
+        hashes nor meet in one group."""
+        me = self.peers[pid]
+        mine = "island" in me.info
+        others = [q for q in self.peers.values() if q.schema_ok and q.state is PeerState.ACTIVE]
+        for q in others:
+            if q.id != pid and ("island" in q.info) != mine:
+                return (
+                    f"this peer ({me.name!r}) is {me.kind}, but {q.name!r} (peer {q.id}) in the "
+                    f"run is {q.kind}: islands hash their state over the island-independent "
+                    "layout and single-process peers over whole tensors, so they cannot train "
+                    "in one run; start every peer as an island (an island may have one rank: "
+                    "isthmus run --nproc-per-peer 2,1) or none"
+                )
+        return None
 
     def ready(self) -> list[int]:
         """Active peers waiting in a begin, by id."""
