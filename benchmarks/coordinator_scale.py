@@ -153,8 +153,8 @@ def client_main(base: str, names: list[str], rounds: int, limit_s: float, conn: 
                     break
             deadline = time.monotonic() + limit_s
             await asyncio.gather(*(p.run_until(rounds, deadline) for p in peers))
-            evicted = sum(p.evictions + p.failures for p in peers)
-            conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], evicted)))
+            lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
+            conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], lost)))
             await asyncio.gather(*(p.close() for p in peers))
 
     asyncio.run(main())
@@ -231,12 +231,13 @@ def measure(
     for a in pipes:
         a.send("go")
     records: list[dict[str, Any]] = []
-    evicted = 0
+    evicted = failed = 0
     t_rounds = time.monotonic()
     for a in pipes:
-        kind, (per_peer, ev) = a.recv()
+        kind, (per_peer, (ev, fails)) = a.recv()
         assert kind == "rounds"
         evicted += ev
+        failed += fails
         for rs in per_peer:
             records.extend(rs)
     t_rounds = time.monotonic() - t_rounds
@@ -257,6 +258,7 @@ def measure(
             "peers": n,
             "failed": f"{len(by_round)} rounds committed in {t_rounds:.0f} s",
             "evicted": evicted,
+            "request_failures": failed,
         }
     form = [
         max(x["go"] for x in by_round[r]) - max(x["begin_sent"] for x in by_round[r])
@@ -297,15 +299,19 @@ def measure(
             "end": rss_end,
             "peak": stats["maxrss_mb"],
         },
-        "counters": {
-            k: stats["counters"][k] for k in ("rounds_committed", "rounds_aborted", "evictions")
-        },
+        "rounds_s": t_rounds,
+        "evicted": evicted,
+        "request_failures": failed,
+        "counters": {k: stats["counters"][k] for k in ("rounds_committed", "rounds_aborted")},
     }
 
 
 def _row(r: dict[str, Any]) -> str:
     if "failed" in r:
-        return f"| {r['peers']} | {r['failed']}; {r['evicted']} evictions |"
+        return (
+            f"| {r['peers']} | {r['failed']}; {r['evicted']} evictions, "
+            f"{r['request_failures']} requests failed or timed out |"
+        )
     f, c, w, cpu, rss = (
         r["formation_ms"],
         r["commit_ms"],
@@ -317,13 +323,13 @@ def _row(r: dict[str, Any]) -> str:
         f"| {r['peers']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
         f"| {w['median']:.1f} / {w['p99']:.1f} | {cpu['median']:.1f} / {cpu['p99']:.1f} "
         f"| {r['heartbeats_per_s']:.0f} | {r['cpu_us_per_heartbeat']:.0f} | {r['idle_cpu_pct']:.1f} "
-        f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} |"
+        f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} / {r['request_failures']} |"
     )
 
 
 HEADER = (
     "| peers | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
-    "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions |\n"
+    "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 

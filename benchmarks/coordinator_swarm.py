@@ -102,11 +102,15 @@ class ProtoPeer:
     failures: int = 0
     pushes: list[msgs.Push] = field(default_factory=list)
     rounds: list[RoundTimes] = field(default_factory=list)
+    deadline: float = float("inf")
+    """Monotonic time after which a request still waiting raises :class:`TimeoutError`."""
     _fresh: bool = True
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _hb_task: asyncio.Task[None] | None = None
 
     async def _post(self, path: str, message: Any) -> dict[str, Any]:
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(f"{self.name}: out of time asking {path}")
         async with self.session.post(
             self.base + path,
             json=encode(message),
@@ -241,6 +245,7 @@ class ProtoPeer:
     async def run_until(self, revision: int, deadline: float = float("inf")) -> None:
         """Run rounds until this peer holds ``revision`` committed rounds, or until
         ``deadline`` (monotonic) has passed."""
+        self.deadline = deadline
         while self.revision < revision and time.monotonic() < deadline:
             try:
                 await self.run_round()
