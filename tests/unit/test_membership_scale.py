@@ -74,3 +74,16 @@ def test_the_stamp_moves_only_when_a_waiting_answer_may_change() -> None:
     assert "waiting for commit reports" in m.poll_commit(plan.epoch, 1).reason
     m.commit(plan.members[-1], 1.0, epoch=plan.epoch, round=1, ok=True)
     assert m.stamp() != s2 and m.revision == 2
+
+
+def test_a_waiting_reason_names_twenty_members_and_counts_the_rest() -> None:
+    m, pids = _run(list(range(N)))
+    m.begin(pids[0], 1.0, nonce="b", revision=1, hashes=GOOD, schema=None)
+    why = m.poll_begin(pids[0], "b").reason
+    assert why.startswith("waiting for members to begin round 1: 1 (p001), 2 (p002)")
+    assert why.endswith(f" and {N - 1 - 20} more") and why.count("(p") == 20
+    # reused for a moment while only in-sync members begin, worked out afresh after that
+    assert m.poll_begin(pids[0], "b", now=1.0).reason == why
+    m.begin(pids[1], 1.1, nonce="b", revision=1, hashes=GOOD, schema=None)
+    assert m.poll_begin(pids[0], "b", now=1.1).reason == why
+    assert "1 (p001)" not in m.poll_begin(pids[0], "b", now=2.0).reason

@@ -30,7 +30,10 @@ from isthmus.coordinator.protocol import RoundPlan, Transfer
 from isthmus.coordinator.ring import ring_members
 from isthmus.coordinator.state import RunState
 
-__all__ = ["finished", "form", "hashes_needed", "quiet", "try_form", "waiting_reason"]
+__all__ = ["NAMED", "finished", "form", "hashes_needed", "quiet", "try_form", "waiting_reason"]
+
+NAMED = 20
+"""A waiting begin's reason names at most this many of the members it waits for."""
 
 
 def quiet(s: RunState, pid: int, now: float) -> bool:
@@ -64,8 +67,9 @@ def waiting_reason(s: RunState) -> str:
     is_ready = set(ready)
     missing = [pid for pid in s.expected() if pid not in is_ready and s.peers[pid].isolated is None]
     if missing:
-        names = ", ".join(f"{pid} ({s.peers[pid].name})" for pid in missing)
-        return f"waiting for members to begin round {s.revision}: {names}"
+        names = ", ".join(f"{pid} ({s.peers[pid].name})" for pid in missing[:NAMED])
+        more = f" and {len(missing) - NAMED} more" if len(missing) > NAMED else ""
+        return f"waiting for members to begin round {s.revision}: {names}{more}"
     if len(ready) < s.config.min_peers:
         return f"waiting for peers: {len(ready)} ready, min_peers is {s.config.min_peers}"
     start = s.config.start_peers or s.config.min_peers
@@ -81,8 +85,8 @@ def waiting_reason(s: RunState) -> str:
 
 def _still_blocked(s: RunState, now: float) -> bool:
     """Whether the member the last attempt waited for (:attr:`~.state.RunState.blocker`) still
-    holds the round back, so that :func:`try_form` would change nothing but start the forming
-    round's clock: it is a live member of the same epoch that has not begun and is not quiet,
+    holds the round back, so that :func:`try_form` would change nothing: it is a live, in-sync
+    member of the same epoch (so the run need not restart) that has not begun and is not quiet,
     nobody has waited for it past ``begin_timeout``, and no pair is known down and nobody was
     ever isolated (then sitting out leaves everyone in). O(1)."""
     b = s.blocker
@@ -93,24 +97,22 @@ def _still_blocked(s: RunState, now: float) -> bool:
     return (
         members is s.members
         and p is not None
+        and p.in_sync
         and not p.ready_nonce
         and not quiet(s, pid, now)
         and now - since <= s.config.begin_timeout
     )
 
 
-def try_form(s: RunState, now: float, *, ready_peer: int | None = None) -> None:
+def try_form(s: RunState, now: float, *, quick: bool = False) -> None:
     """Form the next round if its conditions hold (see the module doc); evicts members that
-    did not begin within ``begin_timeout``. ``ready_peer``: a peer that has just begun (so
-    somebody is ready); then a round still held back by the same member as last time is
-    recognised without looking at every peer."""
+    did not begin within ``begin_timeout``. ``quick``: first ask whether the member the last
+    attempt waited for still holds the round back, which needs no look at every peer (a begin,
+    the periodic tick); the forming round's clock is the caller's then (a begin starts it)."""
     if s.running is not None or s.streak.stop() is not None:
         return
-    if ready_peer is not None:
-        s.restart_if_lost(now)  # as below (somebody is ready); it may end the last epoch
-        if _still_blocked(s, now):
-            s.phase.waiting(now)
-            return
+    if quick and _still_blocked(s, now):
+        return
     s.blocker = None
     ready = s.roster.ready()
     if not ready:

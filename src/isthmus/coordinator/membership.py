@@ -56,7 +56,10 @@ from isthmus.coordinator.protocol import (
 )
 from isthmus.coordinator.state import RunState
 
-__all__ = ["Membership", "MembershipConfig", "PeerState"]  # config and states live in .peers
+__all__ = ["REASON_TTL", "Membership", "MembershipConfig", "PeerState"]  # config: .peers
+
+REASON_TTL = 0.25
+"""Seconds a waiting begin's reason may be reused (see :meth:`Membership.poll_begin`)."""
 
 
 class Membership(RunState):
@@ -130,7 +133,7 @@ class Membership(RunState):
                         f"did not report round {r.plan.round} within {cfg.commit_timeout:.0f}s",
                     )
         isolation.ask_probes(self, now)
-        self.try_form(now)
+        forming.try_form(self, now, quick=True)
 
     # -- begin ----------------------------------------------------------------------------------
     def begin(
@@ -191,13 +194,18 @@ class Membership(RunState):
             self.begins_apart += 1  # a joiner or stale peer: the others may owe their hashes
         if not self.phase.running:
             self.phase.waiting(now)
-        forming.try_form(self, now, ready_peer=pid if nonce else None)
+        forming.try_form(self, now, quick=bool(nonce))
         return self.poll_begin(pid, nonce, explain=explain)
 
-    def poll_begin(self, pid: int, nonce: str, *, explain: bool = True) -> Decision:
+    def poll_begin(
+        self, pid: int, nonce: str, *, explain: bool = True, now: float | None = None
+    ) -> Decision:
         """Where a waiting begin stands, without changing anything. ``explain=False`` leaves a
         ``wait`` answer's reason empty, which spares a scan of every peer (a waiter that is
-        asked again at the next change only reads the reason of its last answer)."""
+        asked again at the next change only reads the reason of its last answer). With
+        ``now``, the reason of a round still forming may be one worked out up to
+        :data:`REASON_TTL` seconds earlier with nothing changed since but begins of in-sync
+        members (thousands of waiters that time out together share one scan)."""
         p = self.roster.active(pid)
         if p is None:
             return self.gone(pid)
@@ -242,7 +250,17 @@ class Membership(RunState):
             ready = self.roster.ready() if ready is None else ready
             if forming.hashes_needed(self, ready):
                 return Decision("hashes", "send state hashes for the parity check")
-        return Decision("wait", forming.waiting_reason(self) if explain else "")
+        return Decision("wait", self._waiting_reason(now) if explain else "")
+
+    def _waiting_reason(self, now: float | None) -> str:
+        if now is None:
+            return forming.waiting_reason(self)
+        stamp, cached = self.stamp(), self.reason_cache
+        if cached is not None and cached[0] == stamp and 0 <= now - cached[1] < REASON_TTL:
+            return cached[2]
+        why = forming.waiting_reason(self)
+        self.reason_cache = (stamp, now, why)
+        return why
 
     def try_form(self, now: float) -> None:
         """Form the next round if its conditions hold (:func:`.forming.try_form`)."""

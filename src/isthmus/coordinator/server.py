@@ -402,7 +402,7 @@ class Coordinator:
             m = self.membership
             d = await self._hold(
                 lambda: m.poll_begin(pid, nonce, explain=False),
-                lambda: m.poll_begin(pid, nonce),
+                lambda: m.poll_begin(pid, nonce, now=self._now()),
             )
         return self._reply(d)
 

@@ -56,6 +56,8 @@ class RunState:
         self.begins_apart = 0
         """Begins from peers outside the run's in-sync voters (joiners, stale peers): such a
         begin may change what the other waiting peers are answered (send hashes)."""
+        self.reason_cache: tuple[tuple[int, ...], float, str] | None = None
+        """(stamp, when, reason): the last reason a waiting begin was given."""
         self.blocker: tuple[tuple[int, ...], int, float] | None = None
         """(members, member, since): the last round that could not form waited for ``member``
         of those ``members``, and no waiting member had been ready before ``since``
