@@ -88,8 +88,26 @@ def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
 
     m.commit_round = timed_commit  # type: ignore[method-assign]
 
+    def report() -> None:
+        status = coord.status(events=0)
+        with open("/proc/self/status") as f:
+            rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "commits": commits,
+                    "rss_mb": rss_kb / 1024,
+                    "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                    "counters": status["counters"],
+                }
+            )
+        )
+        os.replace(tmp, out)  # whole, or not there
+
     def stop_on_eof() -> None:
         sys.stdin.read()
+        report()  # before stopping: closing a thousand sockets may take a while
         coord.stop()
 
     threading.Thread(target=stop_on_eof, daemon=True).start()
@@ -100,19 +118,6 @@ def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
     if prof is not None:
         prof.disable()
         prof.dump_stats(str(profile))
-    status = coord.status(events=0)
-    with open("/proc/self/status") as f:
-        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    out.write_text(
-        json.dumps(
-            {
-                "commits": commits,
-                "rss_mb": rss_kb / 1024,
-                "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "counters": status["counters"],
-            }
-        )
-    )
 
 
 def _cpu_s(pid: int) -> float:
@@ -243,7 +248,13 @@ def measure(
     t_rounds = time.monotonic() - t_rounds
     rss_end = _rss_mb(server.pid)
     server.stdin.close()  # type: ignore[union-attr]
-    server.wait(60)
+    deadline = time.monotonic() + 60
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()  # its figures are written; its shutdown is not what is measured
     for w in workers:
         w.join(10)
     stats = json.loads(out.read_text())
