@@ -81,6 +81,9 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
             for f in dataclasses.fields(options)
             if f.init and isinstance(getattr(options, f.name), (int, float, str, bool, type(None)))
         }
+    # the shared tensors only rounds write (the strategy names them, and waits for the copy,
+    # Checkpointer.settle, before each of its rounds) are copied by the writer thread
+    named = getattr(strategy, "round_written_shared", None)
     return Checkpointer(
         session,
         cfg.checkpoint_dir,
@@ -91,4 +94,5 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
         strategy=strategy.name,
         strategy_config=options if isinstance(options, dict) else {},
         model_keys=strategy.model_keys(),
+        background_shared=set(named()) if named is not None else (),
     )

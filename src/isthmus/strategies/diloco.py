@@ -212,6 +212,10 @@ class DiLoCo(PhasedStrategy):
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
+            if self.checkpointer is not None:
+                # the round may write the shared state (a repair as it begins, its result):
+                # the copy a checkpoint is making of it on its writer thread must be done first
+                self.checkpointer.settle()
             result = self.session.run_round(reduce)
             if gathered:
                 table = gathered[0].view(-1, 2)
@@ -221,6 +225,18 @@ class DiLoCo(PhasedStrategy):
                     result.exact[0] = table[:, 1].max()
         self.phase_tokens = 0.0
         self.apply_outer(result)
+
+    def round_written_shared(self) -> set[str]:
+        """The shared tensors only rounds write (the outer round's result, a repair, a
+        restore): the global model and buffers, the outer optimizer's state and the step
+        counter. Inner steps touch only local copies, so a checkpoint may copy these on its
+        writer thread while training goes on (:mod:`isthmus.checkpoint.save`); :meth:`sync`
+        waits for that copy before it runs a round."""
+        if self.session is None:
+            return set()
+        names = {*self.held_by.values(), "meta/step"}
+        names.update(n for n, _ in self.session.state.items() if n.startswith("outer/"))
+        return names
 
     def apply_outer(self, result: Reduced | None) -> None:
         """Apply a committed reduction (mean outer gradients, mean inner-step count and mean
