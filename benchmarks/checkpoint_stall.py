@@ -10,12 +10,14 @@ global model, the outer momentum, the step counter) of which a peer of N writes 
 with the RNG state), as ``Strategy.local_state`` returns it. Between two checkpoints the peer
 takes ``--steps-between`` AdamW steps (forward, backward, step) and then an outer step writes
 the shared state; before it, the peer calls ``Checkpointer.settle`` when the checkpointer has
-it (what ``DiLoCo.sync`` does before its round). The stall per checkpoint is the median of
-``maybe_save`` (the snapshot on the training thread; the previous write is waited for first,
-apart: how long a write takes is the store's speed, not the snapshot's) plus the median wait in
-``settle`` (a background copy not done when the next round comes); the reference is ``torch.save`` of the whole shared state to a file, fsynced,
-timed right after each checkpoint. Runs against whichever isthmus is on ``PYTHONPATH`` (the
-``background_shared`` option is used when the Checkpointer has it).
+it (what ``DiLoCo.sync`` does before its round). The stall per checkpoint is the training
+thread's time in the checkpointer (``Checkpointer.stall_s``: ``maybe_save``, and every wait in
+``settle`` for a background copy, before a round or an optimizer step), the previous write
+waited for first, apart (how long a write takes is the store's speed, not the snapshot's); the
+reference is ``torch.save`` of the whole shared state to a file, fsynced, timed right after each
+checkpoint. Runs against whichever isthmus is on ``PYTHONPATH`` (the ``background_shared`` and
+``background_local`` options are used when the Checkpointer has them, the latter settled by a
+step pre-hook on the optimizer, as ``DiLoCo.step_written_local`` sets it up).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def one(world: int, saves: int, steps_between: int, root: Path) -> dict[str, Any
     if background:
         kw["background_shared"] = set(shared)
     ck = Checkpointer(s, str(root / f"ck{world}"), every=1, keep=2, local_state=local_state, **kw)
+    if hasattr(ck, "background_local"):  # what DiLoCo.step_written_local sets up
+        opt.register_step_pre_hook(lambda *_: ck.settle())
+        names = {n for n, _ in model.named_parameters()}
+        ck.background_local = lambda p: p[0] == "optimizer" or (p[0] == "model" and p[1] in names)
     sync: list[float] = []
     snap: list[float] = []  # wall seconds of maybe_save, the previous write already done
     snap_cpu: list[float] = []  # the training thread's CPU seconds in it
@@ -118,7 +124,7 @@ def one(world: int, saves: int, steps_between: int, root: Path) -> dict[str, Any
     ck.wait(60)
     nbytes = sum(t.numel() * t.element_size() for t in shared.values())
     med = statistics.median
-    stall = med(snap) + med(settle)
+    stall = ck.stall_s / saves
     return {
         "peers": world,
         "background": background,

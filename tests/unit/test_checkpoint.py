@@ -291,3 +291,42 @@ def test_a_named_shared_tensor_is_copied_in_the_background_and_settled_before_a_
         assert torch.equal(saved["global/w"], torch.full((256, 256), float(revision)))
         assert int(saved["sampler/drawn"]) == 10 * revision
     assert ck.failures == 0 and ck.written == 3
+
+
+def test_local_tensors_picked_are_copied_in_the_background_and_settled_before_a_step(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ck")
+    s = FakeSession(CheckpointBook(url), threading.Lock(), "peer0", 0, 1)
+    s.state.register("global/w", torch.zeros(8))
+    live = {
+        "optimizer": {"m": torch.zeros(128, 128)},
+        "model": {"w": torch.zeros(64), "buf": torch.zeros(4)},
+    }
+
+    def picked(path: tuple) -> bool:  # what an optimizer's step writes; not the buffer
+        return path[0] == "optimizer" or path == ("model", "w")
+
+    ck = Checkpointer(s, url, every=1, keep=3, local_state=lambda: live, background_local=picked)
+    template = {
+        "optimizer": {"m": torch.zeros(128, 128)},
+        "model": {"w": torch.zeros(64), "buf": torch.zeros(4)},
+    }
+    for revision in (1, 2):
+        s.revision = revision
+        for t in (live["optimizer"]["m"], live["model"]["w"], live["model"]["buf"]):
+            t.fill_(float(revision))
+        assert ck.maybe_save()
+        live["model"]["buf"].fill_(-1.0)  # a forward pass: the buffer was copied on this thread
+        ck.settle()  # the optimizer's step pre-hook
+        live["optimizer"]["m"].fill_(-1.0)
+        live["model"]["w"].fill_(-1.0)
+        ck.wait(30)
+        fresh = SharedState()
+        fresh.register("global/w", torch.zeros(8))
+        _, local = load_latest(url, fresh, upto=revision, slot="peer0", local_template=template)
+        assert local is not None
+        assert torch.equal(local["optimizer"]["m"], torch.full((128, 128), float(revision)))
+        assert torch.equal(local["model"]["w"], torch.full((64,), float(revision)))
+        assert torch.equal(local["model"]["buf"], torch.full((4,), float(revision)))
+    assert ck.failures == 0

@@ -84,7 +84,9 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
     # the shared tensors only rounds write (the strategy names them, and waits for the copy,
     # Checkpointer.settle, before each of its rounds) are copied by the writer thread
     named = getattr(strategy, "round_written_shared", None)
-    return Checkpointer(
+    # likewise the local tensors only its optimizer's step writes (it settles before each step)
+    stepped = getattr(strategy, "step_written_local", None)
+    ck = Checkpointer(
         session,
         cfg.checkpoint_dir,
         # 0: only at the end of the run (the strategy's finish() forces one)
@@ -96,3 +98,6 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
         model_keys=strategy.model_keys(),
         background_shared=set(named()) if named is not None else (),
     )
+    if stepped is not None:
+        ck.background_local = stepped(ck.settle)
+    return ck

@@ -14,9 +14,11 @@ The copies go into staging buffers kept from one save to the next (:mod:`.stagin
 run allocates them once. The shared tensors named in ``background_shared`` are copied by the
 background thread instead: the strategy declares that only its rounds write them (when a round
 begins: repairs, restores; when one commits: its result), and calls :meth:`Checkpointer.settle`,
-which waits for that copy, before each of its rounds. Other shared tensors (an elastic sampler's
-position moves at every step) and the local state (it changes at every step) are copied on the
-training thread.
+which waits for that copy, before each of its rounds. Likewise the local tensors
+``background_local`` picks (an inner optimizer's state and the parameters it steps: only its
+``step()`` writes them, and the strategy settles before it). Other shared tensors (an elastic
+sampler's position moves at every step) and the rest of the local state (floating buffers: a
+forward pass writes them) are copied on the training thread.
 
 On failure: a part that cannot be written (disk full, permission, an unreachable store) is
 logged and counted (:attr:`Checkpointer.failures`); training goes on and the previous complete
@@ -83,6 +85,7 @@ class Checkpointer:
         strategy_config: Mapping[str, Any] | None = None,
         model_keys: Mapping[str, str] | None = None,
         background_shared: Collection[str] = (),
+        background_local: Callable[[tuple[Any, ...]], bool] | None = None,
     ) -> None:
         if every < 1 or keep < 1:
             raise ValueError(f"every and keep must be >= 1, got {every} and {keep}")
@@ -110,7 +113,10 @@ class Checkpointer:
         self._shared_staging = Staging()
         self._background_staging = Staging()
         self._local_staging = Staging()
-        self._copied: threading.Event | None = None  # set once the shared part is copied
+        self.background_local = background_local
+        """Which tensors of the local state (by their path of keys) are copied on the writer
+        thread (whatever writes them must call :meth:`settle` first)."""
+        self._copied: threading.Event | None = None  # set once the background copies are done
 
     def due(self) -> bool:
         r = self.session.revision
@@ -133,9 +139,9 @@ class Checkpointer:
         at_once = {n: s.state[n] for n in parts[rank] if n not in self.background_shared}
         snapshot = self._shared_staging.copy(at_once)
         local = self.local_state() if self.local_state is not None else None
-        local = self._local_staging.copy(local) if local else None
+        local = self._local_staging.copy(local, self.background_local) if local else None
         copied = threading.Event()
-        if not later:
+        if not later and not self._local_staging.pending:
             copied.set()
         self._copied = copied
         self.last_revision = revision
@@ -150,9 +156,9 @@ class Checkpointer:
         return True
 
     def settle(self) -> None:
-        """Return once the shared part of the snapshot being taken is copied (at once when none
-        is, or when it is copied on the training thread). A strategy that names
-        ``background_shared`` calls it before each of its rounds (a round may write them)."""
+        """Return once the background copies of the snapshot being taken are done (at once when
+        there are none). A strategy that names ``background_shared`` or ``background_local``
+        calls it before anything writes those tensors (its rounds, its optimizer's step)."""
         copied = self._copied
         if copied is not None and not copied.is_set():
             t0 = time.monotonic()
@@ -178,6 +184,7 @@ class Checkpointer:
             if later:
                 later = self._background_staging.copy(later)
                 snapshot = {n: (later[n] if n in later else snapshot[n]) for n in parts[rank]}
+            self._local_staging.finish()
         except Exception as e:  # as a failed write: counted, reported, training goes on
             self.failures += 1
             log.warning("checkpoint of revision %d: copying part %d failed: %s", revision, rank, e)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -237,6 +238,19 @@ class DiLoCo(PhasedStrategy):
         names = {*self.held_by.values(), "meta/step"}
         names.update(n for n, _ in self.session.state.items() if n.startswith("outer/"))
         return names
+
+    def step_written_local(self, settle: Callable[[], None]) -> Callable[[tuple[Any, ...]], bool]:
+        """Which tensors of :meth:`local_state` only the inner optimizer's ``step()`` writes
+        (its state, and the trainable parameters; not the floating buffers, which a forward pass
+        writes), so that a checkpoint may copy them on its writer thread; ``settle`` (which
+        waits for that copy) runs before every step of the inner optimizer from now on."""
+        self.optimizer.register_step_pre_hook(lambda *_: settle())
+        trainable = set(self.names)
+
+        def stepped(path: tuple[Any, ...]) -> bool:
+            return path[0] == "optimizer" or (path[0] == "model" and path[1] in trainable)
+
+        return stepped
 
     def apply_outer(self, result: Reduced | None) -> None:
         """Apply a committed reduction (mean outer gradients, mean inner-step count and mean
