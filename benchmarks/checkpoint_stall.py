@@ -10,12 +10,12 @@ global model, the outer momentum, the step counter) of which a peer of N writes 
 with the RNG state), as ``Strategy.local_state`` returns it. Between two checkpoints the peer
 takes ``--steps-between`` AdamW steps (forward, backward, step) and then an outer step writes
 the shared state; before it, the peer calls ``Checkpointer.settle`` when the checkpointer has
-it (what ``DiLoCo.sync`` does before its round). The stall per checkpoint is the training
-thread's time in the checkpointer (``Checkpointer.stall_s``: ``maybe_save``, and every wait in
-``settle`` for a background copy, before a round or an optimizer step), the previous write
-waited for first, apart (how long a write takes is the store's speed, not the snapshot's); the
-reference is ``torch.save`` of the whole shared state to a file, fsynced, timed right after each
-checkpoint. Runs against whichever isthmus is on ``PYTHONPATH`` (the ``background_shared`` and
+it (what ``DiLoCo.sync`` does before its round). The stall per checkpoint is the median wall
+time of ``maybe_save`` (the snapshot on the training thread, and starting the writer; the
+previous write is waited for first, apart: how long a write takes is the store's speed, not the
+snapshot's) plus the mean time the training thread waited in ``settle`` for a background copy
+(before a round, or an optimizer step). The reference is ``torch.save`` of the whole shared
+state to a file, fsynced, timed right after each checkpoint. Runs against whichever isthmus is on ``PYTHONPATH`` (the ``background_shared`` and
 ``background_local`` options are used when the Checkpointer has them, the latter settled by a
 step pre-hook on the optimizer, as ``DiLoCo.step_written_local`` sets it up).
 """
@@ -95,21 +95,29 @@ def one(world: int, saves: int, steps_between: int, root: Path) -> dict[str, Any
     if background:
         kw["background_shared"] = set(shared)
     ck = Checkpointer(s, str(root / f"ck{world}"), every=1, keep=2, local_state=local_state, **kw)
+    waits: list[float] = []  # the training thread's time in settle, per checkpoint
+
+    def timed_settle() -> None:
+        t0 = time.perf_counter()
+        ck.settle()
+        waits[-1] += time.perf_counter() - t0
+
     if hasattr(ck, "background_local"):  # what DiLoCo.step_written_local sets up
-        opt.register_step_pre_hook(lambda *_: ck.settle())
+        opt.register_step_pre_hook(lambda *_: timed_settle())
         names = {n for n, _ in model.named_parameters()}
         ck.background_local = lambda p: p[0] == "optimizer" or (p[0] == "model" and p[1] in names)
     sync: list[float] = []
     snap: list[float] = []  # wall seconds of maybe_save, the previous write already done
     snap_cpu: list[float] = []  # the training thread's CPU seconds in it
-    settle: list[float] = []
+    settled: list[float] = []  # per checkpoint: waits for the previous one's background copy
+    waits.append(0.0)
     for k in range(saves):
         for _ in range(steps_between):
             step()
-        t0 = time.perf_counter()
         if hasattr(ck, "settle"):
-            ck.settle()  # the strategy's round may now write the shared state
-        settle.append(time.perf_counter() - t0)
+            timed_settle()  # the strategy's round may now write the shared state
+        settled.append(waits[-1])
+        waits.append(0.0)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 shared[f"global/{n}"].add_(p, alpha=1e-3)
@@ -124,13 +132,13 @@ def one(world: int, saves: int, steps_between: int, root: Path) -> dict[str, Any
     ck.wait(60)
     nbytes = sum(t.numel() * t.element_size() for t in shared.values())
     med = statistics.median
-    stall = ck.stall_s / saves
+    stall = med(snap) + statistics.mean(settled)
     return {
         "peers": world,
         "background": background,
         "snapshot_ms": 1e3 * med(snap),
         "snapshot_cpu_ms": 1e3 * med(snap_cpu),
-        "settle_ms": 1e3 * med(settle),
+        "settle_ms": 1e3 * statistics.mean(settled),
         "stall_ms": 1e3 * stall,
         "sync_save_ms": 1e3 * med(sync),
         "ratio": stall / med(sync),

@@ -145,7 +145,6 @@ class Checkpointer:
             copied.set()
         self._copied = copied
         self.last_revision = revision
-        self.stall_s += time.monotonic() - t0
         self._thread = threading.Thread(
             target=self._copy_and_write,
             args=(revision, rank, parts, snapshot, later, local, copied),
@@ -153,6 +152,7 @@ class Checkpointer:
             daemon=True,
         )
         self._thread.start()
+        self.stall_s += time.monotonic() - t0  # starting the writer is the training thread's too
         return True
 
     def settle(self) -> None:
