@@ -1,6 +1,6 @@
 """Checkpoints in one process (isthmus.checkpoint): parts, manifests, verification, fall-back,
-export. Peers are simulated by fake sessions sharing one coordinator book; the files are real
-(a tmp directory, and fsspec's in-memory file system)."""
+export, staging buffers and background copies. Peers are simulated by fake sessions sharing one
+coordinator book; the files are real (a tmp directory, and fsspec's in-memory file system)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from isthmus.checkpoint import (
     inspect,
     load_latest,
 )
+from isthmus.checkpoint.staging import Staging
 from isthmus.comm.state import SharedState
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 
@@ -222,3 +223,110 @@ def test_export_is_a_plain_state_dict_and_fsspec_memory_works(tmp_path: Path) ->
     )
     assert loaded["b"].dtype == torch.bfloat16 and torch.equal(loaded["b"], tensors["global/b"])
     assert json.loads(json.dumps(info["manifest"]))["revision"] == 2
+
+
+# -- staging buffers, and shared tensors copied on the writer thread ---------------------------
+
+
+def test_staging_reuses_its_buffers_and_copies_the_values_of_the_moment() -> None:
+    st = Staging()
+    w, m = torch.arange(6.0).view(2, 3), torch.ones(4)
+    first = st.copy({"model": {"w": w}, "opt": [m, 3], "note": "n"})
+    held = first["model"]["w"]
+    assert torch.equal(held, w) and held.data_ptr() != w.data_ptr()
+    assert first["opt"][1] == 3 and first["note"] == "n" and isinstance(first["opt"], list)
+    allocated = st.allocated
+    w.add_(1)
+    m.mul_(2)
+    second = st.copy({"model": {"w": w}, "opt": [m, 3], "note": "n"})
+    assert second["model"]["w"] is held and st.allocated == allocated  # the same buffer again
+    assert torch.equal(held, w) and torch.equal(second["opt"][0], m)
+    # a new shape gets a new buffer; a tensor that is gone lets its buffer go
+    third = st.copy({"model": {"w": torch.zeros(3, 3)}})
+    assert third["model"]["w"].shape == (3, 3) and st.allocated > allocated
+    assert len(st._buffers) == 1
+    # a strided view is cloned as it is, never staged through a buffer of another layout
+    v = torch.arange(12.0).view(3, 4).t()
+    assert torch.equal(st.copy({"v": v})["v"], v)
+
+
+def _one_peer(url: str, background: set[str]) -> tuple[Checkpointer, FakeSession]:
+    s = FakeSession(CheckpointBook(url), threading.Lock(), "peer0", 0, 1)
+    s.state.register("global/w", torch.zeros(256, 256))
+    s.state.register("sampler/drawn", torch.zeros(1, dtype=torch.int64))
+    local = {"inner": {"exp_avg": torch.zeros(64)}}
+    ck = Checkpointer(
+        s, url, every=1, keep=3, local_state=lambda: local, background_shared=background
+    )
+    return ck, s
+
+
+def _saved(url: str, revision: int) -> dict[str, torch.Tensor]:
+    fresh = SharedState()
+    fresh.register("global/w", torch.full((256, 256), -1.0))
+    fresh.register("sampler/drawn", torch.full((1,), -1, dtype=torch.int64))
+    m, _ = load_latest(url, fresh, upto=revision)
+    assert m.revision == revision
+    return {n: t.clone() for n, t in fresh.items()}
+
+
+def test_a_named_shared_tensor_is_copied_in_the_background_and_settled_before_a_write(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ck")
+    ck, s = _one_peer(url, {"global/w"})
+    for revision in (1, 2, 3):
+        s.revision = revision
+        s.state["global/w"].fill_(float(revision))
+        s.state["sampler/drawn"].fill_(10 * revision)
+        assert ck.maybe_save()
+        # training goes on at once: the sampler moves (it is copied on this thread, so the
+        # checkpoint keeps the value of the save), then a round would write the shared state,
+        # once the strategy has settled the copy
+        s.state["sampler/drawn"].add_(1)
+        ck.settle()
+        s.state["global/w"].fill_(-7.0)
+        ck.wait(30)
+        saved = _saved(url, revision)
+        assert torch.equal(saved["global/w"], torch.full((256, 256), float(revision)))
+        assert int(saved["sampler/drawn"]) == 10 * revision
+    assert ck.failures == 0 and ck.written == 3
+
+
+def test_local_tensors_picked_are_copied_in_the_background_and_settled_before_a_step(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ck")
+    s = FakeSession(CheckpointBook(url), threading.Lock(), "peer0", 0, 1)
+    s.state.register("global/w", torch.zeros(8))
+    live = {
+        "optimizer": {"m": torch.zeros(128, 128)},
+        "model": {"w": torch.zeros(64), "buf": torch.zeros(4)},
+    }
+
+    def picked(path: tuple) -> bool:  # what an optimizer's step writes; not the buffer
+        return path[0] == "optimizer" or path == ("model", "w")
+
+    ck = Checkpointer(s, url, every=1, keep=3, local_state=lambda: live, background_local=picked)
+    template = {
+        "optimizer": {"m": torch.zeros(128, 128)},
+        "model": {"w": torch.zeros(64), "buf": torch.zeros(4)},
+    }
+    for revision in (1, 2):
+        s.revision = revision
+        for t in (live["optimizer"]["m"], live["model"]["w"], live["model"]["buf"]):
+            t.fill_(float(revision))
+        assert ck.maybe_save()
+        live["model"]["buf"].fill_(-1.0)  # a forward pass: the buffer was copied on this thread
+        ck.settle()  # the optimizer's step pre-hook
+        live["optimizer"]["m"].fill_(-1.0)
+        live["model"]["w"].fill_(-1.0)
+        ck.wait(30)
+        fresh = SharedState()
+        fresh.register("global/w", torch.zeros(8))
+        _, local = load_latest(url, fresh, upto=revision, slot="peer0", local_template=template)
+        assert local is not None
+        assert torch.equal(local["optimizer"]["m"], torch.full((128, 128), float(revision)))
+        assert torch.equal(local["model"]["w"], torch.full((64,), float(revision)))
+        assert torch.equal(local["model"]["buf"], torch.full((4,), float(revision)))
+    assert ck.failures == 0

@@ -89,3 +89,49 @@ def test_links_are_named_when_pairs_report_and_not_guessed_otherwise() -> None:
 def test_bad_settings_say_which(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         StragglerConfig(**kw)
+
+
+def test_the_reference_among_many_peers_is_the_median_of_the_others() -> None:
+    # many peers, an even then an odd number of others, one of them forgotten: the reference
+    # a flag carries is the plain median of the other peers' current times
+    import random
+    import statistics
+
+    rng = random.Random(7)
+    d = StragglerDetector(StragglerConfig(factor=2.0, rounds=1))
+    recent: dict[int, list[float]] = {}
+    for step in range(3):
+        for pid in range(41):
+            w = round(rng.uniform(1.0, 2.0), 3)
+            recent.setdefault(pid, []).append(w)
+            assert d.observe(pid, f"peer{pid}", {"step": step, "work_s": w}) == []
+
+    def expected(pid: int) -> float:
+        return statistics.median(statistics.median(v[-3:]) for q, v in recent.items() if q != pid)
+
+    for forget, pid in ((None, 100), (5, 101)):
+        if forget is not None:
+            d.forget(forget)
+            del recent[forget]
+        events = []
+        for step in range(3):
+            recent.setdefault(pid, []).append(50.0)
+            events += d.observe(pid, f"peer{pid}", {"step": step, "work_s": 50.0})
+        assert [k for k, _ in events] == ["straggler"]
+        assert events[0][1]["reference_s"] == round(expected(pid), 6)
+
+
+def test_a_slow_synchronization_everywhere_is_a_link_anomaly_once_all_report_it() -> None:
+    # every peer's sync beyond k times its own baseline, judged from counts kept as they report
+    d = StragglerDetector(StragglerConfig(factor=2.0, rounds=2, window=10))
+    kinds = []
+    for step in range(12):
+        sync = 1.0 if step >= 6 else 0.1
+        for pid in range(30):
+            kinds += [
+                k
+                for k, _ in d.observe(pid, f"p{pid}", {"step": step, "work_s": 0.5, "sync_s": sync})
+            ]
+    assert kinds == ["link_anomaly"]
+    d.forget(3)  # the counts follow a peer that leaves
+    assert d.status()["link_anomalies"] == 1

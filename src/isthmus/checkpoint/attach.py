@@ -81,7 +81,12 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
             for f in dataclasses.fields(options)
             if f.init and isinstance(getattr(options, f.name), (int, float, str, bool, type(None)))
         }
-    return Checkpointer(
+    # the shared tensors only rounds write (the strategy names them, and waits for the copy,
+    # Checkpointer.settle, before each of its rounds) are copied by the writer thread
+    named = getattr(strategy, "round_written_shared", None)
+    # likewise the local tensors only its optimizer's step writes (it settles before each step)
+    stepped = getattr(strategy, "step_written_local", None)
+    ck = Checkpointer(
         session,
         cfg.checkpoint_dir,
         # 0: only at the end of the run (the strategy's finish() forces one)
@@ -91,4 +96,8 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
         strategy=strategy.name,
         strategy_config=options if isinstance(options, dict) else {},
         model_keys=strategy.model_keys(),
+        background_shared=set(named()) if named is not None else (),
     )
+    if stepped is not None:
+        ck.background_local = stepped(ck.settle)
+    return ck

@@ -10,6 +10,16 @@ hashes of what it wrote; the report that completes the set is told to write the 
 makes the checkpoint complete (:mod:`isthmus.coordinator.checkpoints`). Only the last ``keep``
 complete checkpoints are kept.
 
+The copies go into staging buffers kept from one save to the next (:mod:`.staging`), so a steady
+run allocates them once. The shared tensors named in ``background_shared`` are copied by the
+background thread instead: the strategy declares that only its rounds write them (when a round
+begins: repairs, restores; when one commits: its result), and calls :meth:`Checkpointer.settle`,
+which waits for that copy, before each of its rounds. Likewise the local tensors
+``background_local`` picks (an inner optimizer's state and the parameters it steps: only its
+``step()`` writes them, and the strategy settles before it). Other shared tensors (an elastic
+sampler's position moves at every step) and the rest of the local state (floating buffers: a
+forward pass writes them) are copied on the training thread.
+
 On failure: a part that cannot be written (disk full, permission, an unreachable store) is
 logged and counted (:attr:`Checkpointer.failures`); training goes on and the previous complete
 checkpoint stays the latest. A peer that dies mid-save leaves a directory without a manifest,
@@ -19,16 +29,16 @@ which is never listed and is removed by a later save.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from isthmus.checkpoint.manifest import Manifest, assign_parts
+from isthmus.checkpoint.staging import Staging
 from isthmus.checkpoint.store import CheckpointStore
 from isthmus.comm.state import SharedState, tensor_hash
 from isthmus.version import __version__
@@ -54,17 +64,6 @@ def slot_of(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def _detach(obj: Any) -> Any:
-    """A copy of a (nested) state dict whose tensors are detached clones."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, Mapping):
-        return {k: _detach(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_detach(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
 class Checkpointer:
     """Periodic, asynchronous checkpoints of one peer's share (see the module docstring).
 
@@ -85,6 +84,8 @@ class Checkpointer:
         strategy: str = "",
         strategy_config: Mapping[str, Any] | None = None,
         model_keys: Mapping[str, str] | None = None,
+        background_shared: Collection[str] = (),
+        background_local: Callable[[tuple[Any, ...]], bool] | None = None,
     ) -> None:
         if every < 1 or keep < 1:
             raise ValueError(f"every and keep must be >= 1, got {every} and {keep}")
@@ -105,7 +106,17 @@ class Checkpointer:
         """Time the training thread spent in :meth:`maybe_save` (snapshots, waiting for a write
         still running)."""
         self.last_revision = session.revision
+        self.background_shared = frozenset(background_shared)
+        """Shared tensors copied on the writer thread (the strategy must call :meth:`settle`
+        before a round can write them)."""
         self._thread: threading.Thread | None = None
+        self._shared_staging = Staging()
+        self._background_staging = Staging()
+        self._local_staging = Staging()
+        self.background_local = background_local
+        """Which tensors of the local state (by their path of keys) are copied on the writer
+        thread (whatever writes them must call :meth:`settle` first)."""
+        self._copied: threading.Event | None = None  # set once the background copies are done
 
     def due(self) -> bool:
         r = self.session.revision
@@ -124,24 +135,63 @@ class Checkpointer:
         revision, rank, world = s.revision, s.rank, s.world
         sizes = {n: t.numel() * t.element_size() for n, t in s.state.items()}
         parts = assign_parts(sizes, world)
-        snapshot = {n: s.state[n].detach().clone() for n in parts[rank]}
+        later = {n: s.state[n] for n in parts[rank] if n in self.background_shared}
+        at_once = {n: s.state[n] for n in parts[rank] if n not in self.background_shared}
+        snapshot = self._shared_staging.copy(at_once)
         local = self.local_state() if self.local_state is not None else None
-        local = _detach(local) if local else None
+        local = self._local_staging.copy(local, self.background_local) if local else None
+        copied = threading.Event()
+        if not later and not self._local_staging.pending:
+            copied.set()
+        self._copied = copied
         self.last_revision = revision
-        self.stall_s += time.monotonic() - t0
         self._thread = threading.Thread(
-            target=self._write,
-            args=(revision, rank, parts, snapshot, local),
+            target=self._copy_and_write,
+            args=(revision, rank, parts, snapshot, later, local, copied),
             name="isthmus-checkpoint",
             daemon=True,
         )
         self._thread.start()
+        self.stall_s += time.monotonic() - t0  # starting the writer is the training thread's too
         return True
+
+    def settle(self) -> None:
+        """Return once the background copies of the snapshot being taken are done (at once when
+        there are none). A strategy that names ``background_shared`` or ``background_local``
+        calls it before anything writes those tensors (its rounds, its optimizer's step)."""
+        copied = self._copied
+        if copied is not None and not copied.is_set():
+            t0 = time.monotonic()
+            copied.wait()
+            self.stall_s += time.monotonic() - t0
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the write in progress (bounded by ``timeout`` if given)."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _copy_and_write(
+        self,
+        revision: int,
+        rank: int,
+        parts: list[list[str]],
+        snapshot: dict[str, torch.Tensor],
+        later: dict[str, torch.Tensor],
+        local: dict[str, Any] | None,
+        copied: threading.Event,
+    ) -> None:
+        try:
+            if later:
+                later = self._background_staging.copy(later)
+                snapshot = {n: (later[n] if n in later else snapshot[n]) for n in parts[rank]}
+            self._local_staging.finish()
+        except Exception as e:  # as a failed write: counted, reported, training goes on
+            self.failures += 1
+            log.warning("checkpoint of revision %d: copying part %d failed: %s", revision, rank, e)
+            return
+        finally:
+            copied.set()  # never leave the training thread waiting, even if the copy failed
+        self._write(revision, rank, parts, snapshot, local)
 
     def _write(
         self,

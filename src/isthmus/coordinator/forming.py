@@ -30,7 +30,10 @@ from isthmus.coordinator.protocol import RoundPlan, Transfer
 from isthmus.coordinator.ring import ring_members
 from isthmus.coordinator.state import RunState
 
-__all__ = ["finished", "form", "hashes_needed", "quiet", "try_form", "waiting_reason"]
+__all__ = ["NAMED", "finished", "form", "hashes_needed", "quiet", "try_form", "waiting_reason"]
+
+NAMED = 20
+"""A waiting begin's reason names at most this many of the members it waits for."""
 
 
 def quiet(s: RunState, pid: int, now: float) -> bool:
@@ -40,9 +43,12 @@ def quiet(s: RunState, pid: int, now: float) -> bool:
 
 def finished(s: RunState, ready: list[int]) -> bool:
     """Every member of the last epoch left gracefully and nobody ready holds the state."""
-    if not s.started or s.voters(ready) or not s.members:
+    if not s.started or not s.members:
         return False
-    return all(s.peers[m].state is PeerState.LEFT for m in s.members)
+    # the members' states first: one live member answers it at once, the vote scans everyone
+    if not all(s.peers[m].state is PeerState.LEFT for m in s.members):
+        return False
+    return not s.voters(ready)
 
 
 def hashes_needed(s: RunState, ready: list[int]) -> bool:
@@ -58,10 +64,12 @@ def hashes_needed(s: RunState, ready: list[int]) -> bool:
 def waiting_reason(s: RunState) -> str:
     """Why no round forms now, in words (a waiting begin's answer)."""
     ready = s.roster.ready()
-    missing = [pid for pid in s.expected() if pid not in ready and s.peers[pid].isolated is None]
+    is_ready = set(ready)
+    missing = [pid for pid in s.expected() if pid not in is_ready and s.peers[pid].isolated is None]
     if missing:
-        names = ", ".join(f"{pid} ({s.peers[pid].name})" for pid in missing)
-        return f"waiting for members to begin round {s.revision}: {names}"
+        names = ", ".join(f"{pid} ({s.peers[pid].name})" for pid in missing[:NAMED])
+        more = f" and {len(missing) - NAMED} more" if len(missing) > NAMED else ""
+        return f"waiting for members to begin round {s.revision}: {names}{more}"
     if len(ready) < s.config.min_peers:
         return f"waiting for peers: {len(ready)} ready, min_peers is {s.config.min_peers}"
     start = s.config.start_peers or s.config.min_peers
@@ -75,11 +83,37 @@ def waiting_reason(s: RunState) -> str:
     return "waiting for state hashes"
 
 
-def try_form(s: RunState, now: float) -> None:
+def _still_blocked(s: RunState, now: float) -> bool:
+    """Whether the member the last attempt waited for (:attr:`~.state.RunState.blocker`) still
+    holds the round back, so that :func:`try_form` would change nothing: it is a live, in-sync
+    member of the same epoch (so the run need not restart) that has not begun and is not quiet,
+    nobody has waited for it past ``begin_timeout``, and no pair is known down and nobody was
+    ever isolated (then sitting out leaves everyone in). O(1)."""
+    b = s.blocker
+    if b is None or not s.reach.empty or s.counters["isolations"]:
+        return False
+    members, pid, since = b
+    p = s.roster.active(pid)
+    return (
+        members is s.members
+        and p is not None
+        and p.in_sync
+        and not p.ready_nonce
+        and not quiet(s, pid, now)
+        and now - since <= s.config.begin_timeout
+    )
+
+
+def try_form(s: RunState, now: float, *, quick: bool = False) -> None:
     """Form the next round if its conditions hold (see the module doc); evicts members that
-    did not begin within ``begin_timeout``."""
+    did not begin within ``begin_timeout``. ``quick``: first ask whether the member the last
+    attempt waited for still holds the round back, which needs no look at every peer (a begin,
+    the periodic tick); the forming round's clock is the caller's then (a begin starts it)."""
     if s.running is not None or s.streak.stop() is not None:
         return
+    if quick and _still_blocked(s, now):
+        return
+    s.blocker = None
     ready = s.roster.ready()
     if not ready:
         s.phase.nobody_waiting()
@@ -91,24 +125,31 @@ def try_form(s: RunState, now: float) -> None:
     if speaking:  # a peer that went quiet while waiting is left out like a quiet member
         ready = speaking
     ready = sit_out(s, ready, now)
+    taking_part = set(ready)
     expected = [m for m in s.expected() if s.peers[m].isolated is None]
-    missing = [pid for pid in expected if pid not in ready]
+    missing = [pid for pid in expected if pid not in taking_part]
     # The clock starts when a member of the last epoch is ready, never because of a joiner:
     # members are not expected to begin a round just because somebody is waiting to join.
     member_ready = [
         now if s.peers[m].ready_since is None else s.peers[m].ready_since
         for m in expected
-        if m in ready
+        if m in taking_part
     ]
     if missing and member_ready and now - min(member_ready) > cfg.begin_timeout:
         for pid in missing:
             s.drop(pid, now, f"did not begin round {s.revision} within {cfg.begin_timeout:.0f}s")
         missing = []
-    if missing and member_ready and all(quiet(s, p, now) for p in missing):
+    speaking_missing = [p for p in missing if not quiet(s, p, now)]
+    if missing and member_ready and not speaking_missing:
         # Members that went quiet are not waited for (MembershipConfig.quiet_after): a second
         # silent member must not hold the retry until its own eviction.
         missing = []
     if missing:
+        if speaking_missing:
+            # The next begins skip this scan while this member holds the round back. The one
+            # in the middle: peers that begin in (or against) member order reach it late.
+            since = min(member_ready) if member_ready else now
+            s.blocker = (s.members, speaking_missing[len(speaking_missing) // 2], since)
         return
     if len(ready) < cfg.min_peers:
         return
@@ -128,9 +169,10 @@ def try_form(s: RunState, now: float) -> None:
 def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: bool) -> None:
     """Start the round of ``ready`` (``voters`` decide its state; ``checked``: with a parity
     check of the hashes they sent): the phase becomes ``RUNNING`` with its plan."""
+    taking_part = set(ready)
     for pid in s.members:
         # only a quiet or isolated member is left out alive (isolation has its own event)
-        if pid not in ready and s.is_active(pid) and s.peers[pid].isolated is None:
+        if pid not in taking_part and s.is_active(pid) and s.peers[pid].isolated is None:
             p = s.peers[pid]
             s.note(
                 now,

@@ -5,8 +5,11 @@ The server's handlers, the gate, the admin API, the rendezvous store and the das
 the one :class:`Hub` of their coordinator and use only its public methods; none of them reaches
 into another. Changes to the membership happen on the event loop, under :attr:`Hub.lock` (the
 lock also guards reads from other threads: :meth:`Coordinator.status` of an embedded
-coordinator); after a change the changer calls :meth:`Hub.mutated`, which wakes every
-long-poll and watcher and sends the pushes the membership queued.
+coordinator); after a change the changer calls :meth:`Hub.mutated`, which sends the pushes the
+membership queued and wakes every long-poll and watcher when the membership's
+:meth:`~.state.RunState.stamp` moved (a change that answers no waiting request differently, a
+peer's begin or commit in the middle of a round, wakes nobody: with a thousand peers waiting,
+waking all of them at each of their thousand requests is what would cost).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Hub:
         self.sockets: dict[int, web.WebSocketResponse] = {}
         """Peer id -> its heartbeat websocket (the server's websocket handler keeps it)."""
         self._changed: asyncio.Event | None = None
+        self._stamp: tuple[int, ...] | None = None  # the membership's stamp at the last wake-up
         self._tasks: set[asyncio.Future[Any]] = set()
 
     def now(self) -> float:
@@ -51,13 +55,17 @@ class Hub:
 
     # -- changes --------------------------------------------------------------------------------
     def mutated(self) -> None:
-        """Wake every long-poll and watcher and deliver the membership's queued pushes. Call on
-        the loop after a change, without the lock."""
+        """Deliver the membership's queued pushes, and wake every long-poll and watcher if the
+        membership's stamp moved since the last wake-up. Call on the loop after a change,
+        without the lock."""
         assert self._changed is not None, "Hub.open was not called"
-        ev, self._changed = self._changed, asyncio.Event()
-        ev.set()
         with self.lock:
             notices = self.membership.take_notices()
+            stamp = self.membership.stamp()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            ev, self._changed = self._changed, asyncio.Event()
+            ev.set()
         for members, msg in notices:
             for pid in members:
                 ws = self.sockets.get(pid)
@@ -75,9 +83,16 @@ class Hub:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
 
-    async def hold(self, poll: Callable[[], Decision], poll_s: float) -> Decision:
+    async def hold(
+        self,
+        poll: Callable[[], Decision],
+        poll_s: float,
+        explain: Callable[[], Decision] | None = None,
+    ) -> Decision:
         """Re-evaluate ``poll()`` (under the lock) after every change until it is not ``wait``
-        or ``poll_s`` passes; returns the last answer."""
+        or ``poll_s`` passes; returns the last answer. ``explain``: the same question answered
+        with its reason, asked once for a ``wait`` that is returned (``poll`` may leave
+        ``wait`` reasons out)."""
         deadline = asyncio.get_running_loop().time() + poll_s
         while True:
             with self.lock:
@@ -86,6 +101,9 @@ class Hub:
                 return d
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
+                if explain is not None:
+                    with self.lock:
+                        d = explain()
                 return d
             await self.changed(remaining)
 

@@ -105,12 +105,15 @@ def sit_out(s: RunState, ready: list[int], now: float) -> list[int]:
             p.isolated = None
             s.counters["readmissions"] += 1
             s.note(now, "readmitted", peer=pid, name=p.name, reason="probes connect again")
-    return [pid for pid in ready if pid in kept]
+    keep = set(kept)
+    return [pid for pid in ready if pid in keep]
 
 
 def ask_probes(s: RunState, now: float) -> None:
     """Queue a ``probe`` push for each down pair due one (at most one per pair every
     ``probe_every_s``): to the kept end, of the other end's probe listener."""
+    if s.reach.empty:
+        return  # no pair is down: nothing to probe (and no need to list the peers)
     every = s.config.partition.probe_every_s
     for a, b in s.reach.probes_due(s.active_names(), now):
         pa, pb = s.by_name(a), s.by_name(b)

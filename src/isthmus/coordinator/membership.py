@@ -56,7 +56,10 @@ from isthmus.coordinator.protocol import (
 )
 from isthmus.coordinator.state import RunState
 
-__all__ = ["Membership", "MembershipConfig", "PeerState"]  # config and states live in .peers
+__all__ = ["REASON_TTL", "Membership", "MembershipConfig", "PeerState"]  # config: .peers
+
+REASON_TTL = 0.25
+"""Seconds a waiting begin's reason may be reused (see :meth:`Membership.poll_begin`)."""
 
 
 class Membership(RunState):
@@ -130,7 +133,7 @@ class Membership(RunState):
                         f"did not report round {r.plan.round} within {cfg.commit_timeout:.0f}s",
                     )
         isolation.ask_probes(self, now)
-        self.try_form(now)
+        forming.try_form(self, now, quick=True)
 
     # -- begin ----------------------------------------------------------------------------------
     def begin(
@@ -142,9 +145,11 @@ class Membership(RunState):
         revision: int,
         hashes: dict[str, str] | None,
         schema: list[TensorSpec] | None,
+        explain: bool = True,
     ) -> Decision:
         """A peer is ready for the next round (``nonce`` names this attempt; re-asking with the
-        same nonce is idempotent, a new nonce from a member of the running round abandons it)."""
+        same nonce is idempotent, a new nonce from a member of the running round abandons it).
+        ``explain=False``: a ``wait`` answer carries no reason (see :meth:`poll_begin`)."""
         p = self.roster.active(pid)
         if p is None:
             return self.gone(pid)
@@ -186,13 +191,22 @@ class Membership(RunState):
         if p.ready_nonce != nonce:
             p.ready_nonce = nonce
             p.ready_since = now
+        if self.started and not (p.in_sync and revision == self.revision):
+            self.begins_apart += 1  # a joiner or stale peer: the others may owe their hashes
         if not self.phase.running:
             self.phase.waiting(now)
-        self.try_form(now)
-        return self.poll_begin(pid, nonce)
+        forming.try_form(self, now, quick=bool(nonce))
+        return self.poll_begin(pid, nonce, explain=explain)
 
-    def poll_begin(self, pid: int, nonce: str) -> Decision:
-        """Where a waiting begin stands, without changing anything."""
+    def poll_begin(
+        self, pid: int, nonce: str, *, explain: bool = True, now: float | None = None
+    ) -> Decision:
+        """Where a waiting begin stands, without changing anything. ``explain=False`` leaves a
+        ``wait`` answer's reason empty, which spares a scan of every peer (a waiter that is
+        asked again at the next change only reads the reason of its last answer). With
+        ``now``, the reason of a round still forming may be one worked out up to
+        :data:`REASON_TTL` seconds earlier with nothing changed since but begins of in-sync
+        members (thousands of waiters that time out together share one scan)."""
         p = self.roster.active(pid)
         if p is None:
             return self.gone(pid)
@@ -208,8 +222,13 @@ class Membership(RunState):
             return Decision("wait", p.isolated)
         if r is not None:
             return Decision("wait", f"round {r.plan.round} is running; joining after it")
-        ready = self.roster.ready()
-        rp = self.restore_for(p, ready)
+        # every peer is scanned only where a rule needs it (a restart, every member gone, a
+        # peer without hashes): the usual waiting begin is answered in constant time
+        ready: list[int] | None = None
+        rp = None
+        if self.restore_point is not None and not self.started:
+            ready = self.roster.ready()
+            rp = self.restore_for(p, ready)
         if rp is not None:
             # Its work so far started from another state: the first round it is in drops it. It
             # is not ready until it begins again, restored.
@@ -219,15 +238,30 @@ class Membership(RunState):
                 f"no live peer holds the run's state: load checkpoint {rp.revision} at {rp.url}",
                 restore=rp,
             )
-        if forming.finished(self, ready):
-            return Decision(
-                "finished",
-                f"the run is over: its last members left after round {self.revision - 1} and no "
-                f"peer holding its state is here",
-            )
-        if p.hashes is None and pid in ready and forming.hashes_needed(self, ready):
-            return Decision("hashes", "send state hashes for the parity check")
-        return Decision("wait", forming.waiting_reason(self))
+        # finished needs every member of the last epoch gone: the first one tells at once
+        if self.started and self.members and self.peers[self.members[0]].state is PeerState.LEFT:
+            ready = self.roster.ready() if ready is None else ready
+            if forming.finished(self, ready):
+                return Decision(
+                    "finished",
+                    f"the run is over: its last members left after round {self.revision - 1} "
+                    f"and no peer holding its state is here",
+                )
+        if p.hashes is None and p.ready_nonce:  # ready: active with a begin attempt
+            ready = self.roster.ready() if ready is None else ready
+            if forming.hashes_needed(self, ready):
+                return Decision("hashes", "send state hashes for the parity check")
+        return Decision("wait", self._waiting_reason(now) if explain else "")
+
+    def _waiting_reason(self, now: float | None) -> str:
+        if now is None:
+            return forming.waiting_reason(self)
+        stamp, cached = self.stamp(), self.reason_cache
+        if cached is not None and cached[0] == stamp and 0 <= now - cached[1] < REASON_TTL:
+            return cached[2]
+        why = forming.waiting_reason(self)
+        self.reason_cache = (stamp, now, why)
+        return why
 
     def try_form(self, now: float) -> None:
         """Form the next round if its conditions hold (:func:`.forming.try_form`)."""
@@ -244,11 +278,13 @@ class Membership(RunState):
         ok: bool,
         error: str = "",
         unreached: tuple[Unreached, ...] = (),
+        explain: bool = True,
     ) -> Decision:
         """Record a member's outcome for round ``round`` of epoch ``epoch``. ``unreached``
         (with a failure) names members it could not reach: those pairs are down, also when the
         round already ended (the first report aborts it, the others still describe the
-        network)."""
+        network). ``explain=False``: a ``wait`` answer carries no reason (see
+        :meth:`poll_commit`)."""
         reporter = self.roster.active(pid)
         if unreached and reporter is not None:
             isolation.unreached(self, reporter, unreached, now)
@@ -260,21 +296,26 @@ class Membership(RunState):
             return self.gone(pid)
         p.last_seen = now
         r = self.phase.round
-        if r is None or (r.plan.epoch, r.plan.round) != key or pid not in r.plan.members:
+        if r is None or (r.plan.epoch, r.plan.round) != key or not r.has(pid):
             return Decision("aborted", f"round {round} of epoch {epoch} is not running")
-        r.reports[pid] = ok
+        r.report(pid, ok)
         if not ok:
             self.abort(now, f"peer {pid} ({p.name}) failed: {error or 'no reason given'}")
-        elif all(r.reports.get(m) for m in r.plan.members):
+        elif r.all_succeeded:
             self.commit_round(now)
-        return self.poll_commit(epoch, round)
+        return self.poll_commit(epoch, round, explain=explain)
 
-    def poll_commit(self, epoch: int, round: int) -> Decision:
+    def poll_commit(self, epoch: int, round: int, *, explain: bool = True) -> Decision:
+        """Where a commit report of round ``round`` of epoch ``epoch`` stands, without changing
+        anything. ``explain=False`` leaves a ``wait`` answer's reason empty (naming the members
+        still to report scans them all)."""
         key = (epoch, round)
         if key in self.outcomes:
             return Decision(*self.outcomes[key])
         r = self.phase.round
         if r is None or (r.plan.epoch, r.plan.round) != key:
             return Decision("aborted", f"round {round} of epoch {epoch} is not running")
+        if not explain:
+            return Decision("wait", "")
         waiting = [m for m in r.plan.members if m not in r.reports]
         return Decision("wait", f"waiting for commit reports from peers {waiting}")

@@ -228,6 +228,12 @@ class Reachability:
             self._carried[key] = self._carried.get(key, 0) + max(0, before - after)
 
     # -- state ------------------------------------------------------------------------------------
+    @property
+    def empty(self) -> bool:
+        """Nothing is known about any pair (no failure, no probe): every decision keeps every
+        member, and no pair is down, due a probe or a trial."""
+        return not self._events
+
     def pair_state(self, a: str, b: str) -> PairState:
         """What is known about the pair ``a``-``b`` after every event given so far."""
         key = _pair(a, b)

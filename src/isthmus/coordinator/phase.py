@@ -55,13 +55,29 @@ class IllegalTransition(RuntimeError):
 @dataclass
 class Round:
     """The round that runs: its plan, when it formed, the begin attempt (nonce) each member was
-    admitted with (asking again with it gets the same plan), and the members' reports so far
-    (peer id -> succeeded)."""
+    admitted with (asking again with it gets the same plan; its keys are the members), and the
+    members' reports so far (peer id -> succeeded)."""
 
     plan: RoundPlan
     started_at: float
     nonces: dict[int, str]
     reports: dict[int, bool] = field(default_factory=dict)
+    succeeded: int = 0
+    """How many members have reported success (kept so that no report scans the members)."""
+
+    def has(self, pid: int) -> bool:
+        """Whether ``pid`` is a member of this round."""
+        return pid in self.nonces
+
+    def report(self, pid: int, ok: bool) -> None:
+        """Record member ``pid``'s outcome (a later report replaces an earlier one)."""
+        self.succeeded += bool(ok) - bool(self.reports.get(pid))
+        self.reports[pid] = ok
+
+    @property
+    def all_succeeded(self) -> bool:
+        """Every member has reported success."""
+        return self.succeeded == len(self.nonces)
 
 
 class RunPhase:
@@ -73,12 +89,14 @@ class RunPhase:
     it. Every transition clears it: each round that forms has a clock of its own.
     """
 
-    __slots__ = ("phase", "round", "waiting_since")
+    __slots__ = ("moves", "phase", "round", "waiting_since")
 
     def __init__(self) -> None:
         self.phase = Phase.STARTING
         self.round: Round | None = None
         self.waiting_since: float | None = None
+        self.moves = 0
+        """Transitions so far: tells a waiter cheaply that the phase (or its round) changed."""
 
     def to(self, new: Phase, round: Round | None = None) -> None:
         """Move to ``new``; ``round`` is the round that runs, given exactly when ``new`` is
@@ -92,6 +110,7 @@ class RunPhase:
                 f"the {new.value} phase {'needs' if round is None else 'has no'} round"
             )
         self.phase, self.round, self.waiting_since = new, round, None
+        self.moves += 1
 
     def may(self, new: Phase) -> bool:
         """Whether :meth:`to` would accept ``new``."""

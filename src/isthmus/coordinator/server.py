@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import logging
 import secrets
 import socket
@@ -51,7 +52,7 @@ from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 from isthmus.coordinator.gate import BadRequest as _BadRequest
 from isthmus.coordinator.gate import Gate
 from isthmus.coordinator.hub import Hub
-from isthmus.coordinator.membership import Membership, PeerState
+from isthmus.coordinator.membership import Membership
 from isthmus.coordinator.mesh_room import MeshRoom
 from isthmus.coordinator.server_config import CoordinatorConfig
 from isthmus.coordinator.store_service import RendezvousStore, StoreRoute
@@ -114,6 +115,8 @@ class Coordinator:
             poll_s=config.poll_s,
         )
         self.stragglers = StragglerDetector(config.stragglers)
+        self._go_json: tuple[msgs.RoundPlan, str, str] | None = None  # the last go, encoded
+        self._departures = -1  # peers dropped so far, when the detector last forgot the gone
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
@@ -259,8 +262,8 @@ class Coordinator:
 
     _json = staticmethod(read_json)
 
-    async def _hold(self, poll: Any) -> msgs.Decision:
-        return await self.hub.hold(poll, self.config.poll_s)
+    async def _hold(self, poll: Any, explain: Any = None) -> msgs.Decision:
+        return await self.hub.hold(poll, self.config.poll_s, explain)
 
     def _stale_run(self, run: object) -> str | None:
         return self.hub.stale_run(run)
@@ -275,8 +278,14 @@ class Coordinator:
         except wire.WireError as e:
             raise _BadRequest(str(e)) from None
 
-    @staticmethod
-    def _reply(msg: Any) -> web.Response:
+    def _reply(self, msg: Any) -> web.Response:
+        if isinstance(msg, msgs.Go) and msg.plan is not None:
+            # every member is sent the same plan, which names every member: encode it once
+            # per round rather than once per member
+            cached = self._go_json
+            if cached is None or cached[0] is not msg.plan or cached[1] != msg.reason:
+                cached = self._go_json = (msg.plan, msg.reason, json.dumps(wire.encode(msg)))
+            return web.Response(text=cached[2], content_type="application/json")
         return web.json_response(wire.encode(msg))
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -389,10 +398,15 @@ class Coordinator:
                 revision=msg.revision,
                 hashes=msg.hashes,
                 schema=None if msg.schema is None else list(msg.schema),
+                explain=False,
             )
         self._mutated()
         if isinstance(d, msgs.Wait):
-            d = await self._hold(lambda: self.membership.poll_begin(pid, nonce))
+            m = self.membership
+            d = await self._hold(
+                lambda: m.poll_begin(pid, nonce, explain=False),
+                lambda: m.poll_begin(pid, nonce, now=self._now()),
+            )
         return self._reply(d)
 
     async def _commit(self, request: web.Request) -> web.Response:
@@ -409,10 +423,15 @@ class Coordinator:
                 ok=msg.ok,
                 error=msg.error[:2000],
                 unreached=msg.unreached[:64],
+                explain=False,
             )
         self._mutated()
         if isinstance(d, msgs.Wait):
-            d = await self._hold(lambda: self.membership.poll_commit(epoch, rnd))
+            m = self.membership
+            d = await self._hold(
+                lambda: m.poll_commit(epoch, rnd, explain=False),
+                lambda: m.poll_commit(epoch, rnd),
+            )
         return self._reply(d)
 
     async def _leave(self, request: web.Request) -> web.Response:
@@ -466,9 +485,11 @@ class Coordinator:
         if not isinstance(timing, dict):
             return False
         m, now = self.membership, self._now()
-        active = {i for i, p in m.peers.items() if p.state is PeerState.ACTIVE}
-        for gone in [q for q in self.stragglers.peers if q not in active]:
-            self.stragglers.forget(gone)  # departed peers are nobody's reference
+        departures = sum(m.counters[k] for k in ("evictions", "leaves", "refusals"))
+        if departures != self._departures:  # only a drop makes a peer inactive
+            self._departures = departures
+            for gone in [q for q in self.stragglers.peers if not m.is_active(q)]:
+                self.stragglers.forget(gone)  # departed peers are nobody's reference
         removed = False
         for kind, detail in self.stragglers.observe(pid, m.peers[pid].name, timing):
             m.note(now, kind, **detail)

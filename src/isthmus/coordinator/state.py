@@ -53,6 +53,15 @@ class RunState:
         """Consecutive aborts of the running round for one cause; at the limit the run stops."""
         self.probe_asked: dict[tuple[str, str], float] = {}
         """When the coordinator last asked for a probe of each down pair."""
+        self.begins_apart = 0
+        """Begins from peers outside the run's in-sync voters (joiners, stale peers): such a
+        begin may change what the other waiting peers are answered (send hashes)."""
+        self.reason_cache: tuple[tuple[int, ...], float, str] | None = None
+        """(stamp, when, reason): the last reason a waiting begin was given."""
+        self.blocker: tuple[tuple[int, ...], int, float] | None = None
+        """(members, member, since): the last round that could not form waited for ``member``
+        of those ``members``, and no waiting member had been ready before ``since``
+        (:func:`.forming.try_form` checks it first)."""
 
     # -- questions ------------------------------------------------------------------------------
     @property
@@ -74,6 +83,12 @@ class RunState:
     def events_total(self) -> int:
         """Events ever recorded (:attr:`events` holds the latest of them)."""
         return self.record.total
+
+    def stamp(self) -> tuple[int, int, int, int, int]:
+        """Changes whenever an answer to a waiting begin or commit may have changed (an event,
+        a move of the phase, a begin from outside the voters); equal stamps mean the waiting
+        requests need not be asked again. O(1)."""
+        return (self.record.total, self.phase.moves, self.revision, self.epoch, self.begins_apart)
 
     def is_active(self, pid: int) -> bool:
         """Whether peer ``pid`` is registered and active (not dead, left or refused)."""
@@ -146,7 +161,8 @@ class RunState:
             {"dead": "evictions", "left": "leaves", "refused": "refusals"}[state.value]
         ] += 1
         self.note(now, state.value, peer=pid, name=p.name, reason=reason, **detail)
-        if self.running is not None and pid in self.running.members:
+        r = self.phase.round
+        if r is not None and r.has(pid):
             self.abort(now, f"peer {pid} ({p.name}) {state.value}: {reason}")
 
     def _finish(self, outcome: str, reason: str) -> RoundPlan:

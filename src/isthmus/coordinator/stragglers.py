@@ -34,6 +34,7 @@ and its outer gradient counts for less).
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -101,6 +102,8 @@ class _Peer:
     slow_run: int = 0
     fine_run: int = 0
     flagged_at: int | None = None  # the step at which it was flagged
+    held: float | None = None  # its current time as held in the detector's sorted list
+    sync_slow: bool = False  # its synchronization is beyond k times its own baseline
 
     def __post_init__(self) -> None:
         self.work = deque(maxlen=self.window)
@@ -131,10 +134,24 @@ class StragglerDetector:
         self._link_runs: dict[tuple[str, str], int] = {}
         self._links_flagged: set[tuple[str, str]] = set()
         self._pair_times: dict[tuple[str, str], float] = {}
+        # Kept as peers report, so that one report costs a search rather than a pass over every
+        # peer: the current times of the peers that reported work (sorted), and how many peers
+        # report synchronization, how many of those are slow at it, and how many are flagged.
+        self._currents: list[float] = []
+        self._reporting = 0
+        self._sync_slow = 0
+        self._flagged = 0
 
     def forget(self, peer: int) -> None:
         """The peer left or was removed: its timings no longer count."""
-        self.peers.pop(peer, None)
+        p = self.peers.pop(peer, None)
+        if p is None:
+            return
+        if p.held is not None:
+            del self._currents[bisect.bisect_left(self._currents, p.held)]
+        self._reporting -= bool(p.sync_recent)
+        self._sync_slow -= p.sync_slow
+        self._flagged -= p.flagged_at is not None
 
     def observe(self, peer: int, name: str, timing: Mapping[str, Any]) -> list[Event]:
         """One heartbeat's ``timing`` of ``peer``; returns the events it causes. A report of a
@@ -151,25 +168,52 @@ class StragglerDetector:
             return []
         p.step = step
         p.recent.append(work)
+        self._hold_current(p)
         sync = _number(timing.get("sync_s"))
         if sync is not None:
+            self._reporting += not p.sync_recent
             p.sync_recent.append(sync)
+        flagged = p.flagged_at is not None
         events = self._judge(peer, p)
+        self._flagged += (p.flagged_at is not None) - flagged
         if p.flagged_at is None:
             p.work.append(work)
             if sync is not None:
                 p.sync.append(sync)
+        self._judge_own_sync(p)
         events += self._judge_sync()
         links = timing.get("links")
         if isinstance(links, Mapping):
             events += self._judge_links(name, links)
         return events
 
+    def _hold_current(self, p: _Peer) -> None:
+        """Put ``p``'s new current time in the sorted list in place of its old one."""
+        if p.held is not None:
+            del self._currents[bisect.bisect_left(self._currents, p.held)]
+        p.held = p.current
+        bisect.insort(self._currents, p.held)
+
+    def _reference(self, p: _Peer) -> float | None:
+        """The median of the other reporting peers' current times (None: no other peer),
+        read off the sorted list without ``p``'s own entry."""
+        xs = self._currents
+        n = len(xs) - 1
+        if n < 1:
+            return None
+        skip = bisect.bisect_left(xs, p.held)  # p's entry (an equal value is the same)
+
+        def at(i: int) -> float:
+            return xs[i + 1] if i >= skip else xs[i]
+
+        if n % 2:
+            return at(n // 2)
+        return (at(n // 2 - 1) + at(n // 2)) / 2
+
     def _judge(self, pid: int, p: _Peer) -> list[Event]:
-        others = [q.current for i, q in self.peers.items() if i != pid and q.recent]
-        if not others:
+        reference = self._reference(p)
+        if reference is None:
             return []
-        reference = statistics.median(others)
         k, m = self.config.factor, self.config.rounds
         slow = reference > 0 and p.current > k * reference
         p.slow_run, p.fine_run = (p.slow_run + 1, 0) if slow else (0, p.fine_run + 1)
@@ -193,20 +237,29 @@ class StragglerDetector:
     def _judge_sync(self) -> list[Event]:
         """Every reporting peer's synchronization beyond k times its own baseline, nobody
         flagged: the network (or the coordinator) slowed down, not a peer."""
-        k, m = self.config.factor, self.config.rounds
-        reporting = [p for p in self.peers.values() if p.sync_recent]
-        if len(reporting) < 2 or any(p.flagged_at is not None for p in self.peers.values()):
+        m = self.config.rounds
+        if self._reporting < 2 or self._flagged:
             self._sync_run = 0
             return []
-        slow = all(
-            len(p.sync) >= m and statistics.median(p.sync_recent) > k * statistics.median(p.sync)
-            for p in reporting
-        )
+        slow = self._sync_slow == self._reporting
         self._sync_run = self._sync_run + 1 if slow else 0
         if self._sync_run == m:
             self.link_anomalies += 1
+            reporting = [p for p in self.peers.values() if p.sync_recent]
             return [("link_anomaly", {"pair": None, "peers": sorted(p.name for p in reporting)})]
         return []
+
+    def _judge_own_sync(self, p: _Peer) -> None:
+        """Whether ``p``'s synchronization is beyond k times its own baseline (it changes only
+        when ``p`` reports, so it is judged then and counted)."""
+        k, m = self.config.factor, self.config.rounds
+        slow = bool(
+            p.sync_recent
+            and len(p.sync) >= m
+            and statistics.median(p.sync_recent) > k * statistics.median(p.sync)
+        )
+        self._sync_slow += slow - p.sync_slow
+        p.sync_slow = slow
 
     def _judge_links(self, name: str, links: Mapping[str, Any]) -> list[Event]:
         for other, seconds in links.items():

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -230,6 +231,10 @@ class DiLoCo(PhasedStrategy):
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
+            if self.checkpointer is not None:
+                # the round may write the shared state (a repair as it begins, its result):
+                # the copy a checkpoint is making of it on its writer thread must be done first
+                self.checkpointer.settle()
             result = self.session.run_round(reduce)
             if gathered:
                 table = gathered[0].view(-1, 2)
@@ -239,6 +244,31 @@ class DiLoCo(PhasedStrategy):
                     result.exact[0] = table[:, 1].max()
         self.phase_tokens = 0.0
         self.apply_outer(result)
+
+    def round_written_shared(self) -> set[str]:
+        """The shared tensors only rounds write (the outer round's result, a repair, a
+        restore): the global model and buffers, the outer optimizer's state and the step
+        counter. Inner steps touch only local copies, so a checkpoint may copy these on its
+        writer thread while training goes on (:mod:`isthmus.checkpoint.save`); :meth:`sync`
+        waits for that copy before it runs a round."""
+        if self.session is None:
+            return set()
+        names = {*self.held_by.values(), "meta/step"}
+        names.update(n for n, _ in self.session.state.items() if n.startswith("outer/"))
+        return names
+
+    def step_written_local(self, settle: Callable[[], None]) -> Callable[[tuple[Any, ...]], bool]:
+        """Which tensors of :meth:`local_state` only the inner optimizer's ``step()`` writes
+        (its state, and the trainable parameters; not the floating buffers, which a forward pass
+        writes), so that a checkpoint may copy them on its writer thread; ``settle`` (which
+        waits for that copy) runs before every step of the inner optimizer from now on."""
+        self.optimizer.register_step_pre_hook(lambda *_: settle())
+        trainable = set(self.names)
+
+        def stepped(path: tuple[Any, ...]) -> bool:
+            return path[0] == "optimizer" or (path[0] == "model" and path[1] in trainable)
+
+        return stepped
 
     def apply_outer(self, result: Reduced | None) -> None:
         """Apply a committed reduction (mean outer gradients, mean inner-step count and mean

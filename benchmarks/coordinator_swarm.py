@@ -1,0 +1,270 @@
+"""Protocol-only peers: many cheap asyncio clients that speak to a coordinator exactly as real
+peers do, without torch, without tensors.
+
+Each :class:`ProtoPeer` registers (``POST /v1/register`` with a :class:`~protocol.Register`),
+keeps a heartbeat websocket (``GET /v1/ws``, a :class:`~protocol.Heartbeat` every interval
+with the info a training peer sends: revision, byte counters, step, loss and its step's
+timing), and runs rounds: ``POST /v1/begin`` (schema on its first begin, hashes on parity
+rounds, again when asked with ``hashes``), then ``POST /v1/commit`` with ``ok``, each long-poll
+asked again while the answer is ``wait``, every message encoded and decoded with the shared
+codec (``coordinator/wire.py``). Every peer of a swarm holds the same "state" (the same hashes),
+so parity always agrees. One process holds hundreds of them on one event loop and one HTTP
+connection pool.
+
+This module imports only the coordinator's protocol and codec (and aiohttp). A script whose
+processes must not import torch makes ``isthmus`` an empty package before importing it
+(``coordinator_scale.py`` does): ``import isthmus.coordinator.protocol`` would otherwise run the
+package's ``__init__``, which imports the whole public API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from isthmus.coordinator import protocol as msgs
+from isthmus.coordinator.wire import PROTOCOL_VERSION, decode, encode
+
+__all__ = ["ProtoPeer", "RoundTimes", "SwarmConfig", "open_session"]
+
+
+@dataclass(kw_only=True)
+class SwarmConfig:
+    """What every protocol-only peer of a swarm does."""
+
+    tensors: int = 32
+    """Shared tensors each peer declares (one hash each in a begin)."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats (the coordinator's default)."""
+    parity_every: int = 1
+    """Send hashes with begin every this many rounds (the coordinator's default: every one)."""
+    read_timeout: float = 30.0
+    """Bound of one HTTP request (a long-poll is answered within the coordinator's poll_s)."""
+
+    def schema(self) -> tuple[msgs.TensorSpec, ...]:
+        return tuple(
+            msgs.TensorSpec(f"layers.{i}.weight", (64, 64), "float32") for i in range(self.tensors)
+        )
+
+    def hashes(self) -> dict[str, str]:
+        return {f"layers.{i}.weight": f"{i * 7919:016x}" for i in range(self.tensors)}
+
+
+@dataclass
+class RoundTimes:
+    """One attempt of one peer, on this machine's monotonic clock (comparable across processes
+    of one host)."""
+
+    round: int
+    epoch: int
+    world: int
+    begin_sent: float
+    go: float
+    commit_sent: float
+    done: float
+    outcome: str
+
+
+def open_session() -> aiohttp.ClientSession:
+    """One HTTP client for a whole swarm: an unbounded pool (every peer holds a long-poll)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=None, connect=30, sock_read=None),
+    )
+
+
+class ProtocolError(RuntimeError):
+    """The coordinator answered something a healthy round never gets (evicted, refused ...)."""
+
+
+@dataclass
+class ProtoPeer:
+    """One protocol-only peer (see the module doc). ``token``: the admin token or its own
+    join token."""
+
+    base: str
+    token: str
+    name: str
+    session: aiohttp.ClientSession
+    config: SwarmConfig = field(default_factory=SwarmConfig)
+    peer_id: int = -1
+    run_id: str = ""
+    revision: int = 0
+    heartbeats: int = 0
+    evictions: int = 0
+    failures: int = 0
+    pushes: list[msgs.Push] = field(default_factory=list)
+    rounds: list[RoundTimes] = field(default_factory=list)
+    deadline: float = float("inf")
+    """Monotonic time after which a request still waiting raises :class:`TimeoutError`."""
+    _fresh: bool = True
+    _ws: aiohttp.ClientWebSocketResponse | None = None
+    _hb_task: asyncio.Task[None] | None = None
+
+    async def _post(self, path: str, message: Any) -> dict[str, Any]:
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(f"{self.name}: out of time asking {path}")
+        async with self.session.post(
+            self.base + path,
+            json=encode(message),
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=aiohttp.ClientTimeout(total=self.config.read_timeout),
+        ) as r:
+            if r.status != 200:
+                raise ProtocolError(f"{self.name}: {path} answered {r.status}: {await r.text()}")
+            return dict(await r.json())
+
+    async def register(self) -> None:
+        reply = decode(
+            msgs.Registered,
+            await self._post("/v1/register", msgs.Register(self.name, {}, PROTOCOL_VERSION)),
+        )
+        self.peer_id, self.run_id = reply.peer_id, reply.run_id
+
+    async def connect(self) -> None:
+        """Open the heartbeat websocket and start sending heartbeats on it."""
+        url = f"{self.base}/v1/ws?peer={self.peer_id}&protocol={PROTOCOL_VERSION}&run={self.run_id}"
+        self._ws = await self.session.ws_connect(
+            url, heartbeat=None, headers={"Authorization": f"Bearer {self.token}"}
+        )
+        self._hb_task = asyncio.ensure_future(self._heartbeat())
+
+    def info(self) -> dict[str, Any]:
+        """What a training peer reports with each heartbeat (run/job.py, comm/session.py)."""
+        step = self.revision
+        return {
+            "revision": self.revision,
+            "bytes_sent": 1000 * step,
+            "bytes_by_op": {"all_reduce": 1000 * step},
+            "parked_groups": 0,
+            "step": step,
+            "loss": 3.0,
+            "timing": {"work_s": 0.01, "sync_s": 0.002, "step": step},
+        }
+
+    async def _heartbeat(self) -> None:
+        ws = self._ws
+        assert ws is not None
+
+        async def reader() -> None:
+            async for raw in ws:
+                if raw.type == aiohttp.WSMsgType.TEXT:
+                    self.pushes.append(decode(msgs.Push, raw.json()))
+
+        rtask = asyncio.ensure_future(reader())
+        try:
+            # spread the first heartbeats of a swarm over one interval, as peers that started
+            # at different moments do
+            await asyncio.sleep(self.config.heartbeat_interval * (hash(self.name) % 997) / 997)
+            while not ws.closed and not rtask.done():
+                await ws.send_json(encode(msgs.Heartbeat(self.info())))
+                self.heartbeats += 1
+                await asyncio.sleep(self.config.heartbeat_interval)
+        except (ConnectionError, aiohttp.ClientError):
+            pass
+        finally:
+            rtask.cancel()
+
+    async def rejoin(self) -> None:
+        """Evicted (the coordinator fell behind our heartbeats, say): register again under the
+        same name and reconnect, keeping the revision, as a real peer does."""
+        self.evictions += 1
+        await self.close()
+        self._fresh = True
+        await self.register()
+        await self.connect()
+
+    async def begin(self) -> msgs.RoundPlan:
+        """Ask for the next round until it forms with this peer; returns its plan."""
+        parity = self._fresh or self.revision % self.config.parity_every == 0
+        msg = msgs.Begin(
+            peer=self.peer_id,
+            run=self.run_id,
+            nonce=uuid.uuid4().hex,
+            revision=self.revision,
+            schema=self.config.schema() if self._fresh else None,
+            hashes=self.config.hashes() if parity else None,
+        )
+        while True:
+            d = decode(msgs.Decision, await self._post("/v1/begin", msg))
+            msg = dataclasses.replace(msg, schema=None, hashes=None)
+            if isinstance(d, msgs.SendHashes):
+                msg = dataclasses.replace(msg, hashes=self.config.hashes())
+            elif isinstance(d, msgs.Go) and d.plan is not None:
+                self._fresh = False
+                return d.plan
+            elif isinstance(d, msgs.Evicted):
+                await self.rejoin()
+                return await self.begin()
+            elif not isinstance(d, msgs.Wait):
+                raise ProtocolError(f"{self.name}: begin answered {d}")
+
+    async def commit(self, plan: msgs.RoundPlan, ok: bool = True) -> bool:
+        """Report the round's outcome until it is decided; True when it committed."""
+        msg = msgs.Commit(
+            peer=self.peer_id, run=self.run_id, epoch=plan.epoch, round=plan.round, ok=ok
+        )
+        while True:
+            d = decode(msgs.Decision, await self._post("/v1/commit", msg))
+            if isinstance(d, msgs.Committed):
+                self.revision = plan.round + 1
+                return True
+            if isinstance(d, msgs.Aborted | msgs.Evicted):
+                return False
+            if not isinstance(d, msgs.Wait):
+                raise ProtocolError(f"{self.name}: commit answered {d}")
+
+    async def run_round(self) -> RoundTimes:
+        """One attempt: begin, then commit at once (no work between: the coordinator's cost
+        alone is measured)."""
+        t0 = time.monotonic()
+        plan = await self.begin()
+        t1 = time.monotonic()
+        committed = await self.commit(plan)
+        t2 = time.monotonic()
+        times = RoundTimes(
+            plan.round,
+            plan.epoch,
+            len(plan.members),
+            t0,
+            t1,
+            t1,
+            t2,
+            "committed" if committed else "aborted",
+        )
+        self.rounds.append(times)
+        return times
+
+    async def run_until(self, revision: int, deadline: float = float("inf")) -> None:
+        """Run rounds until this peer holds ``revision`` committed rounds, or until
+        ``deadline`` (monotonic) has passed."""
+        self.deadline = deadline
+        while self.revision < revision and time.monotonic() < deadline:
+            try:
+                await self.run_round()
+            except (asyncio.TimeoutError, aiohttp.ClientError, ProtocolError):
+                # an overloaded coordinator: a request past read_timeout, a dropped
+                # connection; a real peer retries, and so does this one (counted)
+                self.failures += 1
+                if self._ws is None or self._ws.closed:
+                    with contextlib.suppress(
+                        asyncio.TimeoutError, aiohttp.ClientError, ProtocolError
+                    ):
+                        await self.rejoin()
+
+    async def close(self) -> None:
+        """Close the heartbeat websocket (the coordinator evicts the peer at once)."""
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._hb_task
+        if self._ws is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._ws.close(), 2.0)

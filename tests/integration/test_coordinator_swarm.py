@@ -1,0 +1,120 @@
+"""Fifty protocol-only peers against a real coordinator on loopback (the scale benchmark's
+clients, benchmarks/coordinator_swarm.py: registration, heartbeats on the websocket, begin with
+hashes, commit): the fan-in of fifty begins and commits forms and commits each round once with
+everyone, a peer whose heartbeat connection closes between rounds is left out of the next, and
+a member lost inside a round aborts it for all (each told by a push) before the survivors
+commit it. Checks correctness of the many-waiters path, never time."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from isthmus.coordinator import protocol as msgs
+from isthmus.coordinator.auth import join_token
+from isthmus.coordinator.membership import MembershipConfig
+from isthmus.coordinator.server import Coordinator, CoordinatorConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from coordinator_swarm import ProtoPeer, open_session
+
+TOKEN = "swarm-token"
+N = 50
+
+
+@pytest.fixture
+def coord() -> Iterator[Coordinator]:
+    cfg = CoordinatorConfig(
+        token=TOKEN,
+        port=0,
+        host="127.0.0.1",
+        membership=MembershipConfig(start_peers=N, start_timeout=120.0),
+    )
+    c = Coordinator(cfg).start()
+    yield c
+    c.stop()
+
+
+async def _round(peers: list[ProtoPeer]) -> list[msgs.RoundPlan]:
+    """Every peer begins; returns their plans (all must be the same round)."""
+    return list(await asyncio.gather(*(p.begin() for p in peers)))
+
+
+async def _swarm(c: Coordinator) -> None:
+    base = f"http://127.0.0.1:{c.port}"
+    async with open_session() as session:
+        peers = [
+            ProtoPeer(base, join_token(TOKEN, f"s{i:02d}"), f"s{i:02d}", session) for i in range(N)
+        ]
+        await asyncio.gather(*(p.register() for p in peers))
+        await asyncio.gather(*(p.connect() for p in peers))
+
+        # three rounds, everyone in each: one plan per round, one commit each
+        for r in range(3):
+            plans = await _round(peers)
+            assert {(pl.round, pl.epoch, pl.members) for pl in plans} == {
+                (r, 1, tuple(sorted(p.peer_id for p in peers)))
+            }
+            assert all(
+                await asyncio.gather(*(p.commit(pl) for p, pl in zip(peers, plans, strict=True)))
+            )
+        assert {p.revision for p in peers} == {3}
+
+        # a peer's heartbeat connection closes between rounds: the next round forms without it
+        gone = peers.pop()
+        await gone.close()
+        plans = await _round(peers)
+        assert {(pl.round, len(pl.members), pl.new_epoch) for pl in plans} == {(3, N - 1, True)}
+        assert gone.peer_id not in plans[0].members
+        assert all(
+            await asyncio.gather(*(p.commit(pl) for p, pl in zip(peers, plans, strict=True)))
+        )
+
+        # a member dies inside a round: the others' commits are answered aborted, each is pushed
+        # the abort, and the survivors retry the same round in a new epoch and commit it
+        plans = await _round(peers)
+        victim = peers.pop()
+        await victim.close()
+        assert not any(
+            await asyncio.gather(*(p.commit(pl) for p, pl in zip(peers, plans[:-1], strict=True)))
+        )
+        epoch = plans[0].epoch
+        for _ in range(200):  # the pushes travel on the websockets, beside the answers
+            if all(
+                any(isinstance(x, msgs.AbortPush) and x.epoch == epoch for x in p.pushes)
+                for p in peers
+            ):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("not every surviving member was pushed the abort")
+        plans = await _round(peers)
+        assert {(pl.round, pl.epoch, len(pl.members)) for pl in plans} == {(4, epoch + 1, N - 2)}
+        assert all(
+            await asyncio.gather(*(p.commit(pl) for p, pl in zip(peers, plans, strict=True)))
+        )
+        assert {p.revision for p in peers} == {5}
+        for _ in range(100):  # first heartbeats are spread over one interval
+            if all(p.heartbeats >= 2 for p in peers):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("not every peer sent its heartbeats")
+        st = c.status(events=0)
+        counters = st["counters"]
+        assert st["revision"] == 5
+        assert (counters["rounds_committed"], counters["rounds_aborted"]) == (5, 1)
+        assert (counters["parity_failures"], counters["evictions"]) == (0, 2)
+        # the heartbeats carried every live peer's info (its step) to the coordinator
+        steps = {p["name"]: p["info"].get("step") for p in st["peers"] if p["state"] == "active"}
+        assert sorted(steps) == sorted(p.name for p in peers)
+        assert all(isinstance(s, int) for s in steps.values())
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+def test_fifty_protocol_peers_form_commit_and_abort_together(coord: Coordinator) -> None:
+    asyncio.run(asyncio.wait_for(_swarm(coord), 120))

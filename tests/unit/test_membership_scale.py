@@ -1,0 +1,89 @@
+"""The membership with hundreds of peers (pure): a round that waits for one member is answered
+without a pass over everyone, yet forms exactly when the last member begins and leaves out a
+blocker that went quiet; the stamp that wakes waiting requests moves exactly when an answer may
+have changed."""
+
+from __future__ import annotations
+
+import random
+
+from isthmus.coordinator.membership import Membership, MembershipConfig
+from isthmus.coordinator.protocol import TensorSpec
+
+SCHEMA = [TensorSpec("w", (2, 3), "torch.float32")]
+GOOD = {"w": "aa"}
+N = 100
+
+
+def _run(order: list[int]) -> tuple[Membership, list[int]]:
+    m = Membership(MembershipConfig(start_peers=N, heartbeat_timeout=30.0))
+    pids = [m.register(f"p{i:03d}", 0.0) for i in range(N)]
+    for i in order:  # the first round
+        m.begin(pids[i], 0.0, nonce="a", revision=0, hashes=GOOD, schema=SCHEMA)
+    plan = m.poll_begin(pids[0], "a").plan
+    assert plan is not None and len(plan.members) == N
+    for pid in pids:
+        m.commit(pid, 0.0, epoch=plan.epoch, round=0, ok=True)
+    assert m.revision == 1
+    return m, pids
+
+
+def test_the_round_forms_at_the_last_begin_in_any_order() -> None:
+    for order in (list(range(N)), list(range(N))[::-1], random.Random(1).sample(range(N), N)):
+        m, pids = _run(order)
+        for k, i in enumerate(order):
+            d = m.begin(pids[i], 1.0, nonce="b", revision=1, hashes=GOOD, schema=None)
+            assert d.kind == ("go" if k == N - 1 else "wait"), (k, d)
+        assert m.running is not None and m.running.members == tuple(pids)
+
+
+def test_a_blocker_that_goes_quiet_is_not_waited_for() -> None:
+    m, pids = _run(list(range(N)))
+    quiet_after = m.config.quiet_after_s
+    for pid in pids[:-1]:
+        assert m.begin(pid, 1.0, nonce="b", revision=1, hashes=GOOD, schema=None).kind == "wait"
+    assert m.blocker is not None and m.blocker[1] == pids[-1]
+    for p in m.peers.values():  # everyone but the blocker keeps speaking
+        if p.id != pids[-1]:
+            p.last_seen = 1.0 + quiet_after + 1
+    # a member asks again (same attempt) after the blocker went quiet: the round forms without it
+    d = m.begin(pids[0], 1.0 + quiet_after + 1, nonce="b", revision=1, hashes=GOOD, schema=None)
+    assert d.kind == "go" and pids[-1] not in d.plan.members and len(d.plan.members) == N - 1
+    assert [e["peer"] for e in m.events if e["kind"] == "quiet"] == [pids[-1]]
+
+
+def test_the_stamp_moves_only_when_a_waiting_answer_may_change() -> None:
+    m, pids = _run(list(range(N)))
+    s0 = m.stamp()
+    m.begin(pids[0], 1.0, nonce="b", revision=1, hashes=GOOD, schema=None)
+    assert m.stamp() == s0  # an in-sync member's begin: nobody else's answer changes
+    joiner = m.register("late", 1.0)
+    s1 = m.stamp()
+    assert s1 != s0  # an event
+    m.begin(joiner, 1.0, nonce="j", revision=0, hashes=GOOD, schema=SCHEMA)
+    assert m.stamp() != s1  # a joiner: the others may owe their hashes
+    for pid in pids[1:]:
+        m.begin(pid, 1.0, nonce="b", revision=1, hashes=GOOD, schema=None)
+    plan = m.running
+    assert plan is not None and len(plan.members) == N + 1
+    s2 = m.stamp()
+    for pid in plan.members[:-1]:
+        m.commit(pid, 1.0, epoch=plan.epoch, round=1, ok=True)
+        assert m.stamp() == s2  # a commit report in the middle of the round
+        assert m.poll_commit(plan.epoch, 1, explain=False).reason == ""
+    assert "waiting for commit reports" in m.poll_commit(plan.epoch, 1).reason
+    m.commit(plan.members[-1], 1.0, epoch=plan.epoch, round=1, ok=True)
+    assert m.stamp() != s2 and m.revision == 2
+
+
+def test_a_waiting_reason_names_twenty_members_and_counts_the_rest() -> None:
+    m, pids = _run(list(range(N)))
+    m.begin(pids[0], 1.0, nonce="b", revision=1, hashes=GOOD, schema=None)
+    why = m.poll_begin(pids[0], "b").reason
+    assert why.startswith("waiting for members to begin round 1: 1 (p001), 2 (p002)")
+    assert why.endswith(f" and {N - 1 - 20} more") and why.count("(p") == 20
+    # reused for a moment while only in-sync members begin, worked out afresh after that
+    assert m.poll_begin(pids[0], "b", now=1.0).reason == why
+    m.begin(pids[1], 1.1, nonce="b", revision=1, hashes=GOOD, schema=None)
+    assert m.poll_begin(pids[0], "b", now=1.1).reason == why
+    assert "1 (p001)" not in m.poll_begin(pids[0], "b", now=2.0).reason
