@@ -29,11 +29,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peers_goodput import (
+    Failure,
+    committed_fraction,
+    failure_schedule,
+    isthmus_attempts,
+    theoretical_fraction,
+    torchft_attempts,
+)
 from peers_measure import (
     eval_curve,
     first_after,
@@ -87,6 +95,15 @@ class Setup:
     fault_steps: tuple[int, int] = (150, 500)
     fault_limit: float = 150.0
     targets: list[float] = dataclasses.field(default_factory=lambda: [3.0, 2.8, 2.6])
+    model: str = "tiny"
+    fail_every: float = 0.0
+    restart_after: float = 5.0
+    fail_until: float = 120.0
+    fail_seed: int = 0
+    fail_poisson: bool = False
+    network: str = ""
+    """A ``[network]`` section (with its sub-tables) replacing the one of ``peers``, ``rate``
+    and ``rtt_ms`` (``--network FILE``: the section of a scenario file, e.g. two regions)."""
 
     def __post_init__(self) -> None:
         """Refuses a setup that cannot run, naming the setting (the command line's flag)."""
@@ -110,6 +127,8 @@ class Setup:
             raise ValueError(
                 f"--kill-at ({self.kill_at}) must be > 0 and before --join-at ({self.join_at})"
             )
+        if self.model not in ("tiny", "default"):
+            raise ValueError(f"--model: tiny or default, got {self.model!r}")
         if self.rtt_ms < 0 or self.step_delay < 0 or self.fault_limit <= self.join_at:
             raise ValueError(
                 "--rtt-ms and --step-delay must be >= 0 and --fault-limit after --join-at"
@@ -118,21 +137,54 @@ class Setup:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def scenario(self, name: str, strategy: str, options: dict[str, Any], fault: bool) -> str:
-        """The isthmus scenario (TOML) of one run; its ``[network]`` is every system's."""
+    def scenario(
+        self,
+        name: str,
+        strategy: str,
+        options: dict[str, Any],
+        fault: bool,
+        *,
+        compression: str = "none",
+        failures: Sequence[Failure] = (),
+    ) -> str:
+        """The isthmus scenario (TOML) of one run; its ``[network]`` is every system's. A fault
+        run kills and restarts ``victim``; ``failures`` (a goodput run) kill and restart each
+        listed peer at its times."""
         opts = "".join(f"{k} = {v!r}\n" for k, v in options.items())
         text = (
-            f'[run]\nname = "{name}"\nsteps = {self.steps}\nseed = {self.seed}\nmodel = "tiny"\n'
-            f'[strategy]\nname = "{strategy}"\n'
+            f'[run]\nname = "{name}"\nsteps = {self.steps}\nseed = {self.seed}\n'
+            f'model = "{self.model}"\n'
+            f'[strategy]\nname = "{strategy}"\ncompression = "{compression}"\n'
             + (f"[strategy.options]\n{opts}" if opts else "")
-            + f'[network]\npeers = {self.peers}\nrate = "{self.rate}"\nrtt_ms = {self.rtt_ms}\n'
+            + (
+                self.network
+                or f'[network]\npeers = {self.peers}\nrate = "{self.rate}"\nrtt_ms = {self.rtt_ms}\n'
+            )
         )
         if fault:
             text += (
                 f'[[churn]]\naction = "kill"\npeer = {self.victim}\nat_seconds = {self.kill_at}\n'
                 f'[[churn]]\naction = "join"\npeer = {self.victim}\nat_seconds = {self.join_at}\n'
             )
+        for f in failures:
+            text += (
+                f'[[churn]]\naction = "kill"\npeer = {f.peer}\nat_seconds = {f.at_s}\n'
+                f'[[churn]]\naction = "join"\npeer = {f.peer}\nat_seconds = {f.back_s}\n'
+            )
         return text
+
+    def failures(self) -> list[Failure]:
+        """A goodput run's failures (none without ``fail_every``)."""
+        if not self.fail_every:
+            return []
+        return failure_schedule(
+            every_s=self.fail_every,
+            restart_after_s=self.restart_after,
+            until_s=self.fail_until,
+            peers=self.peers,
+            seed=self.fail_seed,
+            poisson=self.fail_poisson,
+        )
 
     def steps_for(self, name: str, fault: bool) -> int:
         """isthmus's budget. A fault run's is long enough for the joiner to come back (DDP is
@@ -145,16 +197,39 @@ class Setup:
         return self.fault_steps[0] if ddp_like else self.fault_steps[1]
 
 
-def run_system(name: str, setup: Setup, out: Path, *, fault: bool, python: str) -> dict[str, Any]:
-    """One run of system ``name``; a row of the result (errors are recorded, not raised)."""
-    label = f"{name}{'-fault' if fault else ''}"
+def network_section(text: str) -> str:
+    """The ``[network]`` table of a scenario file's text with its sub-tables (``[[network.x]]``),
+    up to the next table of another name. Raises ValueError when there is none."""
+    out: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        head = line.strip()
+        if head.startswith("["):
+            inside = head.strip("[]").split(".")[0].strip() == "network"
+        if inside:
+            out.append(line)
+    if not out:
+        raise ValueError("the scenario file has no [network] section")
+    return "\n".join(out) + "\n"
+
+
+def run_system(
+    name: str, setup: Setup, out: Path, *, fault: bool, python: str, goodput: bool = False
+) -> dict[str, Any]:
+    """One run of system ``name``; a row of the result (errors are recorded, not raised). A
+    ``goodput`` run is a main run (the same budget) under ``setup.failures()``, with the
+    committed and theoretical fractions added."""
+    label = f"{name}{'-fault' if fault else ''}{'-goodput' if goodput else ''}"
     row: dict[str, Any] = {"system": name, "fault": fault, "load_before": load(), "errors": []}
+    failures = setup.failures() if goodput else []
+    if goodput:
+        row["goodput"] = True
     t = time.monotonic()
     try:
         if name.startswith("isthmus-"):
-            row.update(_isthmus(name, setup, out / label, fault))
+            row.update(_isthmus(name, setup, out / label, fault, failures))
         else:
-            row.update(_foreign(name, setup, out / label, fault, python))
+            row.update(_foreign(name, setup, out / label, fault, python, failures))
     except Exception as e:  # one system failing must not lose the others' rows
         row["errors"].append(f"{type(e).__name__}: {e}")
     row["wall_s"] = round(time.monotonic() - t, 1)
@@ -164,37 +239,39 @@ def run_system(name: str, setup: Setup, out: Path, *, fault: bool, python: str) 
 
 # ------------------------------------------------------------------------------------ isthmus
 
+
+def _diloco(s: Setup) -> dict[str, Any]:
+    return {"sync_every": s.sync_every, "outer_lr": s.outer_lr, "outer_momentum": s.outer_momentum}
+
+
+def _streaming(s: Setup) -> dict[str, Any]:
+    return {**_diloco(s), "fragments": s.fragments, "overlap": s.overlap, "alpha": s.alpha}
+
+
+# name -> (strategy, its options, compression of the outer gradients); e3m0: isthmus's 4-bit
+# quantized all-reduce. SparseLoCo keeps its own defaults (top-k of 64 per 4096, 1-bit values,
+# outer lr 2.5, no momentum) with the same H.
 ISTHMUS = {
-    "isthmus-ddp": ("ddp", lambda s: {}),
-    "isthmus-diloco": (
-        "diloco",
-        lambda s: {
-            "sync_every": s.sync_every,
-            "outer_lr": s.outer_lr,
-            "outer_momentum": s.outer_momentum,
-        },
-    ),
-    "isthmus-streaming": (
-        "streaming",
-        lambda s: {
-            "sync_every": s.sync_every,
-            "outer_lr": s.outer_lr,
-            "outer_momentum": s.outer_momentum,
-            "fragments": s.fragments,
-            "overlap": s.overlap,
-            "alpha": s.alpha,
-        },
-    ),
+    "isthmus-ddp": ("ddp", lambda s: {}, "none"),
+    "isthmus-diloco": ("diloco", _diloco, "none"),
+    "isthmus-streaming": ("streaming", _streaming, "none"),
+    "isthmus-diloco-e3m0": ("diloco", _diloco, "e3m0"),
+    "isthmus-streaming-e3m0": ("streaming", _streaming, "e3m0"),
+    "isthmus-sparseloco": ("sparseloco", lambda s: {"sync_every": s.sync_every}, "none"),
 }
 
 
-def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, Any]:
+def _isthmus(
+    name: str, setup: Setup, run_dir: Path, fault: bool, failures: Sequence[Failure] = ()
+) -> dict[str, Any]:
     from isthmus.lab.scenario import parse_scenario
     from isthmus.run.lab_run import LabOptions, run_lab
     from isthmus.run.record import RunDir
 
-    strategy, options = ISTHMUS[name]
-    text = setup.scenario(name, strategy, options(setup), fault)
+    strategy, options, compression = ISTHMUS[name]
+    text = setup.scenario(
+        name, strategy, options(setup), fault, compression=compression, failures=failures
+    )
     summary = run_lab(
         parse_scenario(text, source=name),
         LabOptions(network="netns", prefix="isthp"),
@@ -234,10 +311,14 @@ def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, A
             train_wall_s=round(max(last) - t0, 3) if last else None,
             tx_per_peer=tx,
             tx_per_peer_mean=sum(tx.values()) / len(tx) if tx else None,
-            tokens=sum(len(r) for r in records.values()) * setup.batch_size * 32,
+            tokens=sum(len(r) for r in records.values()) * setup.batch_size * _block(setup),
             commits=summary.rounds_committed,
             parity_failures=summary.parity_failures,
         )
+        if failures:
+            applied = summary.lab.churn_applied if summary.lab is not None else []
+            kills = sum(c["action"] == "kill" for c in applied)
+            row.update(_goodput(*isthmus_attempts(events), kills))
         return {**row, "errors": errors}
     applied = summary.lab.churn_applied if summary.lab is not None else []
     kill = next((c for c in applied if c["action"] == "kill"), None)
@@ -262,6 +343,23 @@ def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, A
     else:
         errors.append("the join was not applied")
     return {**row, "errors": errors}
+
+
+def _block(setup: Setup) -> int:
+    """Tokens per sample of the model (its block size)."""
+    return 32 if setup.model == "tiny" else 64
+
+
+def _goodput(committed: int, attempted: int, kills: int) -> dict[str, Any]:
+    frac = committed_fraction(committed, attempted)
+    theory = theoretical_fraction(attempted, kills)
+    return {
+        "syncs_committed": committed,
+        "syncs_attempted": attempted,
+        "kills": kills,
+        "committed_fraction": None if frac is None else round(frac, 4),
+        "theoretical_fraction": None if theory is None else round(theory, 4),
+    }
 
 
 # ------------------------------------------------------------------------------------ foreign
@@ -338,6 +436,7 @@ def _job(name: str, setup: Setup, run_dir: Path, fault: bool, net: Any, store_po
         "start_timeout": setup.start_timeout,
         "step_delay": setup.step_delay if fault else 0.0,
         "out": str(run_dir),
+        "model": setup.model,
         # torchft
         "lighthouse": f"http://{net.coordinator.ip}:{LIGHTHOUSE_PORT}",
         "min_replicas": 2,
@@ -348,7 +447,14 @@ def _job(name: str, setup: Setup, run_dir: Path, fault: bool, net: Any, store_po
     }
 
 
-def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -> dict[str, Any]:
+def _foreign(
+    name: str,
+    setup: Setup,
+    run_dir: Path,
+    fault: bool,
+    python: str,
+    failures: Sequence[Failure] = (),
+) -> dict[str, Any]:
     import json
 
     import torch.distributed as dist
@@ -412,8 +518,29 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
             survivors_done: float | None = None
             contributed_at: float | None = None
             check_at = 0.0
+            # a goodput run's kills and restarts, in time order; the process of each slot now
+            pending = sorted(
+                [(f.at_s, 1, f.peer) for f in failures] + [(f.back_s, 0, f.peer) for f in failures]
+            )
+            current = {i: f"peer{i}" for i in range(n)}
+            killed: set[int] = set()
+            kills = 0
             while time.monotonic() < deadline:
                 now = time.time() - t_start
+                while pending and now >= pending[0][0]:
+                    _, is_kill, slot = pending.pop(0)
+                    if is_kill and procs[current[slot]].poll() is None:
+                        procs[current[slot]].send_signal(signal.SIGKILL)
+                        killed.add(slot)
+                        kills += 1
+                    elif not is_kill and slot in killed:  # a finished peer is not restarted
+                        killed.discard(slot)
+                        current[slot] = f"peer{slot}.r{kills}"
+                        argv = [python, script, job_path, str(slot), current[slot], "--join"]
+                        procs[current[slot]] = spawn(slot, argv, current[slot])
+                running = [procs[current[i]] for i in range(n) if i not in killed]
+                if failures and all(p.poll() is not None for p in running):
+                    break  # every slot that runs finished its budget
                 if fault and "kill" not in applied and now >= setup.kill_at:
                     procs[f"peer{victim}"].send_signal(signal.SIGKILL)
                     applied["kill"] = time.time()
@@ -457,7 +584,7 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
     )
     commits, contributed = _foreign_commits(system, job["mode"], records)
     if not fault:
-        finals = [r["eval_loss"] for k in starting for r in records[k] if r["kind"] == "final"]
+        finals = [r["eval_loss"] for recs in records.values() for r in recs if r["kind"] == "final"]
         last = [r["ts"] for recs in records.values() for r in recs if r["kind"] == "step"]
         peer_tx = {f"peer{i}": tx[str(i)] for i in range(n)}
         row.update(
@@ -468,10 +595,12 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
             tx_per_peer_mean=sum(peer_tx.values()) / n,
             tokens=sum(r["kind"] == "step" for recs in records.values() for r in recs)
             * setup.batch_size
-            * 32,
+            * _block(setup),
             commits=len(commits.get("peer0", [])),
             hivemind=_hivemind_counts(records) if system == "hivemind" else None,
         )
+        if failures:
+            row.update(_goodput(*torchft_attempts(records["peer0"]), kills))
         return row
     survivors = [k for k in starting if k != f"peer{victim}"]
     after_kill = [ts for k in survivors for ts in commits.get(k, [])]
