@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-until", type=float, default=120.0, help="goodput: no kill after")
     ap.add_argument("--fail-seed", type=int, default=0, help="goodput: the schedule's seed")
     ap.add_argument("--fail-poisson", action="store_true", help="goodput: exponential gaps")
+    ap.add_argument(
+        "--run-timeout", type=float, default=900.0, help="s; a run still going then is stopped"
+    )
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -277,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         fault_limit=a.fault_limit,
         targets=[float(x) for x in a.targets.split(",") if x],
         model=a.model,
+        run_timeout=a.run_timeout,
         fail_every=a.goodput,
         restart_after=a.restart_after,
         fail_until=a.fail_until,

@@ -116,3 +116,17 @@ def step_time(wall_s: float, attempted: int) -> float | None:
     """Seconds per attempted synchronization of a run (its wall-clock over its attempts), or
     None when nothing was attempted."""
     return wall_s / attempted if attempted > 0 and wall_s > 0 else None
+
+
+def goodput_row(committed: int, attempted: int, kills: int) -> dict[str, Any]:
+    """The goodput fields of a result row: the counts, the committed fraction and the
+    theoretical one (rounded to 4 digits; None where nothing was attempted)."""
+    frac = committed_fraction(committed, attempted)
+    theory = theoretical_fraction(attempted, kills)
+    return {
+        "syncs_committed": committed,
+        "syncs_attempted": attempted,
+        "kills": kills,
+        "committed_fraction": None if frac is None else round(frac, 4),
+        "theoretical_fraction": None if theory is None else round(theory, 4),
+    }
