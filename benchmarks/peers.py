@@ -65,6 +65,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers_lab
+from peers_goodput import nominal_fraction, step_time, time_fraction
 from peers_measure import loosest_best, time_to_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,9 +164,10 @@ def goodput_table(result: dict[str, Any]) -> str:
     goals = targets_for(rows, result["setup"]["targets"])
     head = " | ".join(f"to {g:g} (s @ step)" for g in goals)
     lines = [
-        f"| system | kills | committed / attempted | committed fraction | theoretical | {head} | "
-        "final eval | train wall (s) | quiet wall (s) | broke |",
-        "|---|" + "---|" * (len(goals) + 8),
+        f"| system | kills | committed / attempted | committed fraction | theoretical | "
+        f"nominal (quiet step s) | {head} | final eval | train wall (s) | quiet wall (s) | "
+        "quiet / train wall | broke |",
+        "|---|" + "---|" * (len(goals) + 10),
     ]
     for r in rows:
         cells = []
@@ -176,13 +178,21 @@ def goodput_table(result: dict[str, Any]) -> str:
         theory = r.get("theoretical_fraction")
         counts = f"{r.get('syncs_committed', '-')} / {r.get('syncs_attempted', '-')}"
         broke = "; ".join(r.get("errors", []))[:160]
-        quiet = main.get(r["system"], {}).get("train_wall_s")
+        quiet_row = main.get(r["system"], {})
+        quiet = quiet_row.get("train_wall_s")
+        step = step_time(quiet or 0.0, quiet_row.get("commits") or 0)
+        every = result["setup"].get("fail_every") or 0.0
+        nominal = "-"
+        if step and every:
+            nominal = f"{100 * nominal_fraction(step, every):.1f}% ({step:.2f})"
+        wall_frac = time_fraction(quiet, r.get("train_wall_s"))
         lines.append(
             f"| {r['system']} | {r.get('kills', '-')} | {counts} | "
             f"{_cell(None if frac is None else 100 * frac, '{:.1f}%')} | "
-            f"{_cell(None if theory is None else 100 * theory, '{:.1f}%')} | {' | '.join(cells)} | "
-            f"{_cell(r.get('final_eval_loss'), '{:.4f}')} | {_cell(r.get('train_wall_s'))} | "
-            f"{_cell(quiet)} | {broke or '-'} |"
+            f"{_cell(None if theory is None else 100 * theory, '{:.1f}%')} | {nominal} | "
+            f"{' | '.join(cells)} | {_cell(r.get('final_eval_loss'), '{:.4f}')} | "
+            f"{_cell(r.get('train_wall_s'))} | {_cell(quiet)} | "
+            f"{_cell(None if wall_frac is None else 100 * wall_frac, '{:.1f}%')} | {broke or '-'} |"
         )
     return "\n".join(lines)
 

@@ -130,3 +130,12 @@ def goodput_row(committed: int, attempted: int, kills: int) -> dict[str, Any]:
         "committed_fraction": None if frac is None else round(frac, 4),
         "theoretical_fraction": None if theory is None else round(theory, 4),
     }
+
+
+def time_fraction(quiet_wall_s: float | None, wall_s: float | None) -> float | None:
+    """The wall-clock goodput of a run under failures: the same budget's wall-clock without
+    failures over its wall-clock with them (1.0: the failures cost no time); None when either
+    is unknown or not positive."""
+    if not quiet_wall_s or not wall_s or quiet_wall_s <= 0 or wall_s <= 0:
+        return None
+    return quiet_wall_s / wall_s

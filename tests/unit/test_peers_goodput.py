@@ -91,3 +91,9 @@ def test_attempts_of_each_system() -> None:
     ]
     assert pg.torchft_attempts(records) == (2, 3)
     assert pg.torchft_attempts([]) == (0, 0)
+
+
+def test_time_fraction() -> None:
+    assert pg.time_fraction(30.0, 60.0) == 0.5
+    assert pg.time_fraction(None, 60.0) is None
+    assert pg.time_fraction(30.0, 0.0) is None
