@@ -166,8 +166,8 @@ def goodput_table(result: dict[str, Any]) -> str:
     lines = [
         f"| system | kills | committed / attempted | committed fraction | theoretical | "
         f"nominal (quiet step s) | {head} | final eval | train wall (s) | quiet wall (s) | "
-        "quiet / train wall | broke |",
-        "|---|" + "---|" * (len(goals) + 10),
+        "quiet / train wall | tokens committed / quiet tokens | broke |",
+        "|---|" + "---|" * (len(goals) + 11),
     ]
     for r in rows:
         cells = []
@@ -186,13 +186,18 @@ def goodput_table(result: dict[str, Any]) -> str:
         if step and every:
             nominal = f"{100 * nominal_fraction(step, every):.1f}% ({step:.2f})"
         wall_frac = time_fraction(quiet, r.get("train_wall_s"))
+        tokens = r.get("tokens_committed")
+        work = "-"
+        if tokens is not None and quiet_row.get("tokens"):
+            work = f"{100 * tokens / quiet_row['tokens']:.1f}%"
         lines.append(
             f"| {r['system']} | {r.get('kills', '-')} | {counts} | "
             f"{_cell(None if frac is None else 100 * frac, '{:.1f}%')} | "
             f"{_cell(None if theory is None else 100 * theory, '{:.1f}%')} | {nominal} | "
             f"{' | '.join(cells)} | {_cell(r.get('final_eval_loss'), '{:.4f}')} | "
             f"{_cell(r.get('train_wall_s'))} | {_cell(quiet)} | "
-            f"{_cell(None if wall_frac is None else 100 * wall_frac, '{:.1f}%')} | {broke or '-'} |"
+            f"{_cell(None if wall_frac is None else 100 * wall_frac, '{:.1f}%')} | {work} | "
+            f"{broke or '-'} |"
         )
     return "\n".join(lines)
 

@@ -474,6 +474,11 @@ def _foreign(
         )
         if failures:
             row.update(goodput_row(*torchft_attempts(records["peer0"]), kills))
+            # the samples of the steps that committed with the process taking part (isthmus's
+            # records hold committed steps only, so its ``tokens`` are already these)
+            mine = [r for recs in records.values() for r in recs if r["kind"] == "commit"]
+            done = sum(bool(r.get("ok")) and bool(r.get("participating")) for r in mine)
+            row["tokens_committed"] = done * setup.batch_size * setup.block_size
         return row
     survivors = [k for k in starting if k != f"peer{victim}"]
     after_kill = [ts for k in survivors for ts in commits.get(k, [])]

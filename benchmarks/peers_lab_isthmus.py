@@ -93,6 +93,7 @@ def run_isthmus(
             applied = summary.lab.churn_applied if summary.lab is not None else []
             kills = sum(c["action"] == "kill" for c in applied)
             row.update(goodput_row(*isthmus_attempts(events), kills))
+            row["tokens_committed"] = row["tokens"]
         return {**row, "errors": errors}
     applied = summary.lab.churn_applied if summary.lab is not None else []
     kill = next((c for c in applied if c["action"] == "kill"), None)
