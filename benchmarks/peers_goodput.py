@@ -139,3 +139,11 @@ def time_fraction(quiet_wall_s: float | None, wall_s: float | None) -> float | N
     if not quiet_wall_s or not wall_s or quiet_wall_s <= 0 or wall_s <= 0:
         return None
     return quiet_wall_s / wall_s
+
+
+def starters(records: Mapping[str, Any]) -> dict[str, Any]:
+    """The records of the processes that started the run (``peer<i>``), without those of
+    restarted ones (``peer<i>.<n>``, ``peer<i>.r<n>``): a restarted process numbers its steps
+    from where it resumed or from 0, and its points would put late evals at early steps of the
+    curve. Peer 0, never killed, covers the whole run."""
+    return {k: v for k, v in records.items() if "." not in k}

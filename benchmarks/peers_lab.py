@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peers_goodput import Failure, failure_schedule, goodput_row, torchft_attempts
+from peers_goodput import Failure, failure_schedule, goodput_row, starters, torchft_attempts
 from peers_measure import (
     eval_curve,
     first_after,
@@ -461,7 +461,7 @@ def _foreign(
         last = [r["ts"] for recs in records.values() for r in recs if r["kind"] == "step"]
         peer_tx = {f"peer{i}": tx[str(i)] for i in range(n)}
         row.update(
-            curve=eval_curve(records, t0),
+            curve=eval_curve(starters(records), t0),
             final_eval_loss=round(sum(finals) / len(finals), 6) if finals else None,
             train_wall_s=round(max(last) - t0, 3) if last else None,
             tx_per_peer=peer_tx,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from peers_goodput import Failure, goodput_row, isthmus_attempts
+from peers_goodput import Failure, goodput_row, isthmus_attempts, starters
 from peers_lab import Setup
 from peers_measure import eval_curve, first_after, isthmus_commits, isthmus_join_commit
 
@@ -80,7 +80,7 @@ def run_isthmus(
         tx = {n: int(v["wire_tx_bytes"]) for n, v in per_peer.items()}
         last = [r["ts"] for recs in records.values() for r in recs]
         row.update(
-            curve=eval_curve(records, t0),
+            curve=eval_curve(starters(records), t0),
             final_eval_loss=summary.final_eval_loss,
             train_wall_s=round(max(last) - t0, 3) if last else None,
             tx_per_peer=tx,

@@ -97,3 +97,8 @@ def test_time_fraction() -> None:
     assert pg.time_fraction(30.0, 60.0) == 0.5
     assert pg.time_fraction(None, 60.0) is None
     assert pg.time_fraction(30.0, 0.0) is None
+
+
+def test_restarted_processes_are_left_out_of_the_curve() -> None:
+    recs = {"peer0": [1], "peer2": [2], "peer2.1": [3], "peer2.r4": [4]}
+    assert pg.starters(recs) == {"peer0": [1], "peer2": [2]}
