@@ -258,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         parts = [json.loads(Path(f).read_text()) for f in a.report]
         merged = {**parts[0], "main": [], "faults": [], "goodput": []}
+        if a.targets != ap.get_default("targets"):  # the table's targets, given again
+            merged["setup"] = {
+                **merged["setup"],
+                "targets": [float(x) for x in a.targets.split(",")],
+            }
         for part in parts:
             for key in ("main", "faults", "goodput"):
                 merged[key] += part.get(key, [])
