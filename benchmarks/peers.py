@@ -10,6 +10,9 @@ peers; the coordinator, lighthouse and start barrier half that away):
 * isthmus-ddp: ``isthmus lab run`` with strategy ddp
 * isthmus-diloco: diloco, H = ``--sync-every``, outer SGD Nesterov lr 0.7 momentum 0.9
 * isthmus-streaming: streaming, H, ``--fragments`` P, overlap tau, alpha
+* isthmus-diloco-e3m0, isthmus-streaming-e3m0: the two above with 4-bit outer gradients
+  (isthmus's quantized all-reduce, ``compression = "e3m0"``)
+* isthmus-sparseloco: sparseloco with H (its own top-k and 1-bit values, error feedback)
 * torchft-ddp: torchft's Manager + DistributedDataParallel, lighthouse in the lab
 * torchft-allreduce: the same data parallel with the gradients through manager.allreduce
 * torchft-diloco: torchft.local_sgd.DiLoCo, one fragment, the same outer SGD
@@ -32,6 +35,14 @@ start to the first committed synchronization holding its update (definitions:
 peers' virtual environment (``make bench-peers-env``), their workers written against their public
 APIs (``peers_torchft.py``, ``peers_hivemind.py``). Needs root (network namespaces).
 
+``--model default`` trains isthmus's default GPT instead of the tiny one (every system);
+``--network FILE`` takes the links from a scenario file's ``[network]`` (e.g.
+``scenarios/two_region.toml``). ``--goodput S`` adds a third run per system, the main run's
+budget under a SIGKILL of a random peer (not peer 0) every S seconds (``--fail-poisson``: at
+exponential gaps of that mean) up to ``--fail-until``, each restarted ``--restart-after`` seconds
+later; it reports the fraction of synchronizations committed, the theoretical fraction (one
+attempt lost per failure) and the time to each target (``benchmarks/peers_goodput.py``).
+
     sudo .venv/bin/python benchmarks/peers.py [--systems a,b,...] [--no-faults] [--json FILE]
     .venv/bin/python benchmarks/peers.py --report FILE...  # the table again from --json files
 """
@@ -39,6 +50,7 @@ APIs (``peers_torchft.py``, ``peers_hivemind.py``). Needs root (network namespac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -53,6 +65,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers_lab
+from peers_goodput import nominal_fraction, step_time, time_fraction
 from peers_measure import loosest_best, time_to_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +74,9 @@ SYSTEMS = (
     "isthmus-ddp",
     "isthmus-diloco",
     "isthmus-streaming",
+    "isthmus-diloco-e3m0",
+    "isthmus-streaming-e3m0",
+    "isthmus-sparseloco",
     "torchft-ddp",
     "torchft-allreduce",
     "torchft-diloco",
@@ -139,6 +155,53 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(result: dict[str, Any]) -> str:
+    """The markdown table of the goodput runs (``--goodput``) of a result, or "" without any."""
+    rows = result.get("goodput", [])
+    if not rows:
+        return ""
+    main = {r["system"]: r for r in result["main"]}
+    goals = targets_for(rows, result["setup"]["targets"])
+    head = " | ".join(f"to {g:g} (s @ step)" for g in goals)
+    lines = [
+        f"| system | kills | committed / attempted | committed fraction | theoretical | "
+        f"nominal (quiet step s) | {head} | final eval | train wall (s) | quiet wall (s) | "
+        "quiet / train wall | tokens committed / quiet tokens | broke |",
+        "|---|" + "---|" * (len(goals) + 11),
+    ]
+    for r in rows:
+        cells = []
+        for g in goals:
+            hit = time_to_target(r.get("curve") or [], g)
+            cells.append(f"{hit[0]:.1f} @ {hit[1]}" if hit else "not reached")
+        frac = r.get("committed_fraction")
+        theory = r.get("theoretical_fraction")
+        counts = f"{r.get('syncs_committed', '-')} / {r.get('syncs_attempted', '-')}"
+        broke = "; ".join(r.get("errors", []))[:160]
+        quiet_row = main.get(r["system"], {})
+        quiet = quiet_row.get("train_wall_s")
+        step = step_time(quiet or 0.0, quiet_row.get("commits") or 0)
+        every = result["setup"].get("fail_every") or 0.0
+        nominal = "-"
+        if step and every:
+            nominal = f"{100 * nominal_fraction(step, every):.1f}% ({step:.2f})"
+        wall_frac = time_fraction(quiet, r.get("train_wall_s"))
+        tokens = r.get("tokens_committed")
+        work = "-"
+        if tokens is not None and quiet_row.get("tokens"):
+            work = f"{100 * tokens / quiet_row['tokens']:.1f}%"
+        lines.append(
+            f"| {r['system']} | {r.get('kills', '-')} | {counts} | "
+            f"{_cell(None if frac is None else 100 * frac, '{:.1f}%')} | "
+            f"{_cell(None if theory is None else 100 * theory, '{:.1f}%')} | {nominal} | "
+            f"{' | '.join(cells)} | {_cell(r.get('final_eval_loss'), '{:.4f}')} | "
+            f"{_cell(r.get('train_wall_s'))} | {_cell(quiet)} | "
+            f"{_cell(None if wall_frac is None else 100 * wall_frac, '{:.1f}%')} | {work} | "
+            f"{broke or '-'} |"
+        )
+    return "\n".join(lines)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -170,6 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fault-limit", type=float, default=150.0, help="torchft/hivemind fault runs: at most"
     )
+    ap.add_argument("--model", default="tiny", choices=("tiny", "default"), help="GPT preset")
+    ap.add_argument("--network", default=None, help="a scenario file whose [network] to use")
+    ap.add_argument(
+        "--goodput", type=float, default=0.0, help="a goodput run: a kill every S seconds"
+    )
+    ap.add_argument("--restart-after", type=float, default=5.0, help="goodput: s to the restart")
+    ap.add_argument("--fail-until", type=float, default=120.0, help="goodput: no kill after")
+    ap.add_argument("--fail-seed", type=int, default=0, help="goodput: the schedule's seed")
+    ap.add_argument("--fail-poisson", action="store_true", help="goodput: exponential gaps")
+    ap.add_argument(
+        "--run-timeout", type=float, default=900.0, help="s; a run still going then is stopped"
+    )
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -182,11 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.report:
         parts = [json.loads(Path(f).read_text()) for f in a.report]
-        merged = {**parts[0], "main": [], "faults": []}
+        merged = {**parts[0], "main": [], "faults": [], "goodput": []}
+        if a.targets != ap.get_default("targets"):  # the table's targets, given again
+            merged["setup"] = {
+                **merged["setup"],
+                "targets": [float(x) for x in a.targets.split(",")],
+            }
         for part in parts:
-            merged["main"] += part["main"]
-            merged["faults"] += part["faults"]
+            for key in ("main", "faults", "goodput"):
+                merged[key] += part.get(key, [])
         print(table(merged))
+        print(goodput_table(merged))
         return 0
     if os.geteuid() != 0:
         print("benchmarks/peers.py needs root: it builds network namespaces", file=sys.stderr)
@@ -218,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         fault_steps=tuple(int(x) for x in a.fault_steps.split(",")),  # type: ignore[arg-type]
         fault_limit=a.fault_limit,
         targets=[float(x) for x in a.targets.split(",") if x],
+        model=a.model,
+        run_timeout=a.run_timeout,
+        fail_every=a.goodput,
+        restart_after=a.restart_after,
+        fail_until=a.fail_until,
+        fail_seed=a.fail_seed,
+        fail_poisson=a.fail_poisson,
+        network=peers_lab.network_section(Path(a.network).read_text()) if a.network else "",
     )
     # SIGTERM unwinds like Ctrl-C (the lab's network is torn down first by its own handler,
     # which then calls this one), so that the hosts files and workers are cleaned up too
@@ -232,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": setup.as_dict(),
         "main": [],
         "faults": [],
+        "goodput": [],
+        "failures": [dataclasses.asdict(f) for f in setup.failures()],
         "out": str(out),
     }
     print(f"results in {out}; load average {peers_lab.load()}", flush=True)
@@ -242,15 +333,26 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.json).write_text(json.dumps(result, indent=1))
         (out / "result.json").write_text(json.dumps(result, indent=1))
 
-    for fault in ([] if a.no_main else [False]) + ([] if a.no_faults else [True]):
+    kinds = ["main"] if not a.no_main else []
+    kinds += [] if a.no_faults else ["faults"]
+    kinds += ["goodput"] if a.goodput else []
+    for kind in kinds:
         for name in systems:
-            row = peers_lab.run_system(name, setup, out, fault=fault, python=a.peers_python)
-            result["faults" if fault else "main"].append(row)
+            row = peers_lab.run_system(
+                name,
+                setup,
+                out,
+                fault=kind == "faults",
+                python=a.peers_python,
+                goodput=kind == "goodput",
+            )
+            result[kind].append(row)
             brief = {k: v for k, v in row.items() if k != "curve"}
             print(json.dumps(brief), flush=True)
             save()
     print()
     print(table(result))
+    print(goodput_table(result))
     return 0
 
 

@@ -85,15 +85,19 @@ class Recorder:
 
 
 class Trainer:
-    """isthmus's tiny GPT, its corpus, batches and eval, and AdamW as isthmus's built-in job
-    makes it (``isthmus.run.job``: betas 0.9/0.95, the run's lr and weight decay)."""
+    """isthmus's GPT (the job's ``model`` preset: ``tiny`` or ``default``), its corpus, batches
+    and eval, and AdamW as isthmus's built-in job makes it (``isthmus.run.job``: betas 0.9/0.95,
+    the run's lr and weight decay)."""
 
     def __init__(self, job: dict[str, Any], slot: int) -> None:
         torch.set_num_threads(1)
         self.job = job
         self.slot = slot
         self.corpus = Corpus.from_stdlib(max_bytes=job["corpus_bytes"], seed=job["data_seed"])
-        self.model = GPT(GPTConfig.tiny(), seed=job["model_seed"])
+        # the job's model preset as isthmus's built-in job builds it (``isthmus.run.job``)
+        preset = job.get("model", "tiny")
+        config = GPTConfig.tiny() if preset == "tiny" else GPTConfig.default()
+        self.model = GPT(config, seed=job["model_seed"])
         self.block_size = self.model.config.block_size
 
     def inner_optimizer(self, params: Any = None) -> torch.optim.AdamW:

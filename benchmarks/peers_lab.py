@@ -1,7 +1,7 @@
 """Runs one system of ``benchmarks/peers.py`` in the lab and measures it.
 
 isthmus runs through ``isthmus.run.lab_run.run_lab`` (what ``isthmus lab run`` does) on a scenario
-written from the :class:`Setup`; its results are read through ``RunDir``/``Summary``. torchft and
+written from the :class:`Setup` (``peers_lab_isthmus.py``). torchft and
 hivemind run as worker processes of the peers' virtual environment inside a ``WanNetwork`` built
 from the same scenario's ``[network]``: one worker per peer namespace, torchft's lighthouse and
 the start barrier's TCPStore in the coordinator's namespace, link counters read before and after.
@@ -29,17 +29,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peers_goodput import Failure, failure_schedule, goodput_row, starters, torchft_attempts
 from peers_measure import (
     eval_curve,
     first_after,
     hivemind_commits,
-    isthmus_commits,
-    isthmus_join_commit,
     start_time,
     torchft_commits,
     wire_tx,
@@ -87,6 +86,15 @@ class Setup:
     fault_steps: tuple[int, int] = (150, 500)
     fault_limit: float = 150.0
     targets: list[float] = dataclasses.field(default_factory=lambda: [3.0, 2.8, 2.6])
+    model: str = "tiny"
+    fail_every: float = 0.0
+    restart_after: float = 5.0
+    fail_until: float = 120.0
+    fail_seed: int = 0
+    fail_poisson: bool = False
+    network: str = ""
+    """A ``[network]`` section (with its sub-tables) replacing the one of ``peers``, ``rate``
+    and ``rtt_ms`` (``--network FILE``: the section of a scenario file, e.g. two regions)."""
 
     def __post_init__(self) -> None:
         """Refuses a setup that cannot run, naming the setting (the command line's flag)."""
@@ -110,6 +118,8 @@ class Setup:
             raise ValueError(
                 f"--kill-at ({self.kill_at}) must be > 0 and before --join-at ({self.join_at})"
             )
+        if self.model not in ("tiny", "default"):
+            raise ValueError(f"--model: tiny or default, got {self.model!r}")
         if self.rtt_ms < 0 or self.step_delay < 0 or self.fault_limit <= self.join_at:
             raise ValueError(
                 "--rtt-ms and --step-delay must be >= 0 and --fault-limit after --join-at"
@@ -118,21 +128,59 @@ class Setup:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def scenario(self, name: str, strategy: str, options: dict[str, Any], fault: bool) -> str:
-        """The isthmus scenario (TOML) of one run; its ``[network]`` is every system's."""
+    def scenario(
+        self,
+        name: str,
+        strategy: str,
+        options: dict[str, Any],
+        fault: bool,
+        *,
+        compression: str = "none",
+        failures: Sequence[Failure] = (),
+    ) -> str:
+        """The isthmus scenario (TOML) of one run; its ``[network]`` is every system's. A fault
+        run kills and restarts ``victim``; ``failures`` (a goodput run) kill and restart each
+        listed peer at its times."""
         opts = "".join(f"{k} = {v!r}\n" for k, v in options.items())
         text = (
-            f'[run]\nname = "{name}"\nsteps = {self.steps}\nseed = {self.seed}\nmodel = "tiny"\n'
-            f'[strategy]\nname = "{strategy}"\n'
+            f'[run]\nname = "{name}"\nsteps = {self.steps}\nseed = {self.seed}\n'
+            f'model = "{self.model}"\n'
+            f'[strategy]\nname = "{strategy}"\ncompression = "{compression}"\n'
             + (f"[strategy.options]\n{opts}" if opts else "")
-            + f'[network]\npeers = {self.peers}\nrate = "{self.rate}"\nrtt_ms = {self.rtt_ms}\n'
+            + (
+                self.network
+                or f'[network]\npeers = {self.peers}\nrate = "{self.rate}"\nrtt_ms = {self.rtt_ms}\n'
+            )
         )
         if fault:
             text += (
                 f'[[churn]]\naction = "kill"\npeer = {self.victim}\nat_seconds = {self.kill_at}\n'
                 f'[[churn]]\naction = "join"\npeer = {self.victim}\nat_seconds = {self.join_at}\n'
             )
+        for f in failures:
+            text += (
+                f'[[churn]]\naction = "kill"\npeer = {f.peer}\nat_seconds = {f.at_s}\n'
+                f'[[churn]]\naction = "join"\npeer = {f.peer}\nat_seconds = {f.back_s}\n'
+            )
         return text
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per sample of the model (its block size)."""
+        return 32 if self.model == "tiny" else 64
+
+    def failures(self) -> list[Failure]:
+        """A goodput run's failures (none without ``fail_every``)."""
+        if not self.fail_every:
+            return []
+        return failure_schedule(
+            every_s=self.fail_every,
+            restart_after_s=self.restart_after,
+            until_s=self.fail_until,
+            peers=self.peers,
+            seed=self.fail_seed,
+            poisson=self.fail_poisson,
+        )
 
     def steps_for(self, name: str, fault: bool) -> int:
         """isthmus's budget. A fault run's is long enough for the joiner to come back (DDP is
@@ -145,123 +193,46 @@ class Setup:
         return self.fault_steps[0] if ddp_like else self.fault_steps[1]
 
 
-def run_system(name: str, setup: Setup, out: Path, *, fault: bool, python: str) -> dict[str, Any]:
-    """One run of system ``name``; a row of the result (errors are recorded, not raised)."""
-    label = f"{name}{'-fault' if fault else ''}"
+def network_section(text: str) -> str:
+    """The ``[network]`` table of a scenario file's text with its sub-tables (``[[network.x]]``),
+    up to the next table of another name. Raises ValueError when there is none."""
+    out: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        head = line.strip()
+        if head.startswith("["):
+            inside = head.strip("[]").split(".")[0].strip() == "network"
+        if inside:
+            out.append(line)
+    if not out:
+        raise ValueError("the scenario file has no [network] section")
+    return "\n".join(out) + "\n"
+
+
+def run_system(
+    name: str, setup: Setup, out: Path, *, fault: bool, python: str, goodput: bool = False
+) -> dict[str, Any]:
+    """One run of system ``name``; a row of the result (errors are recorded, not raised). A
+    ``goodput`` run is a main run (the same budget) under ``setup.failures()``, with the
+    committed and theoretical fractions added."""
+    label = f"{name}{'-fault' if fault else ''}{'-goodput' if goodput else ''}"
     row: dict[str, Any] = {"system": name, "fault": fault, "load_before": load(), "errors": []}
+    failures = setup.failures() if goodput else []
+    if goodput:
+        row["goodput"] = True
     t = time.monotonic()
     try:
         if name.startswith("isthmus-"):
-            row.update(_isthmus(name, setup, out / label, fault))
+            from peers_lab_isthmus import run_isthmus  # it builds on this module's Setup
+
+            row.update(run_isthmus(name, setup, out / label, fault, failures))
         else:
-            row.update(_foreign(name, setup, out / label, fault, python))
+            row.update(_foreign(name, setup, out / label, fault, python, failures))
     except Exception as e:  # one system failing must not lose the others' rows
         row["errors"].append(f"{type(e).__name__}: {e}")
     row["wall_s"] = round(time.monotonic() - t, 1)
     row["load_after"] = load()
     return row
-
-
-# ------------------------------------------------------------------------------------ isthmus
-
-ISTHMUS = {
-    "isthmus-ddp": ("ddp", lambda s: {}),
-    "isthmus-diloco": (
-        "diloco",
-        lambda s: {
-            "sync_every": s.sync_every,
-            "outer_lr": s.outer_lr,
-            "outer_momentum": s.outer_momentum,
-        },
-    ),
-    "isthmus-streaming": (
-        "streaming",
-        lambda s: {
-            "sync_every": s.sync_every,
-            "outer_lr": s.outer_lr,
-            "outer_momentum": s.outer_momentum,
-            "fragments": s.fragments,
-            "overlap": s.overlap,
-            "alpha": s.alpha,
-        },
-    ),
-}
-
-
-def _isthmus(name: str, setup: Setup, run_dir: Path, fault: bool) -> dict[str, Any]:
-    from isthmus.lab.scenario import parse_scenario
-    from isthmus.run.lab_run import LabOptions, run_lab
-    from isthmus.run.record import RunDir
-
-    strategy, options = ISTHMUS[name]
-    text = setup.scenario(name, strategy, options(setup), fault)
-    summary = run_lab(
-        parse_scenario(text, source=name),
-        LabOptions(network="netns", prefix="isthp"),
-        overrides={
-            "run_dir": str(run_dir),
-            "steps": setup.steps_for(name, fault),
-            "eval_every": setup.eval_every,
-            "eval_batches": setup.eval_batches,
-            "batch_size": setup.batch_size,
-            "lr": setup.lr,
-            "weight_decay": setup.weight_decay,
-            "corpus_bytes": setup.corpus_bytes,
-            "collective_timeout": setup.collective_timeout,
-            "heartbeat_timeout": setup.heartbeat_timeout,
-            "step_delay": setup.step_delay if fault else 0.0,
-            "timeout": setup.run_timeout,
-            "progress": False,
-        },
-    )
-    d = RunDir(run_dir)
-    events = d.events()
-    epochs = [e for e in events if e["kind"] == "epoch"]
-    if not epochs:
-        return {"errors": ["no round ever formed"], "exit_codes": summary.exit_codes}
-    t0 = float(epochs[0]["ts"])
-    records = {n: d.records(n) for n in summary.exit_codes}
-    row: dict[str, Any] = {"exit_codes": summary.exit_codes, "run_dir": str(run_dir)}
-    errors = [f"{n} exited {rc}" for n, rc in summary.exit_codes.items() if rc not in (0, -9)]
-    if not fault:
-        lab = summary.lab
-        per_peer = (lab.bytes_check.get("per_peer") or {}) if lab is not None else {}
-        tx = {n: int(v["wire_tx_bytes"]) for n, v in per_peer.items()}
-        last = [r["ts"] for recs in records.values() for r in recs]
-        row.update(
-            curve=eval_curve(records, t0),
-            final_eval_loss=summary.final_eval_loss,
-            train_wall_s=round(max(last) - t0, 3) if last else None,
-            tx_per_peer=tx,
-            tx_per_peer_mean=sum(tx.values()) / len(tx) if tx else None,
-            tokens=sum(len(r) for r in records.values()) * setup.batch_size * 32,
-            commits=summary.rounds_committed,
-            parity_failures=summary.parity_failures,
-        )
-        return {**row, "errors": errors}
-    applied = summary.lab.churn_applied if summary.lab is not None else []
-    kill = next((c for c in applied if c["action"] == "kill"), None)
-    join = next((c for c in applied if c["action"] == "join"), None)
-    if kill is not None:
-        row["kill_to_any_commit_s"] = first_after(float(kill["ts"]), isthmus_commits(events))
-        without = isthmus_commits(events, fewer_than=setup.peers)
-        row["kill_to_commit_s"] = first_after(float(kill["ts"]), without)
-        row["kill_t_s"] = round(float(kill["ts"]) - t0, 3)
-    else:
-        errors.append("the kill was not applied")
-    if join is not None:
-        joined = isthmus_join_commit(events, join["name"])
-        reg = [e["ts"] for e in events if e["kind"] == "register" and e["name"] == join["name"]]
-        row["join_t_s"] = round(float(join["ts"]) - t0, 3)
-        if joined is not None:
-            row["join_to_contribution_s"] = round(joined - float(join["ts"]), 3)
-            if reg:
-                row["ready_to_contribution_s"] = round(joined - float(reg[0]), 3)
-        else:
-            errors.append(f"{join['name']} never took part in a committed round")
-    else:
-        errors.append("the join was not applied")
-    return {**row, "errors": errors}
 
 
 # ------------------------------------------------------------------------------------ foreign
@@ -338,6 +309,7 @@ def _job(name: str, setup: Setup, run_dir: Path, fault: bool, net: Any, store_po
         "start_timeout": setup.start_timeout,
         "step_delay": setup.step_delay if fault else 0.0,
         "out": str(run_dir),
+        "model": setup.model,
         # torchft
         "lighthouse": f"http://{net.coordinator.ip}:{LIGHTHOUSE_PORT}",
         "min_replicas": 2,
@@ -348,7 +320,14 @@ def _job(name: str, setup: Setup, run_dir: Path, fault: bool, net: Any, store_po
     }
 
 
-def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -> dict[str, Any]:
+def _foreign(
+    name: str,
+    setup: Setup,
+    run_dir: Path,
+    fault: bool,
+    python: str,
+    failures: Sequence[Failure] = (),
+) -> dict[str, Any]:
     import json
 
     import torch.distributed as dist
@@ -412,8 +391,29 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
             survivors_done: float | None = None
             contributed_at: float | None = None
             check_at = 0.0
+            # a goodput run's kills and restarts, in time order; the process of each slot now
+            pending = sorted(
+                [(f.at_s, 1, f.peer) for f in failures] + [(f.back_s, 0, f.peer) for f in failures]
+            )
+            current = {i: f"peer{i}" for i in range(n)}
+            killed: set[int] = set()
+            kills = 0
             while time.monotonic() < deadline:
                 now = time.time() - t_start
+                while pending and now >= pending[0][0]:
+                    _, is_kill, slot = pending.pop(0)
+                    if is_kill and procs[current[slot]].poll() is None:
+                        procs[current[slot]].send_signal(signal.SIGKILL)
+                        killed.add(slot)
+                        kills += 1
+                    elif not is_kill and slot in killed:  # a finished peer is not restarted
+                        killed.discard(slot)
+                        current[slot] = f"peer{slot}.r{kills}"
+                        argv = [python, script, job_path, str(slot), current[slot], "--join"]
+                        procs[current[slot]] = spawn(slot, argv, current[slot])
+                running = [procs[current[i]] for i in range(n) if i not in killed]
+                if failures and all(p.poll() is not None for p in running):
+                    break  # every slot that runs finished its budget
                 if fault and "kill" not in applied and now >= setup.kill_at:
                     procs[f"peer{victim}"].send_signal(signal.SIGKILL)
                     applied["kill"] = time.time()
@@ -457,21 +457,28 @@ def _foreign(name: str, setup: Setup, run_dir: Path, fault: bool, python: str) -
     )
     commits, contributed = _foreign_commits(system, job["mode"], records)
     if not fault:
-        finals = [r["eval_loss"] for k in starting for r in records[k] if r["kind"] == "final"]
+        finals = [r["eval_loss"] for recs in records.values() for r in recs if r["kind"] == "final"]
         last = [r["ts"] for recs in records.values() for r in recs if r["kind"] == "step"]
         peer_tx = {f"peer{i}": tx[str(i)] for i in range(n)}
         row.update(
-            curve=eval_curve(records, t0),
+            curve=eval_curve(starters(records), t0),
             final_eval_loss=round(sum(finals) / len(finals), 6) if finals else None,
             train_wall_s=round(max(last) - t0, 3) if last else None,
             tx_per_peer=peer_tx,
             tx_per_peer_mean=sum(peer_tx.values()) / n,
             tokens=sum(r["kind"] == "step" for recs in records.values() for r in recs)
             * setup.batch_size
-            * 32,
+            * setup.block_size,
             commits=len(commits.get("peer0", [])),
             hivemind=_hivemind_counts(records) if system == "hivemind" else None,
         )
+        if failures:
+            row.update(goodput_row(*torchft_attempts(records["peer0"]), kills))
+            # the samples of the steps that committed with the process taking part (isthmus's
+            # records hold committed steps only, so its ``tokens`` are already these)
+            mine = [r for recs in records.values() for r in recs if r["kind"] == "commit"]
+            done = sum(bool(r.get("ok")) and bool(r.get("participating")) for r in mine)
+            row["tokens_committed"] = done * setup.batch_size * setup.block_size
         return row
     survivors = [k for k in starting if k != f"peer{victim}"]
     after_kill = [ts for k in survivors for ts in commits.get(k, [])]
