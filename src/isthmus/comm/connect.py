@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from isthmus.comm.exposure import warn_if_public
 from isthmus.comm.group import CollectiveError
-from isthmus.comm.wires import Endpoint, SocketInfo, Wires, created_by, pair_sockets
+from isthmus.comm.wires import Endpoint, SocketInfo, Wires, created_by, pair_sockets, same
 from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.protocol import Registered
 from isthmus.coordinator.store_client import CoordinatorStore
@@ -58,6 +58,7 @@ T = TypeVar("T")
 
 _LISTENER_KEY = "isthmus-listener/"
 _PROTOCOL_KEY = "isthmus-protocol/"
+_CONNS_KEY = "isthmus-conns/"
 
 
 def _device(interface: str | None, hostname: str | None) -> Any:
@@ -117,7 +118,11 @@ def connect_gloo(
     connections to ``wires``.
 
     Every member publishes its protocol version and its listener's address under
-    ``isthmus-listener/<rank>`` before connecting. Blocks until all ``world`` ranks connected;
+    ``isthmus-listener/<rank>`` before connecting, and once connected the local ends of the
+    connections it made under ``isthmus-conns/<rank>``, so that every member knows whom each of
+    its connections leads to (the labels :meth:`Wires.snapshot` gives the group's progress watch).
+    ``timeout_s`` is Gloo's group timeout: the bound on connecting, and on each operation that
+    does not set its own. Blocks until all ``world`` ranks connected;
     raises what torch raises when that fails or takes longer than ``timeout_s``, or when
     ``wires`` was cut meanwhile (the store connection is shut down), and
     :class:`~isthmus.coordinator.wire.ProtocolMismatch` naming both versions when a member
@@ -141,13 +146,55 @@ def connect_gloo(
     # Every member published before it began to connect, and the group is connected, so the
     # keys are there (unless a member connected without this function: then fewer are cut).
     keys = {r: f"{_LISTENER_KEY}{r}" for r in range(world) if r != rank}
-    others = [
-        p
+    others = {
+        r: p
         for r, k in keys.items()
         if store.check([k]) and (p := _parse(store.get(k), r)) is not None
-    ]
-    wires.add(pair_sockets(mine, others))
+    }
+    sockets = pair_sockets(mine, others.values())
+    wires.add(sockets, _names(store, rank, world, sockets, others, timeout_s=timeout_s))
     return pg
+
+
+def _names(
+    store: dist.Store,
+    rank: int,
+    world: int,
+    sockets: list[SocketInfo],
+    others: dict[int, Endpoint],
+    *,
+    timeout_s: float,
+) -> dict[int, str]:
+    """Whom each of a new group's ``sockets`` leads to: ``rank R at HOST:PORT`` (R's listener).
+
+    A socket this member made leads to the listener it connected to. One it accepted shows only
+    the remote's ephemeral port, so every member publishes the local ends of the sockets it made
+    under ``isthmus-conns/<rank>`` and reads the others'. A member whose list does not arrive
+    within a few seconds (bounded by ``timeout_s``) leaves its sockets labelled by address.
+    """
+    names: dict[int, str] = {}
+    made: list[str] = []
+    for s in sockets:
+        for r, p in others.items():
+            if s.remote is not None and same(s.remote, p):
+                names[s.inode] = f"rank {r} at {p[0]}:{p[1]}"
+                made.append(f"{s.local[0]}:{s.local[1]}")
+    store.set(f"{_CONNS_KEY}{rank}", " ".join(made))
+    ends: dict[str, int] = {}
+    keys = [f"{_CONNS_KEY}{r}" for r in others]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=min(timeout_s, 10.0)))
+        for r in others:
+            ends.update((e, r) for e in store.get(f"{_CONNS_KEY}{r}").decode().split())
+    except Exception as e:  # a member that does not publish: its sockets keep their addresses
+        log.debug("could not read which connection leads to which member: %s", e)
+    for s in sockets:
+        if s.inode not in names and s.remote is not None:
+            r = ends.get(f"{s.remote[0]}:{s.remote[1]}")
+            if r is not None:
+                p = others[r]
+                names[s.inode] = f"rank {r} at {p[0]}:{p[1]}"
+    return names
 
 
 # Store clients are made one at a time (see StoreClients), under a lock of their own: connecting
