@@ -346,8 +346,8 @@ def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(pref
         for rank, p in enumerate(procs):
             _collect(p, seen[rank])
         end = time.monotonic() + 90
-        while time.monotonic() < end and not all(
-            any(x.startswith(("DONE", "FAILED")) for x in lines) for lines in seen.values()
+        while time.monotonic() < end and not any(
+            x.startswith(("DONE", "FAILED")) for x in seen[1]
         ):
             time.sleep(0.1)
         ends = {
@@ -358,8 +358,13 @@ def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(pref
         failed = json.loads(ends[1][len("FAILED ") :])
         assert failed["unreached"] == labels[1], failed
         assert "no acknowledgement from rank 0 at 10.79.2.1:" in failed["error"], failed
-        # a gives up as well: the acknowledgements of its data travel from b to a
-        assert ends[0].startswith("FAILED "), seen
+        # a may give up as well (the acknowledgements of its data travel from b to a), or still
+        # wait when it had nothing in flight at the cut: in a run, b's report makes the
+        # coordinator abort the round for a. It never names anyone but b.
+        if ends[0].startswith("FAILED "):
+            assert json.loads(ends[0][len("FAILED ") :])["unreached"] in ([], labels[0]), seen
+        else:
+            assert not ends[0].startswith("DONE"), seen  # no all_reduce completes over the cut
     finally:
         for p in procs:
             if p.poll() is None:
