@@ -14,6 +14,7 @@ import torch
 from isthmus.comm import group as group_mod
 from isthmus.comm.group import CollectiveError, Group, Handle, backstop_s
 from isthmus.comm.progress import ConnSample, ProgressConfig, ProgressWatch, Verdict
+from isthmus.comm.wires import Wires
 
 REMOTE = "rank 1 at 10.0.0.2:41234"
 OLD_COLLECTIVE_TIMEOUT = 60.0  # SessionConfig's collective_timeout, which bounded every wait
@@ -144,8 +145,19 @@ def test_an_unwatched_transfer_is_bounded_by_late_s_plus_its_bytes() -> None:
     assert backstop_s(600.0, 0) == 600.0
     # 40 GB at the slowest supported rate (1 Mbit/s): the bound grows with the transfer
     assert backstop_s(600.0, 40 * 10**9) == 600.0 + 320_000.0
-    g = _group(None, stall_s=0.05, late_s=0.2)
-    h = Handle(g, FakeWork(), torch.ones(4), "all_reduce", nbytes=0)
+    # a group whose abort shuts its connections down (wires) gives Gloo that long backstop
+    watch = FakeWatch(lambda t: [], ProgressConfig(), step=1.0)
+    g = Group(object(), 0, 2, timeout_s=30.0, wires=Wires("t"), watch=watch)
+    assert g.op_bound_s(40 * 10**9) == backstop_s(600.0, 40 * 10**9)
+
+
+def test_a_group_without_wires_keeps_the_fixed_bound() -> None:
+    # nothing can end what Gloo still runs on such a group (in-process test groups), and a
+    # process group dropped with a collective in flight blocks the dropping thread until that
+    # collective's Gloo timeout: a long backstop there would hang whoever drops it
+    g = Group(object(), 0, 2, timeout_s=0.2, stall_s=0.05, late_s=600.0)
+    assert g.op_bound_s(40 * 10**9) == 0.2
+    h = Handle(g, FakeWork(), torch.ones(4), "all_reduce", nbytes=40 * 10**9)
     with pytest.raises(CollectiveError, match="nothing watches") as err:
         h.wait()
     assert err.value.unreached == ()

@@ -137,9 +137,14 @@ class Group:
     per group (a list).
 
     ``timeout_s`` bounds connecting (the reverse connections); ``stall_s`` and ``late_s`` decide
-    when a wait gives up (:meth:`stuck`). Gloo's own timeout of each operation on the group is
-    set far beyond them (:func:`backstop_s`), so that it never ends a transfer that moves: with
-    ``wires``, the watch decides. ``watch``: what judges progress instead of a
+    when a wait gives up (:meth:`stuck`). With ``wires``, Gloo's own timeout of each operation on
+    the group is set far beyond them (:func:`backstop_s`), so that it never ends a transfer that
+    moves: the watch decides, and :meth:`abort` ends whatever Gloo still runs by shutting the
+    connections down. Without ``wires`` (a group built outside a session, e.g.
+    :func:`isthmus.testing.local_groups`) nothing could end an operation Gloo still runs, and a
+    process group with work in flight blocks whoever drops it (its destructor waits for that
+    work): every wait and every Gloo operation of such a group keeps the fixed bound
+    ``timeout_s``. ``watch``: what judges progress instead of a
     :class:`~isthmus.comm.tcpstats.TcpWatch` over ``wires``' connections (tests give a fake).
     """
 
@@ -187,8 +192,15 @@ class Group:
         self._watch = watch
         self._sample_lock = threading.Lock()
         self._sampled_at = -SAMPLE_PERIOD_S
-        for g in self.pgs:
-            _set_backstop(g, late_s)
+        if wires is not None:
+            for g in self.pgs:
+                _set_backstop(g, late_s)
+
+    def op_bound_s(self, nbytes: int) -> float:
+        """Gloo's own timeout for an operation moving ``nbytes`` on this group, and the bound of
+        a wait nothing watches: :func:`backstop_s` when :meth:`abort` can end the operation
+        (the group has ``wires``), else the fixed ``timeout_s``."""
+        return backstop_s(self.late_s, nbytes) if self.wires is not None else self.timeout_s
 
     def stuck(self, since: float, nbytes: int = 0) -> Verdict | None:
         """Whether a transfer issued at ``since`` (monotonic seconds) should be given up now:
@@ -197,12 +209,11 @@ class Group:
         Stuck means a connection holds data its remote has not acknowledged for ``stall_s``
         (state silent: the verdict names the remote), or no byte moved on any connection for
         ``late_s`` since ``since`` (its remote takes no data, or this member waits for a member
-        that does not send). A group whose connections are not known (NCCL, a group built
-        without ``wires``) is stuck once :func:`backstop_s` of ``nbytes`` passed since
-        ``since``."""
+        that does not send). A group whose connections are not watched is stuck once
+        :meth:`op_bound_s` of ``nbytes`` passed since ``since``."""
         now = time.monotonic()
         if self._watch is None:
-            limit = backstop_s(self.late_s, nbytes)
+            limit = self.op_bound_s(nbytes)
             if now - since < limit:
                 return None
             why = f"not done {limit:.0f}s after it was issued (nothing watches its connections)"
@@ -295,7 +306,7 @@ class Group:
         opts.rootRank = src
         opts.rootTensor = 0
         # Gloo's broadcast waits for the whole message at once: its bound grows with it
-        opts.timeout = datetime.timedelta(seconds=backstop_s(self.late_s, _nbytes(t)))
+        opts.timeout = datetime.timedelta(seconds=self.op_bound_s(_nbytes(t)))
         work = self._issue("broadcast", lambda: self.pg.broadcast([t], opts))
         self.stats.record(
             "broadcast", wire_bytes("broadcast", _nbytes(t), self.world, self.rank, src)
@@ -402,7 +413,7 @@ class Group:
         out = torch.empty_like(inp)
         outs = out.view(n, -1)
         outs[r].copy_(rows[r])
-        piece = datetime.timedelta(seconds=backstop_s(self.late_s, _nbytes(rows[0])))
+        piece = datetime.timedelta(seconds=self.op_bound_s(_nbytes(rows[0])))
         base = _EXCHANGE_TAG + (self._exchanges * n) % (1 << 29)
         self._exchanges += 1
 
@@ -465,8 +476,9 @@ class Group:
                     f"exchange: connecting the reverse connections failed: {short(box[0])}"
                 ) from box[0]
             self._reverse = box[0]
-            for g in self._reverse if isinstance(self._reverse, list) else [self._reverse]:
-                _set_backstop(g, self.late_s)
+            if self.wires is not None:
+                for g in self._reverse if isinstance(self._reverse, list) else [self._reverse]:
+                    _set_backstop(g, self.late_s)
             return self._reverse
 
     def send(

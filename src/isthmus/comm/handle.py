@@ -85,6 +85,8 @@ class Owner(Protocol):
 
     def stuck(self, since: float, nbytes: int = 0) -> Verdict | None: ...
 
+    def op_bound_s(self, nbytes: int) -> float: ...
+
     def _register(self, h: Handle) -> None: ...
 
 
@@ -148,8 +150,8 @@ class Handle:
                 work.get_future().add_done_callback(on_done)
             except RuntimeError:
                 # Gloo's send/recv have no future and never report is_completed() before wait();
-                # a daemon thread does the blocking wait (bounded by backstop_s of its bytes).
-                td = datetime.timedelta(seconds=backstop_s(group.late_s, nbytes))
+                # a daemon thread does the blocking wait (bounded by the group's op_bound_s).
+                td = datetime.timedelta(seconds=group.op_bound_s(nbytes))
                 threading.Thread(
                     target=_wait_in_thread,
                     args=(work, ev, wake, waited, done_at, td),
