@@ -346,9 +346,7 @@ def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(pref
         for rank, p in enumerate(procs):
             _collect(p, seen[rank])
         end = time.monotonic() + 90
-        while time.monotonic() < end and not any(
-            x.startswith(("DONE", "FAILED")) for x in seen[1]
-        ):
+        while time.monotonic() < end and not any(x.startswith(("DONE", "FAILED")) for x in seen[1]):
             time.sleep(0.1)
         ends = {
             rank: next((x for x in lines if x.startswith(("DONE", "FAILED"))), "")

@@ -25,6 +25,7 @@ for it.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import threading
 import time
@@ -118,9 +119,12 @@ def connect_gloo(
     connections to ``wires``.
 
     Every member publishes its protocol version and its listener's address under
-    ``isthmus-listener/<rank>`` before connecting, and once connected the local ends of the
-    connections it made under ``isthmus-conns/<rank>``, so that every member knows whom each of
-    its connections leads to (the labels :meth:`Wires.snapshot` gives the group's progress watch).
+    ``isthmus-listener/<rank>`` before connecting. Each connection is labelled with the member
+    it leads to (the labels :meth:`Wires.snapshot` gives the group's progress watch): from its
+    addresses, and where members share a host (an accepted connection shows only the remote's
+    host and an ephemeral port) from the local ends each member then publishes under
+    ``isthmus-conns/<rank>``, read only when a stalled connection must be named
+    (:meth:`Wires.name_of`): connecting never waits for another member's labels.
     ``timeout_s`` is Gloo's group timeout: the bound on connecting, and on each operation that
     does not set its own. Blocks until all ``world`` ranks connected;
     raises what torch raises when that fails or takes longer than ``timeout_s``, or when
@@ -152,49 +156,58 @@ def connect_gloo(
         if store.check([k]) and (p := _parse(store.get(k), r)) is not None
     }
     sockets = pair_sockets(mine, others.values())
-    wires.add(sockets, _names(store, rank, world, sockets, others, timeout_s=timeout_s))
+    names, made = _labels(sockets, others)
+    hosts = {p[0] for p in others.values()}
+    if (mine[0] if mine is not None else None) in hosts or {s.local[0] for s in sockets} & hosts:
+        # Another member shares this host, so where this member's connections arrive the
+        # remote host does not say whom they come from: publish their local ends (one write,
+        # nobody waits for it); the others read them only when they must name one.
+        store.set(f"{_CONNS_KEY}{rank}", " ".join(made))
+    unnamed = any(s.inode not in names for s in sockets if s.remote is not None)
+    resolve = functools.partial(_resolve, store, others) if unnamed else None
+    wires.add(sockets, names, resolve=resolve)
     return pg
 
 
-def _names(
-    store: dist.Store,
-    rank: int,
-    world: int,
-    sockets: list[SocketInfo],
-    others: dict[int, Endpoint],
-    *,
-    timeout_s: float,
-) -> dict[int, str]:
-    """Whom each of a new group's ``sockets`` leads to: ``rank R at HOST:PORT`` (R's listener).
+def _label(rank: int, listener: Endpoint) -> str:
+    return f"rank {rank} at {listener[0]}:{listener[1]}"
 
-    A socket this member made leads to the listener it connected to. One it accepted shows only
-    the remote's ephemeral port, so every member publishes the local ends of the sockets it made
-    under ``isthmus-conns/<rank>`` and reads the others'. A member whose list does not arrive
-    within a few seconds (bounded by ``timeout_s``) leaves its sockets labelled by address.
-    """
+
+def _labels(
+    sockets: list[SocketInfo], others: dict[int, Endpoint]
+) -> tuple[dict[int, str], list[str]]:
+    """Whom each of a new group's ``sockets`` leads to, from the addresses alone: ``(names by
+    inode, the local ends of the sockets this member made)``.
+
+    A socket this member made leads to the listener it connected to (``rank R at HOST:PORT``).
+    One it accepted shows only the remote's host and an ephemeral port: it is named after the
+    one member listening on that host, and left out (labelled by address) when several do."""
     names: dict[int, str] = {}
     made: list[str] = []
     for s in sockets:
-        for r, p in others.items():
-            if s.remote is not None and same(s.remote, p):
-                names[s.inode] = f"rank {r} at {p[0]}:{p[1]}"
-                made.append(f"{s.local[0]}:{s.local[1]}")
-    store.set(f"{_CONNS_KEY}{rank}", " ".join(made))
-    ends: dict[str, int] = {}
-    keys = [f"{_CONNS_KEY}{r}" for r in others]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=min(timeout_s, 10.0)))
-        for r in others:
-            ends.update((e, r) for e in store.get(f"{_CONNS_KEY}{r}").decode().split())
-    except Exception as e:  # a member that does not publish: its sockets keep their addresses
-        log.debug("could not read which connection leads to which member: %s", e)
-    for s in sockets:
-        if s.inode not in names and s.remote is not None:
-            r = ends.get(f"{s.remote[0]}:{s.remote[1]}")
-            if r is not None:
-                p = others[r]
-                names[s.inode] = f"rank {r} at {p[0]}:{p[1]}"
-    return names
+        if s.remote is None:
+            continue
+        to = [r for r, p in others.items() if same(s.remote, p)]
+        if to:
+            names[s.inode] = _label(to[0], others[to[0]])
+            made.append(f"{s.local[0]}:{s.local[1]}")
+            continue
+        on_host = [r for r, p in others.items() if same((s.remote[0], p[1]), p)]
+        if len(on_host) == 1:
+            names[s.inode] = _label(on_host[0], others[on_host[0]])
+    return names, made
+
+
+def _resolve(store: dist.Store, others: dict[int, Endpoint]) -> dict[str, str]:
+    """The connections the ``others`` made, as their published local ends (``host:port``, the
+    remote end of the accepted socket here) -> ``rank R at HOST:PORT``. Members that published
+    nothing (yet) are left out; never waits for a key."""
+    out: dict[str, str] = {}
+    for r, p in others.items():
+        key = f"{_CONNS_KEY}{r}"
+        if store.check([key]):
+            out.update((e, _label(r, p)) for e in store.get(key).decode().split())
+    return out
 
 
 # Store clients are made one at a time (see StoreClients), under a lock of their own: connecting

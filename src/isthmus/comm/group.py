@@ -25,6 +25,7 @@ buffers, which is why the collectives here work in place on what they are given.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -218,12 +219,33 @@ class Group:
                 return None
             why = f"not done {limit:.0f}s after it was issued (nothing watches its connections)"
             return Verdict(State.IDLE, True, now - since, "", why)
+        self._sample(now)
+        v = self._watch.verdict(since=since)
+        if not v.stuck:
+            return None
+        if v.remote and self.wires is not None:
+            # a connection labelled by its address only: name it now, the one time it matters
+            name = self.wires.name_of(v.remote)
+            if name != v.remote:
+                v = dataclasses.replace(v, remote=name, why=v.why.replace(v.remote, name))
+        return v
+
+    def _sample(self, now: float) -> None:
+        assert self._watch is not None
         with self._sample_lock:
             if now - self._sampled_at >= SAMPLE_PERIOD_S:
                 self._sampled_at = now
                 self._watch.sample()
-        v = self._watch.verdict(since=since)
-        return v if v.stuck else None
+
+    def moving(self) -> bool:
+        """True while an operation on this group is in flight and some connection of the group
+        moved bytes within ``stall_s`` (what a heartbeat reports, so that the coordinator
+        tolerates heartbeats that queue behind this transfer's data). False for a group whose
+        connections are not watched, and when nothing is in flight. Safe from any thread."""
+        if self._watch is None or self.aborted or not self.busy():
+            return False
+        self._sample(time.monotonic())
+        return self._watch.verdict().state is State.PROGRESSING
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:

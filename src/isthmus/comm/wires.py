@@ -218,6 +218,9 @@ class Wires:
         self._lock = threading.Lock()
         self._held: set[int] = set()  # socket inodes
         self._named: dict[int, str] = {}  # the held group connections -> whom each leads to
+        # asked lazily for the names of connections labelled by address (see add)
+        self._resolvers: list[Callable[[], Mapping[str, str]]] = []
+        self._resolved: dict[str, str] = {}
         self.cut_reason: str | None = None
         self.cut_count = 0
         self._hooks: list[Callable[[str], None]] = []
@@ -230,12 +233,22 @@ class Wires:
     def is_cut(self) -> bool:
         return self.cut_reason is not None
 
-    def add(self, sockets: Iterable[SocketInfo], names: Mapping[int, str] | None = None) -> None:
+    def add(
+        self,
+        sockets: Iterable[SocketInfo],
+        names: Mapping[int, str] | None = None,
+        *,
+        resolve: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         """Hold ``sockets`` (connected ones; listeners are ignored) for a later :meth:`cut`.
         ``names``, given for a group's connections (not for a store client's): whom each socket
         leads to, by inode (e.g. ``rank 1 at 10.0.0.2:41234``); a socket missing from it is
         labelled with its remote address. Only sockets added with ``names`` are watched
-        (:meth:`snapshot`)."""
+        (:meth:`snapshot`). ``resolve``: asked by :meth:`name_of` for whom the address labels lead
+        to (``host:port`` -> name), only when one must be named."""
+        if resolve is not None:
+            with self._lock:
+                self._resolvers.append(resolve)
         conns = [s for s in sockets if not s.listening]
         new = {s.inode for s in conns}
         named = (
@@ -249,6 +262,25 @@ class Wires:
                 self._named.update(named)
                 return
         self.cut_count += _cut(new)
+
+    def name_of(self, label: str) -> str:
+        """``label`` (one of :meth:`snapshot`'s), named after the member it leads to when a
+        ``resolve`` given to :meth:`add` knows it; else ``label`` itself. Never raises: a
+        resolver that fails (the store is gone) leaves the label as it is (logged)."""
+        with self._lock:
+            known = self._resolved.get(label)
+            resolvers = list(self._resolvers)
+        if known is not None or not resolvers:
+            return known or label
+        found: dict[str, str] = {}
+        for resolve in resolvers:
+            try:
+                found.update(resolve())
+            except Exception as e:  # the epoch's store may be gone: keep the address
+                log.debug("could not name the connection to %s: %s", label, e)
+        with self._lock:
+            self._resolved.update(found)
+        return found.get(label, label)
 
     def snapshot(self) -> dict[int, str]:
         """The group connections held now (added with ``names``): inode -> whom it leads to.
@@ -275,6 +307,7 @@ class Wires:
             self.cut_reason = reason
             held, self._held = self._held, set()
             self._named = {}
+            self._resolvers = []
             hooks, self._hooks = self._hooks, []
         for hook in hooks:
             with contextlib.suppress(Exception):  # cut never raises
