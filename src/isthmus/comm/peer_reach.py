@@ -99,12 +99,16 @@ class PeerReach:
         """This peer's probe listener, ``host:port`` (None: none)."""
         return None if self.listener is None else self.listener.address
 
-    def waiting(self, reason: str) -> None:
-        """A begin was answered ``wait`` for ``reason``: an ``isolated: ...`` one is logged
-        once per reason (the peer waits in it until it is taken back)."""
-        if reason.startswith("isolated:") and reason != self._isolated:
+    def waiting(self, reason: str) -> bool:
+        """A begin was answered ``wait`` for ``reason``: True when it is an ``isolated: ...``
+        one (the peer waits in it until it is taken back, so the wait does not count against
+        ``round_timeout``), logged once per reason."""
+        if not reason.startswith("isolated:"):
+            return False
+        if reason != self._isolated:
             self._isolated = reason
             log.warning("%s sits out: %s", self.owner, reason)
+        return True
 
     # -- probes the coordinator asks for -------------------------------------------------------
     def on_push(self, msg: ProbePush) -> None:

@@ -210,13 +210,8 @@ class Session:
         self._stores = rendezvous(
             self._client, reply, self.peer_id, self.run_id, self.config.collective_timeout
         )
-        self._client.start_heartbeat(
-            self.peer_id,
-            reply.heartbeat_interval,
-            self._heartbeat_info,
-            self._on_push,
-            run_id=self.run_id,
-        )
+        hb = (reply.heartbeat_interval, self._heartbeat_info, self._on_push)
+        self._client.start_heartbeat(self.peer_id, *hb, run_id=self.run_id)
         log.info("%s registered as peer %d of run %s", self.name, self.peer_id, self.run_id)
 
     def _heartbeat_info(self) -> dict[str, Any]:
@@ -226,6 +221,7 @@ class Session:
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
             "parked_groups": len(self._graveyard),
+            "moving": (g := self._group) is not None and g.moving(),  # see Group.moving
         }
         if probes := self.reach.take_outcomes():  # those the coordinator asked for
             info["probes"] = probes
@@ -395,7 +391,8 @@ class Session:
                 msg = dataclasses.replace(msg, hashes=self.state.hashes())
             elif not isinstance(d, msgs.Wait):
                 break
-            self.reach.waiting(d.reason)  # an "isolated: ..." wait is logged once
+            if self.reach.waiting(d.reason):  # isolated: it waits to be taken back, unbounded
+                deadline = max(deadline, time.monotonic() + self.config.round_timeout)
         match d:
             case msgs.Go(plan=plan) if plan is not None:
                 self._fresh = False

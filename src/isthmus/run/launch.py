@@ -365,6 +365,9 @@ class Launcher:
                         start_peers=max(1, len(self.starting)),
                         start_timeout=t.start_timeout,
                         heartbeat_timeout=t.heartbeat_timeout,
+                        # a member whose transfer moves may be quiet as long as a link may
+                        # (its heartbeats queue behind that transfer's data)
+                        transfer_heartbeat_timeout=max(t.heartbeat_timeout, t.stall_s),
                         # A transfer runs as long as its bytes move, and each member gives up
                         # a stuck one itself (stall_s, late_s): the coordinator's bound is
                         # only for a member that heartbeats yet never reports.
