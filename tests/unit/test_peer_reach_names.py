@@ -5,7 +5,7 @@ then probes). One process, no sockets."""
 
 from __future__ import annotations
 
-from isthmus.comm.peer_reach import named_unreached
+from isthmus.comm.peer_reach import PeerReach, named_unreached
 from isthmus.coordinator.protocol import RoundPlan, Unreached
 
 PLAN = RoundPlan(round=4, epoch=2, members=(3, 5, 7), transfers=(), expected={}, new_epoch=False)
@@ -32,3 +32,13 @@ def test_a_bare_address_is_matched_by_host_only_when_one_member_is_there() -> No
     same_host = {m: f"127.0.0.1:{4100 + m}" for m in PLAN.members}
     assert named_unreached("127.0.0.1:55000", PLAN, same_host) is None  # several: probe instead
     assert named_unreached(42, PLAN, PROBES) is None
+
+
+def test_only_an_isolated_wait_escapes_the_round_bound() -> None:
+    # Session.begin gives a peer a fresh round_timeout whenever the coordinator says it sits out
+    reach = PeerReach.__new__(PeerReach)  # no probe listener: no socket in a unit test
+    reach.owner, reach._isolated = "p", ""
+    assert reach.waiting("isolated: cannot reach peer2 at 10.0.0.4:41234")
+    assert reach.waiting("isolated: cannot reach peer2 at 10.0.0.4:41234")  # logged once
+    assert not reach.waiting("waiting for 2 more peers")
+    assert not reach.waiting("")

@@ -14,6 +14,7 @@ from isthmus.run.config import TimeoutConfig
 from isthmus.run.flags import add_config_flags, overrides_from
 from isthmus.run.script_run import script_config
 from isthmus.spec import SpecError
+from isthmus.strategies.base import CHECKPOINT_MIN_RATE, final_checkpoint_wait_s
 
 # A 10B-parameter model's fp32 outer gradient over 100 Mbit/s (95 Mbit/s of goodput): a ring
 # all-reduce of 2 members moves it once each way, about an hour.
@@ -84,3 +85,11 @@ def test_a_script_gets_the_bounds_through_the_environment(monkeypatch: pytest.Mo
     monkeypatch.setenv("ISTHMUS_LATE_S", "soon")
     with pytest.raises(ValueError, match="ISTHMUS_LATE_S"):
         SessionConfig.from_env()
+
+
+def test_the_final_checkpoint_wait_grows_with_the_state() -> None:
+    assert final_checkpoint_wait_s(0, 30.0) == 60.0  # a tiny model: the old floor
+    assert final_checkpoint_wait_s(0, 120.0) == 120.0
+    # a 10B-parameter fp32 state (40 GB) at the slowest store allowed for
+    assert final_checkpoint_wait_s(40 * 10**9, 30.0) == 60.0 + 40 * 10**9 / CHECKPOINT_MIN_RATE
+    assert final_checkpoint_wait_s(40 * 10**9, 30.0) > 3600.0
