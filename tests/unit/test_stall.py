@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from isthmus.comm import group as group_mod
+from isthmus.comm import handle as handle_mod
 from isthmus.comm.group import CollectiveError, Group, Handle, backstop_s
 from isthmus.comm.progress import ConnSample, ProgressConfig, ProgressWatch, Verdict
 from isthmus.comm.wires import Wires
@@ -60,8 +61,9 @@ class FakeWatch:
 
 @pytest.fixture(autouse=True)
 def _sample_every_poll(monkeypatch: pytest.MonkeyPatch) -> None:
-    # every poll of the wait (20 a second) samples, so the fake clock runs fast
+    # every poll of the wait samples, and polls come every millisecond: the fake clock runs fast
     monkeypatch.setattr(group_mod, "SAMPLE_PERIOD_S", 0.0)
+    monkeypatch.setattr(handle_mod, "POLL_S", 0.001)
 
 
 def _group(watch: FakeWatch | None, *, stall_s: float = 10.0, late_s: float = 600.0) -> Group:

@@ -46,6 +46,9 @@ class Exchange:
         self._run()
 
 
+#: How often a waiting handle looks at its group (aborted? stuck?) while torch works, seconds.
+POLL_S = 0.05
+
 #: The slowest link the Gloo backstops are sized for (bits per second): an operation's own Gloo
 #: timeout allows ``late_s`` plus its bytes at this rate, so it never fires first while the
 #: progress watch runs.
@@ -196,7 +199,7 @@ class Handle:
                     g.abort(why)
                     unreached = (v.remote,) if v.state is State.SILENT and v.remote else ()
                     raise CollectiveError(why, unreached=unreached)
-                self._wakeup.wait(0.05)
+                self._wakeup.wait(POLL_S)
             if g.aborted:
                 raise CollectiveError(f"{self._op} abandoned: {g.abort_reason}")
             if self._waited:
