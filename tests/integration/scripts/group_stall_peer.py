@@ -2,9 +2,9 @@
 (tests/integration/test_tcpstats.py), started inside a network namespace: ``RANK HOST0 MYIP MB``.
 It connects a 2-member group the way a session does (:func:`~isthmus.comm.connect.connect_gloo`
 records and labels the connections; rank 0 hosts the store at HOST0), with ``stall_s`` 3 and
-``late_s`` 300, and waits on one all-reduce of MB megabytes. It prints ``MOVING`` once the
-all-reduce has run for a second, then ``DONE`` or ``FAILED {"error": ..., "unreached": [...]}``
-when the wait ends."""
+``late_s`` 300, and waits on one all-reduce of MB megabytes. It prints ``MOVING True`` once
+the all-reduce has run for a second (``False`` if :meth:`Group.moving` does not see it move),
+then ``DONE`` or ``FAILED {"error": ..., "unreached": [...]}`` when the wait ends."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def main() -> None:
     group = Group(pg, rank, 2, timeout_s=60.0, wires=wires, stall_s=3.0, late_s=300.0)
     print("LABELS " + json.dumps(sorted(wires.snapshot().values())), flush=True)
     h = group.all_reduce(torch.ones(mb * 262144), async_op=True)
-    threading.Timer(1.0, lambda: print("MOVING", flush=True)).start()
+    # what this member's heartbeat would say of its transfer by then (Group.moving)
+    threading.Timer(1.0, lambda: print(f"MOVING {group.moving()}", flush=True)).start()
     try:
         h.wait()
         print("DONE", flush=True)
