@@ -180,6 +180,7 @@ class Session:
         )
         self._stores: Rendezvous | None = None
         self._group: Group | None = None
+        self._in_round = False  # from a round's go to this peer's report of it (heartbeats)
         # Abandoned groups and connection attempts, held until torch is done with them.
         self._graveyard = Graveyard()
         self._aborted_epochs: set[int] = set()
@@ -221,7 +222,8 @@ class Session:
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
             "parked_groups": len(self._graveyard),
-            "moving": (g := self._group) is not None and g.moving(),  # see Group.moving
+            # in a round, about to transfer or moving bytes: heartbeats queue behind that data
+            "moving": self._in_round and ((g := self._group) is None or not g.busy() or g.moving()),
         }
         if probes := self.reach.take_outcomes():  # those the coordinator asked for
             info["probes"] = probes
@@ -332,7 +334,7 @@ class Session:
             plan = self._ask_for_round(deadline)
             if plan is None:
                 continue  # evicted and registered again
-            t0 = time.monotonic()
+            t0, self._in_round = time.monotonic(), True
             try:
                 group = self._group_for(plan)
                 links = self.prober.run(  # on a new member set (comm/probe.py)
@@ -450,6 +452,7 @@ class Session:
         begins again by itself, so the strategy never saw the attempt) or ``"round"``.
         A failure names the members this peer could not reach (``cause``, the exception, or
         the text of ``error`` names them, or probes find them: :meth:`PeerReach.unreached`)."""
+        self._in_round = False
         with self._push_lock:
             aborted = ok or plan.epoch in self._aborted_epochs  # then nothing is probed
         why = cause or CollectiveError(error)

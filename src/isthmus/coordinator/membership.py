@@ -9,9 +9,9 @@ moves), :mod:`.parity` (the vote on the state), :mod:`.peers` (each peer, and th
 docs/PROTOCOL.md walks through the protocol; in short:
 
 * A peer **registers**, then keeps a heartbeat; one silent for ``heartbeat_timeout`` (or whose
-  heartbeat connection closed) is evicted. A member whose last heartbeat said its transfer was
-  moving gets ``transfer_heartbeat_timeout`` instead (its heartbeats may queue behind that
-  transfer's data on a thin link).
+  heartbeat connection closed) is evicted. A member whose last heartbeat said it was about to
+  transfer or transferring with bytes moving gets ``transfer_heartbeat_timeout`` instead (its
+  heartbeats may queue behind that transfer's data on a thin link).
 * **begin**: the run's next round is always ``revision`` (committed rounds so far). It forms
   when every surviving member of the last epoch is ready (plus waiting joiners) and at least
   ``min_peers`` are: members ranked by name, a new epoch if membership changed or the last
