@@ -1,7 +1,8 @@
 """The coordinator's bounds during a long transfer, on a fake clock: a member whose heartbeats
 say its transfer moves may go ``transfer_heartbeat_timeout`` without one (its heartbeats queue
-behind the data on a thin link), one that is not transferring keeps ``heartbeat_timeout``, and
-the commit bound counts from a member's last progress, not from the round's start."""
+behind the data on a thin link) while a partner in its round says the same, one that is not
+transferring, or whose partners see nothing move, keeps ``heartbeat_timeout``, and the commit
+bound counts from a member's last progress, not from the round's start."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ def test_a_member_whose_transfer_moves_outlasts_the_heartbeat_timeout() -> None:
         m.heartbeat(a, t, {"moving": True})
         m.tick(t)
     assert m.peers[b].state.value == "dead" and "no heartbeat" in m.peers[b].reason
+    assert m.poll_commit(plan.epoch, plan.round).kind == "aborted"
+
+
+def test_a_member_whose_partners_see_nothing_move_keeps_the_short_bound() -> None:
+    # b stops inside the transfer: its last heartbeat said moving, but a, its partner, soon
+    # sees nothing move on its connections (b takes no data) and says so; nobody vouches for b
+    m, a, b, plan = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
+    m.heartbeat(a, 1.0, {"moving": True})
+    m.heartbeat(b, 1.0, {"moving": True})
+    t = 1.0
+    while t < 4.5:
+        t += 0.5
+        m.heartbeat(a, t, {"moving": t < 3.0})
+        m.tick(t)
+    assert m.peers[b].state.value == "dead" and "no heartbeat for 3.5s" in m.peers[b].reason
     assert m.poll_commit(plan.epoch, plan.round).kind == "aborted"
 
 

@@ -64,6 +64,11 @@ __all__ = [
 #: How often a waiting handle samples the group's connections (seconds).
 SAMPLE_PERIOD_S = 0.25
 
+#: A transfer counts as moving (:meth:`Group.moving`) while some connection advanced within
+#: this many seconds: well inside a heartbeat bound, so that the partners of a member that
+#: stopped reading stop vouching for it before that bound passes.
+MOVING_WINDOW_S = 2.0
+
 
 def build_process_group(
     store: dist.Store,
@@ -239,13 +244,15 @@ class Group:
 
     def moving(self) -> bool:
         """True while an operation on this group is in flight and some connection of the group
-        moved bytes within ``stall_s`` (what a heartbeat reports, so that the coordinator
-        tolerates heartbeats that queue behind this transfer's data). False for a group whose
-        connections are not watched, and when nothing is in flight. Safe from any thread."""
+        moved bytes within :data:`MOVING_WINDOW_S` (what a heartbeat reports, so that the
+        coordinator tolerates heartbeats that queue behind this transfer's data, and stops
+        vouching for a partner that takes no data). False for a group whose connections are
+        not watched, and when nothing is in flight. Safe from any thread."""
         if self._watch is None or self.aborted or not self.busy():
             return False
         self._sample(time.monotonic())
-        return self._watch.verdict().state is State.PROGRESSING
+        v = self._watch.verdict()
+        return v.state is State.PROGRESSING and v.for_s < MOVING_WINDOW_S
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:

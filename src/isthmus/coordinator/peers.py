@@ -27,10 +27,11 @@ class MembershipConfig:
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is evicted (a stopped or partitioned process)."""
     transfer_heartbeat_timeout: float = 10.0
-    """The same bound for a member whose last heartbeat said it was moving: in a round, about
-    to start its transfer or transferring with bytes advancing on its group's connections
-    within its ``stall_s``. Its heartbeats share the link with that transfer's data and may
-    queue behind it on a thin link. Never shorter than ``heartbeat_timeout``."""
+    """The same bound for a member of the running round whose last heartbeat said it was
+    moving (about to start its transfer, or transferring with bytes advancing on its group's
+    connections), while another member of the round says so too: its heartbeats share the
+    link with that transfer's data and may queue behind it on a thin link, and a stopped
+    member's partners soon see nothing move. Never shorter than ``heartbeat_timeout``."""
     quiet_after: float | None = None
     """A member of the last epoch that has not begun the next round and has been silent (no
     heartbeat, no request) this long is not waited for: the round forms without it. It is not
