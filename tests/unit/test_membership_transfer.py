@@ -67,14 +67,25 @@ def test_a_member_whose_partners_see_nothing_move_keeps_the_short_bound() -> Non
     assert m.poll_commit(plan.epoch, plan.round).kind == "aborted"
 
 
-def test_a_member_not_transferring_keeps_the_short_bound() -> None:
-    m, a, b, _ = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
+def test_a_member_that_reported_its_round_keeps_the_short_bound() -> None:
+    m, a, b, plan = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
+    assert m.commit(b, 1.0, epoch=plan.epoch, round=plan.round, ok=True).kind == "wait"
     m.heartbeat(a, 1.0, {"moving": True})
     m.heartbeat(b, 1.0, {"moving": False})
     m.heartbeat(a, 3.5, {"moving": True})
     m.tick(4.5)
     assert m.peers[b].state.value == "dead"
     assert m.peers[a].state.value == "active"
+
+
+def test_at_the_start_of_a_transfer_no_heartbeat_may_arrive_at_all() -> None:
+    # a thin link full of the round's data: neither member's heartbeats get through, and
+    # nothing says a member stopped; both get the longer bound from the round's start
+    m, a, b, _ = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
+    m.tick(9.0)
+    assert m.peers[a].state.value == m.peers[b].state.value == "active"
+    m.tick(10.5)
+    assert m.peers[a].state.value == m.peers[b].state.value == "dead"
 
 
 def test_the_commit_bound_counts_from_the_last_progress() -> None:
@@ -107,3 +118,14 @@ def test_the_transfer_bound_is_checked() -> None:
         MembershipConfig(transfer_heartbeat_timeout=0.0)
     cfg = MembershipConfig(heartbeat_timeout=5.0, transfer_heartbeat_timeout=2.0)
     assert cfg.silence_bound(True) == 5.0 and cfg.silence_bound(False) == 5.0
+
+
+def test_a_partner_that_reported_is_no_evidence() -> None:
+    # a finished its part and reported; its heartbeats no longer say "moving", which says
+    # nothing about b, still receiving over a thin link
+    m, a, b, plan = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
+    assert m.commit(a, 1.0, epoch=plan.epoch, round=plan.round, ok=True).kind == "wait"
+    for t in (2.0, 4.0, 6.0, 8.0):
+        m.heartbeat(a, t, {"moving": False})
+        m.tick(t)
+    assert m.peers[b].state.value == "active"

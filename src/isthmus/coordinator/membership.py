@@ -9,10 +9,10 @@ moves), :mod:`.parity` (the vote on the state), :mod:`.peers` (each peer, and th
 docs/PROTOCOL.md walks through the protocol; in short:
 
 * A peer **registers**, then keeps a heartbeat; one silent for ``heartbeat_timeout`` (or whose
-  heartbeat connection closed) is evicted. A member of the running round whose last heartbeat
-  said it was about to transfer or transferring with bytes moving gets
-  ``transfer_heartbeat_timeout`` instead (its heartbeats may queue behind that transfer's data
-  on a thin link) while another member's heartbeat says the same.
+  heartbeat connection closed) is evicted. A member of the running round that has not reported
+  gets ``transfer_heartbeat_timeout`` instead (its heartbeats may queue behind that transfer's
+  data on a thin link), unless another member's heartbeat since the round formed says nothing
+  moves on its connections.
 * **begin**: the run's next round is always ``revision`` (committed rounds so far). It forms
   when every surviving member of the last epoch is ready (plus waiting joiners) and at least
   ``min_peers`` are: members ranked by name, a new epoch if membership changed or the last
@@ -98,7 +98,7 @@ class Membership(RunState):
             return False
         p.last_seen = now
         if info:
-            p.moving = info.get("moving") is True
+            p.moving, p.heard_at = info.get("moving") is True, now
             if p.moving:
                 p.progress_at = now
             p.info.update(info)
@@ -106,9 +106,22 @@ class Membership(RunState):
             self.try_form(now)
         return True
 
-    def _moving(self, pid: int) -> bool:
-        p = self.roster.active(pid)
-        return p is not None and p.moving
+    def _in_transfer(self, pid: int) -> bool:
+        """Whether ``pid`` may be inside its round's transfer, so that its heartbeats may queue
+        behind the data: a member of the running round that has not reported, unless another
+        such member's heartbeat since the round formed says nothing moves on its connections (a
+        stopped member takes no data, so its partners soon see that; the heartbeats of members
+        whose link is full may not arrive at all, which says nothing)."""
+        r = self.phase.round
+        if r is None or pid not in r.plan.members or pid in r.reports:
+            return False
+        for m in r.plan.members:  # a partner that reported is done with the transfer: no evidence
+            q = self.roster.active(m)
+            if m == pid or q is None or m in r.reports:
+                continue
+            if q.heard_at > r.started_at and not q.moving:
+                return False
+        return True
 
     def remove(
         self, pid: int, now: float, reason: str, *, state: PeerState = PeerState.DEAD
@@ -129,15 +142,10 @@ class Membership(RunState):
     def tick(self, now: float) -> None:
         """Apply every timeout: dead peers, members that never begin or never commit."""
         cfg = self.config
-        r = self.phase.round
-        # Members of the running round whose heartbeats say their transfer moves. A member
-        # whose heartbeats are late gets the longer bound only while another member vouches
-        # for the transfer: a stopped member's partners soon see nothing move (it takes no
-        # data), a live one's behind a thin link keep moving.
-        moving = set() if r is None else {m for m in r.plan.members if self._moving(m)}
         for p in list(self.peers.values()):
-            vouched = p.id in moving and len(moving) > 1
-            if p.state is PeerState.ACTIVE and now - p.last_seen > cfg.silence_bound(vouched):
+            if p.state is PeerState.ACTIVE and now - p.last_seen > cfg.silence_bound(
+                self._in_transfer(p.id)
+            ):
                 self.drop(p.id, now, f"no heartbeat for {now - p.last_seen:.1f}s")
         r = self.phase.round
         if r is not None and now - r.started_at > cfg.commit_timeout:

@@ -27,11 +27,11 @@ class MembershipConfig:
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is evicted (a stopped or partitioned process)."""
     transfer_heartbeat_timeout: float = 10.0
-    """The same bound for a member of the running round whose last heartbeat said it was
-    moving (about to start its transfer, or transferring with bytes advancing on its group's
-    connections), while another member of the round says so too: its heartbeats share the
-    link with that transfer's data and may queue behind it on a thin link, and a stopped
-    member's partners soon see nothing move. Never shorter than ``heartbeat_timeout``."""
+    """The same bound for a member of the running round that has not reported it, unless
+    another member's heartbeat since the round formed says nothing moves on its connections:
+    its heartbeats share the link with the round's data and may queue behind it on a thin link
+    (none may arrive until long after the transfer began), while a stopped member's partners
+    soon see nothing move. Never shorter than ``heartbeat_timeout``."""
     quiet_after: float | None = None
     """A member of the last epoch that has not begun the next round and has been silent (no
     heartbeat, no request) this long is not waited for: the round forms without it. It is not
@@ -117,8 +117,9 @@ class Peer:
     info: dict[str, Any] = field(default_factory=dict)
     # why it sits out (it cannot reach a member, or one cannot reach it); None: it does not
     isolated: str | None = None
-    # its last heartbeat said a transfer of its was moving (see MembershipConfig)
+    # its last heartbeat said it was in a round with its transfer moving (or about to start)
     moving: bool = False
+    heard_at: float = float("-inf")  # when a heartbeat with info last arrived
     # when a heartbeat last said so: the commit bound counts from there
     progress_at: float | None = None
 
