@@ -30,7 +30,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ __all__ = [
     "Watch",
     "backstop_s",
     "build_process_group",
+    "transfer_info",
     "wire_bytes",
 ]
 
@@ -538,6 +539,23 @@ class Group:
             return
         work = self._issue("barrier", lambda: self.pg.barrier())
         Handle(self, work, None, "barrier").wait()
+
+
+class _Round(Protocol):
+    epoch: int
+    round: int
+
+
+def transfer_info(plan: _Round | None, group: Group | None) -> dict[str, Any] | None:
+    """What a heartbeat says of this peer's round (``info.transfer``): None outside a round
+    (before its go, after this peer reported it); else the round's ``epoch`` and ``round`` and
+    whether it is ``moving``: about to transfer, or transferring with some connection of
+    ``group`` advancing (:meth:`Group.moving`). The coordinator gives the round's members a
+    longer heartbeat bound unless one of them says, for that very round, that nothing moves."""
+    if plan is None:
+        return None
+    moving = group is None or not group.busy() or group.moving()
+    return {"epoch": plan.epoch, "round": plan.round, "moving": moving}
 
 
 def _nbytes(t: torch.Tensor) -> int:

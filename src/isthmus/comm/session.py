@@ -46,7 +46,7 @@ import torch
 from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
-from isthmus.comm.group import CollectiveError, CommStats, Group
+from isthmus.comm.group import CollectiveError, CommStats, Group, transfer_info
 from isthmus.comm.peer_reach import PeerReach
 from isthmus.comm.probe import LinkProber
 from isthmus.comm.session_config import (
@@ -180,7 +180,7 @@ class Session:
         )
         self._stores: Rendezvous | None = None
         self._group: Group | None = None
-        self._in_round = False  # from a round's go to this peer's report of it (heartbeats)
+        self._in_round: RoundPlan | None = None  # from a round's go to this peer's report
         # Abandoned groups and connection attempts, held until torch is done with them.
         self._graveyard = Graveyard()
         self._aborted_epochs: set[int] = set()
@@ -222,8 +222,7 @@ class Session:
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
             "parked_groups": len(self._graveyard),
-            # in a round, about to transfer or moving bytes: heartbeats queue behind that data
-            "moving": self._in_round and ((g := self._group) is None or not g.busy() or g.moving()),
+            "transfer": transfer_info(self._in_round, self._group),  # see the function
         }
         if probes := self.reach.take_outcomes():  # those the coordinator asked for
             info["probes"] = probes
@@ -334,7 +333,7 @@ class Session:
             plan = self._ask_for_round(deadline)
             if plan is None:
                 continue  # evicted and registered again
-            t0, self._in_round = time.monotonic(), True
+            t0, self._in_round = time.monotonic(), plan
             try:
                 group = self._group_for(plan)
                 links = self.prober.run(  # on a new member set (comm/probe.py)
@@ -452,7 +451,7 @@ class Session:
         begins again by itself, so the strategy never saw the attempt) or ``"round"``.
         A failure names the members this peer could not reach (``cause``, the exception, or
         the text of ``error`` names them, or probes find them: :meth:`PeerReach.unreached`)."""
-        self._in_round = False
+        self._in_round = None
         with self._push_lock:
             aborted = ok or plan.epoch in self._aborted_epochs  # then nothing is probed
         why = cause or CollectiveError(error)

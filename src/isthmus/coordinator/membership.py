@@ -98,7 +98,10 @@ class Membership(RunState):
             return False
         p.last_seen = now
         if info:
-            p.moving, p.heard_at = info.get("moving") is True, now
+            t = info.get("transfer")
+            t = t if isinstance(t, dict) else {}
+            p.moving = t.get("moving") is True
+            p.transfer_round = (t.get("epoch"), t.get("round")) if t else None
             if p.moving:
                 p.progress_at = now
             p.info.update(info)
@@ -109,7 +112,7 @@ class Membership(RunState):
     def _in_transfer(self, pid: int) -> bool:
         """Whether ``pid`` may be inside its round's transfer, so that its heartbeats may queue
         behind the data: a member of the running round that has not reported, unless another
-        such member's heartbeat since the round formed says nothing moves on its connections (a
+        such member's last heartbeat says, for this round, that nothing moves on its connections (a
         stopped member takes no data, so its partners soon see that; the heartbeats of members
         whose link is full may not arrive at all, which says nothing)."""
         r = self.phase.round
@@ -119,7 +122,7 @@ class Membership(RunState):
             q = self.roster.active(m)
             if m == pid or q is None or m in r.reports:
                 continue
-            if q.heard_at > r.started_at and not q.moving:
+            if q.transfer_round == (r.plan.epoch, r.plan.round) and not q.moving:
                 return False
         return True
 

@@ -119,7 +119,8 @@ class Peer:
     isolated: str | None = None
     # its last heartbeat said it was in a round with its transfer moving (or about to start)
     moving: bool = False
-    heard_at: float = float("-inf")  # when a heartbeat with info last arrived
+    # the (epoch, round) its last heartbeat's ``moving`` was about; None: it was in no round
+    transfer_round: tuple[Any, Any] | None = None
     # when a heartbeat last said so: the commit bound counts from there
     progress_at: float | None = None
 
