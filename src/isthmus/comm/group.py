@@ -245,15 +245,22 @@ class Group:
 
     def moving(self) -> bool:
         """True while an operation on this group is in flight and some connection of the group
-        moved bytes within :data:`MOVING_WINDOW_S` (what a heartbeat reports, so that the
-        coordinator tolerates heartbeats that queue behind this transfer's data, and stops
-        vouching for a partner that takes no data). False for a group whose connections are
-        not watched, and when nothing is in flight. Safe from any thread."""
+        moved bytes within :data:`MOVING_WINDOW_S`, or holds sent data awaiting its
+        acknowledgement (a live path in loss recovery behind a slow link's deep queue) and is
+        not silent. What a heartbeat reports: the coordinator tolerates heartbeats that queue
+        behind this transfer's data, and stops doing so for a partner of this member's once
+        this says nothing moves (a stopped member takes no data: this member's data to it is
+        acknowledged by its kernel or waits behind its closed window). False for a group whose
+        connections are not watched, and when nothing is in flight. Safe from any thread."""
         if self._watch is None or self.aborted or not self.busy():
             return False
         self._sample(time.monotonic())
         v = self._watch.verdict()
-        return v.state is State.PROGRESSING and v.for_s < MOVING_WINDOW_S
+        if v.state is State.SILENT:
+            return False
+        if v.state is State.PROGRESSING and v.for_s < MOVING_WINDOW_S:
+            return True
+        return self._watch.in_flight()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:

@@ -75,6 +75,8 @@ class Watch(Protocol):
 
     def verdict(self, *, since: float | None = None) -> Verdict: ...
 
+    def in_flight(self) -> bool: ...
+
 
 class Owner(Protocol):
     """What a :class:`Handle` needs of its group (:class:`~isthmus.comm.group.Group`)."""

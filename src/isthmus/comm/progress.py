@@ -177,6 +177,11 @@ class ProgressWatch:
             seen[s.key] = c
         self._conns = seen
 
+    def in_flight(self) -> bool:
+        """Whether some connection had sent data awaiting acknowledgement at the last sample (a
+        live path in loss recovery on a slow link shows this for seconds without moving)."""
+        return any(c.in_flight for c in self._conns.values())
+
     def verdict(self, now: float | None = None, *, since: float | None = None) -> Verdict:
         """Classify at ``now`` (default: the last sample's time) the transfer that began at
         ``since`` (default: ``started``): a connection that moved nothing before the transfer

@@ -225,6 +225,11 @@ class TcpWatch:
         with self._lock:
             return self._watch.verdict(now=time.monotonic(), since=since)
 
+    def in_flight(self) -> bool:
+        """:meth:`ProgressWatch.in_flight` at the last sample."""
+        with self._lock:
+            return self._watch.in_flight()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
