@@ -301,3 +301,80 @@ def test_a_gloo_all_reduce_over_a_cut_link_is_seen_silent_before_gloo_gives_up(
             p.wait(10)
         for ns in (a, b):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+GROUP_SCRIPT = Path(__file__).parent / "scripts" / "group_stall_peer.py"
+
+
+@pytest.mark.root
+def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(prefix: str) -> None:
+    # the same cut as above, seen through Group.wait with the connections a session records:
+    # the end that holds unacknowledged data gives up after stall_s (3 s) and names the other
+    # member by rank and listener, long before late_s (300 s) or Gloo's own backstop
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    va, vb = f"{prefix}a", f"{prefix}b"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", va, "netns", a, "type", "veth", "peer", "name", vb, "netns", b)
+        for ns, dev, ip in ((a, va, "10.79.2.1/24"), (b, vb, "10.79.2.2/24")):
+            _sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            tbf = ["root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf)
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        for rank, ns, ip in ((0, a, "10.79.2.1"), (1, b, "10.79.2.2")):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(GROUP_SCRIPT)]
+            cmd += [str(rank), "10.79.2.1", ip, "256"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
+        labels = [json.loads(_line(p, "LABELS ", 120)[len("LABELS ") :]) for p in procs]
+        assert [len(x) for x in labels] == [1, 1], labels
+        assert labels[0][0].startswith("rank 1 at 10.79.2.2:"), labels
+        assert labels[1][0].startswith("rank 0 at 10.79.2.1:"), labels
+        # a heartbeat now says the transfer moves (the coordinator then waits longer for one)
+        assert _line(procs[1], "MOVING", 60) == "MOVING True"
+        # every packet from b to a is now dropped, silently
+        _sh("tc", "-n", b, "qdisc", "del", "dev", vb, "root")
+        root = ["root", "handle", "1:", "htb", "default", "10"]
+        _sh("tc", "-n", b, "qdisc", "add", "dev", vb, *root)
+        cls = ["parent", "1:", "classid", "1:10", "htb", "rate", "1gbit"]
+        _sh("tc", "-n", b, "class", "add", "dev", vb, *cls)
+        leaf = ["parent", "1:10", "handle", "10:", "pfifo", "limit", "0"]
+        _sh("tc", "-n", b, "qdisc", "add", "dev", vb, *leaf)
+        seen: dict[int, list[str]] = {0: [], 1: []}
+        for rank, p in enumerate(procs):
+            _collect(p, seen[rank])
+
+        def ended(rank: int) -> str:
+            return next((x for x in seen[rank] if x.startswith(("DONE", "FAILED"))), "")
+
+        def named(rank: int) -> bool:
+            return '"unreached": ["' in ended(rank)
+
+        # b's data to a is never acknowledged: b gives up, by its own watch (naming a) or on
+        # the connection a shut down when a's watch gave up first (a's data is unacknowledged
+        # too: its acknowledgements travel from b to a), which names nobody. a may also still
+        # wait when it had nothing in flight at the cut: in a run, b's report makes the
+        # coordinator abort the round for a.
+        end = time.monotonic() + 90
+        while time.monotonic() < end and not (ended(1) and (ended(0) or named(1))):
+            time.sleep(0.1)
+        ends = {rank: ended(rank) for rank in (0, 1)}
+        assert not any(e.startswith("DONE") for e in ends.values()), seen  # none over the cut
+        assert ends[1].startswith("FAILED "), seen
+        failed = {r: json.loads(e[len("FAILED ") :]) for r, e in ends.items() if e}
+        naming = {r: f for r, f in failed.items() if f["unreached"]}
+        assert naming, failed  # the end that saw its connection silent first names the other
+        for r, f in naming.items():  # by rank and listener, and nobody else
+            assert f["unreached"] == labels[r], failed
+            other = "rank 0 at 10.79.2.1:" if r == 1 else "rank 1 at 10.79.2.2:"
+            assert f"no acknowledgement from {other}" in f["error"], failed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)

@@ -124,7 +124,14 @@ def test_the_lab_script_gets_the_runs_connection_settings(tmp_path: Path) -> Non
     job = script_spec(_scenario_dir(tmp_path, "").parent / "train.py", ["--steps", "5"])
     program = lab_script(sc, lab_config(sc), job)
     assert program is not None and program.args == ["--steps", "5"]
-    assert program.settings == {"ISTHMUS_CONNECTIONS": "3", "ISTHMUS_PROBE_LINKS": "1"}
+    run = lab_config(sc)
+    assert program.settings == {
+        "ISTHMUS_CONNECTIONS": "3",
+        "ISTHMUS_PROBE_LINKS": "1",
+        "ISTHMUS_MESH": "0",
+        "ISTHMUS_STALL_S": repr(float(run.timeouts.stall_s)),
+        "ISTHMUS_LATE_S": repr(float(run.timeouts.late_s)),
+    }
 
 
 def test_scenario_faults_reach_the_builtin_job_and_a_scripts_kills_come_from_outside(

@@ -102,6 +102,9 @@ def test_dead_member_aborts_running_round_and_survivors_reform():
     running = r.poll(a).plan
     r.commit(a, running)
     r.silent = {c}
+    # b's heartbeat says nothing moves on its connections (c takes no data): no grace for c
+    info = {"transfer": {"epoch": running.epoch, "round": running.round, "moving": False}}
+    r.m.heartbeat(b, r.now + 0.5, info)
     r.advance(6)
     assert r.m.poll_commit(running.epoch, running.round).kind == "aborted"
     assert r.m.peers[c].state.value == "dead"

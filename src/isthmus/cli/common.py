@@ -47,6 +47,7 @@ def print_summary(s: Summary, title: str = "isthmus demo") -> None:
         ("rounds committed / aborted", f"{s.rounds_committed} / {s.rounds_aborted}"),
         ("parity checks / failures", f"{s.parity_checks} / {s.parity_failures}"),
         ("resyncs", str(s.resyncs)),
+        ("isolations", str(s.isolations)),
         ("peers at the end (bit-identical)", f"{s.peers_final} of {s.peers_started} started"),
         ("kills / joins / restarts", f"{s.kills} / {s.joins} / {s.restarts}"),
         ("stragglers flagged / link anomalies", f"{s.stragglers} / {s.link_anomalies}"),

@@ -25,10 +25,12 @@ RUN_FLAGS = (
     "connections",
     "probe_links",
     "mesh",
+    "stall_s",
+    "late_s",
 )
 """The run settings `isthmus run` takes (the script brings its own model, data and strategy;
-`connections` and `probe_links` reach it through SessionConfig.from_env, as every peer must agree
-on them)."""
+`connections`, `probe_links`, `stall_s` and `late_s` reach it through SessionConfig.from_env, as
+every peer must agree on them)."""
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -121,13 +123,12 @@ def _counts(text: str) -> list[int]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from isthmus.run.config import from_flat
     from isthmus.run.flags import overrides_from
-    from isthmus.run.script_run import run_script
+    from isthmus.run.script_run import run_script, script_config
 
     token = read_token(args, required=args.coordinator is not None)
     try:
-        cfg = from_flat(**overrides_from(args))
+        cfg = script_config(overrides_from(args))  # no wall-clock bound unless --timeout
         summary, run_dir = run_script(
             args.script,
             args.args,
@@ -212,8 +213,10 @@ def add_parsers(sub: Any) -> None:
     c.add_argument(
         "--commit-timeout",
         type=float,
-        default=600.0,
-        help="evict a live member that has not reported a round this long after it formed",
+        default=86400.0,
+        help="evict a live member that has not reported a round this long after it formed "
+        "(default a day: a sync runs as long as its bytes move, and each member gives up a "
+        "stuck transfer itself)",
     )
     c.add_argument(
         "--metrics-port",
@@ -288,6 +291,13 @@ def add_parsers(sub: Any) -> None:
         "shown here, prefixed with its peer, as torchrun's --tee does)",
     )
     add_config_flags(r, include=RUN_FLAGS)
+    # the shared help shows the built-in job's default; a script's run has no limit by default
+    for action in r._actions:
+        if "--timeout" in action.option_strings:
+            action.help = (
+                "Bound on the whole run in seconds; peers still running after it are stopped "
+                "(default: none, the run lasts as long as its peers)."
+            )
     r.add_argument("script", help="the training script")
     r.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     r.set_defaults(func=_cmd_run)

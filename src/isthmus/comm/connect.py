@@ -25,6 +25,7 @@ for it.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from isthmus.comm.exposure import warn_if_public
 from isthmus.comm.group import CollectiveError
-from isthmus.comm.wires import Endpoint, SocketInfo, Wires, created_by, pair_sockets
+from isthmus.comm.wires import Endpoint, SocketInfo, Wires, created_by, pair_sockets, same
 from isthmus.coordinator.client import CoordinatorClient
 from isthmus.coordinator.protocol import Registered
 from isthmus.coordinator.store_client import CoordinatorStore
@@ -58,6 +59,7 @@ T = TypeVar("T")
 
 _LISTENER_KEY = "isthmus-listener/"
 _PROTOCOL_KEY = "isthmus-protocol/"
+_CONNS_KEY = "isthmus-conns/"
 
 
 def _device(interface: str | None, hostname: str | None) -> Any:
@@ -117,7 +119,14 @@ def connect_gloo(
     connections to ``wires``.
 
     Every member publishes its protocol version and its listener's address under
-    ``isthmus-listener/<rank>`` before connecting. Blocks until all ``world`` ranks connected;
+    ``isthmus-listener/<rank>`` before connecting. Each connection is labelled with the member
+    it leads to (the labels :meth:`Wires.snapshot` gives the group's progress watch): from its
+    addresses, and where members share a host (an accepted connection shows only the remote's
+    host and an ephemeral port) from the local ends each member then publishes under
+    ``isthmus-conns/<rank>``, read only when a stalled connection must be named
+    (:meth:`Wires.name_of`): connecting never waits for another member's labels.
+    ``timeout_s`` is Gloo's group timeout: the bound on connecting, and on each operation that
+    does not set its own. Blocks until all ``world`` ranks connected;
     raises what torch raises when that fails or takes longer than ``timeout_s``, or when
     ``wires`` was cut meanwhile (the store connection is shut down), and
     :class:`~isthmus.coordinator.wire.ProtocolMismatch` naming both versions when a member
@@ -141,13 +150,64 @@ def connect_gloo(
     # Every member published before it began to connect, and the group is connected, so the
     # keys are there (unless a member connected without this function: then fewer are cut).
     keys = {r: f"{_LISTENER_KEY}{r}" for r in range(world) if r != rank}
-    others = [
-        p
+    others = {
+        r: p
         for r, k in keys.items()
         if store.check([k]) and (p := _parse(store.get(k), r)) is not None
-    ]
-    wires.add(pair_sockets(mine, others))
+    }
+    sockets = pair_sockets(mine, others.values())
+    names, made = _labels(sockets, others)
+    hosts = {p[0] for p in others.values()}
+    if (mine[0] if mine is not None else None) in hosts or {s.local[0] for s in sockets} & hosts:
+        # Another member shares this host, so where this member's connections arrive the
+        # remote host does not say whom they come from: publish their local ends (one write,
+        # nobody waits for it); the others read them only when they must name one.
+        store.set(f"{_CONNS_KEY}{rank}", " ".join(made))
+    unnamed = any(s.inode not in names for s in sockets if s.remote is not None)
+    resolve = functools.partial(_resolve, store, others) if unnamed else None
+    wires.add(sockets, names, resolve=resolve)
     return pg
+
+
+def _label(rank: int, listener: Endpoint) -> str:
+    return f"rank {rank} at {listener[0]}:{listener[1]}"
+
+
+def _labels(
+    sockets: list[SocketInfo], others: dict[int, Endpoint]
+) -> tuple[dict[int, str], list[str]]:
+    """Whom each of a new group's ``sockets`` leads to, from the addresses alone: ``(names by
+    inode, the local ends of the sockets this member made)``.
+
+    A socket this member made leads to the listener it connected to (``rank R at HOST:PORT``).
+    One it accepted shows only the remote's host and an ephemeral port: it is named after the
+    one member listening on that host, and left out (labelled by address) when several do."""
+    names: dict[int, str] = {}
+    made: list[str] = []
+    for s in sockets:
+        if s.remote is None:
+            continue
+        to = [r for r, p in others.items() if same(s.remote, p)]
+        if to:
+            names[s.inode] = _label(to[0], others[to[0]])
+            made.append(f"{s.local[0]}:{s.local[1]}")
+            continue
+        on_host = [r for r, p in others.items() if same((s.remote[0], p[1]), p)]
+        if len(on_host) == 1:
+            names[s.inode] = _label(on_host[0], others[on_host[0]])
+    return names, made
+
+
+def _resolve(store: dist.Store, others: dict[int, Endpoint]) -> dict[str, str]:
+    """The connections the ``others`` made, as their published local ends (``host:port``, the
+    remote end of the accepted socket here) -> ``rank R at HOST:PORT``. Members that published
+    nothing (yet) are left out; never waits for a key."""
+    out: dict[str, str] = {}
+    for r, p in others.items():
+        key = f"{_CONNS_KEY}{r}"
+        if store.check([key]):
+            out.update((e, _label(r, p)) for e in store.get(key).decode().split())
+    return out
 
 
 # Store clients are made one at a time (see StoreClients), under a lock of their own: connecting

@@ -132,6 +132,8 @@ def connect_epoch(
         connect_reverse=reverse,
         wires=wires,
         stripes=stripes,
+        stall_s=cfg.stall_s,
+        late_s=cfg.late_s,
     )
     return group, agreed
 

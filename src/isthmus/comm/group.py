@@ -4,9 +4,14 @@ isthmus never moves tensor bytes itself. A :class:`Group` wraps a torch ``Proces
 CPU tensors, NCCL for CUDA tensors) built for exactly one membership epoch, and adds three things
 torch does not give us:
 
-* every wait is bounded (the group timeout) *and* abortable: when the coordinator announces that
-  the round failed (a peer died elsewhere), waiting collectives raise at once instead of sitting
-  out Gloo's timeout;
+* every wait ends when the transfer stops moving, never because it is long: a wait gives up
+  when one of the group's connections holds data that its remote has not acknowledged for
+  ``stall_s`` (the path or the remote host is gone; the error names the member at the other
+  end), or when no byte moved on any connection for ``late_s`` (a member that never sends);
+  a slow link that keeps moving bytes is waited for however long the transfer takes (see
+  :mod:`isthmus.comm.progress`). Every wait is also abortable: when the coordinator announces
+  that the round failed (a peer was evicted, another member reported a failure), waiting
+  collectives raise at once;
 * an abandoned group's connections are shut down (see :mod:`isthmus.comm.wires`), so that work
   Gloo would leave waiting on a silent peer fails at once; a group with work still in flight is
   never destroyed (Gloo's destructor would block until that work ends): the session parks it;
@@ -20,17 +25,28 @@ buffers, which is why the collectives here work in place on what they are given.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from isthmus.comm import stripes as striping
 from isthmus.comm.accounting import CommStats, wire_bytes
+from isthmus.comm.handle import (
+    CollectiveError,
+    Exchange,
+    Handle,
+    Watch,
+    backstop_s,
+    short,
+)
+from isthmus.comm.progress import ProgressConfig, State, Verdict
+from isthmus.comm.tcpstats import TcpWatch
 from isthmus.comm.wires import Wires
 
 __all__ = [
@@ -38,148 +54,21 @@ __all__ = [
     "CommStats",
     "Group",
     "Handle",
+    "Watch",
+    "backstop_s",
     "build_process_group",
+    "transfer_info",
     "wire_bytes",
 ]
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed: a peer died or went silent, the wait timed out, or the round was
-    aborted by the coordinator. The round it belongs to must be aborted and retried."""
+#: How often a waiting handle samples the group's connections (seconds).
+SAMPLE_PERIOD_S = 0.25
 
-
-class Handle:
-    """An in-flight collective. :meth:`wait` returns its result or raises :class:`CollectiveError`.
-
-    The wait is bounded by the group's timeout and ends early when the group is aborted.
-    """
-
-    def __init__(
-        self,
-        group: Group,
-        work: Any,
-        result: Any,
-        op: str,
-        finish: Callable[[Any], Any] | None = None,
-    ) -> None:
-        self._group = group
-        self._work = work
-        self._result = result
-        self._op = op
-        self._finish = finish
-        # Two events on purpose: `completed` says torch finished the operation (what busy() and
-        # done() report), `wakeup` also fires on an abort. One event for both made an aborted
-        # group look idle, and dropping it blocked the training thread in Gloo's destructor.
-        self._completed = threading.Event()
-        self._wakeup = threading.Event()
-        self._finished = False
-        # Set by the waiter thread for works without a future (Gloo send/recv): their outcome.
-        self._waited: list[BaseException | None] = []
-        # When the operation finished (appended on completion): for overlap metrics.
-        self.done_at: list[float] = []
-        self.issued_at = time.monotonic()
-        if work is None:
-            self._completed.set()
-            self._wakeup.set()
-        else:
-            # Callbacks run on another thread. They must hold nothing but the events and the
-            # outcome list: if one held the last reference to this handle (and so to the group),
-            # the process group's destructor would run on its own worker thread and abort the
-            # process ("Resource deadlock avoided").
-            ev, wake, waited, done_at = self._completed, self._wakeup, self._waited, self.done_at
-
-            def on_done(_f: Any) -> None:
-                done_at.append(time.monotonic())
-                ev.set()
-                wake.set()
-
-            try:
-                work.get_future().add_done_callback(on_done)
-            except RuntimeError:
-                # Gloo's send/recv have no future and never report is_completed() before wait();
-                # a daemon thread does the blocking wait (bounded by the group's timeout).
-                threading.Thread(
-                    target=_wait_in_thread,
-                    args=(work, ev, wake, waited, done_at),
-                    daemon=True,
-                    name="isthmus-wait",
-                ).start()
-        group._register(self)
-
-    def done(self) -> bool:
-        """True when the operation finished inside torch (successfully or not); never blocks."""
-        return self._work is None or self._completed.is_set()
-
-    def _wake(self) -> None:
-        self._wakeup.set()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the collective completes and return its result.
-
-        Raises :class:`CollectiveError` if the collective failed (a peer died), if ``timeout``
-        (default: the group's timeout, measured from when the call was issued) passes, or if the
-        group was aborted meanwhile. After an error the result buffers must not be reused.
-        """
-        if self._finished:
-            return self._result
-        g = self._group
-        limit = g.timeout_s if timeout is None else timeout
-        deadline = self.issued_at + limit
-        t0 = time.monotonic()
-        try:
-            while not self.done():
-                if g.aborted:
-                    raise CollectiveError(f"{self._op} abandoned: {g.abort_reason}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    g.abort(f"{self._op} timed out after {limit:.1f}s")
-                    raise CollectiveError(
-                        f"{self._op} did not complete within {limit:.1f}s (a peer is silent or "
-                        f"the link is too slow for the collective timeout)"
-                    )
-                self._wakeup.wait(min(remaining, 0.05))
-            if g.aborted:
-                raise CollectiveError(f"{self._op} abandoned: {g.abort_reason}")
-            if self._waited:
-                err = self._waited[0]
-                if err is not None:
-                    g.abort(f"{self._op} failed: {err}")
-                    raise CollectiveError(f"{self._op} failed: {_short(err)}") from err
-            elif self._work is not None:
-                try:
-                    self._work.wait()
-                except Exception as e:  # Gloo raises RuntimeError with the transport's message
-                    g.abort(f"{self._op} failed: {e}")
-                    raise CollectiveError(f"{self._op} failed: {_short(e)}") from e
-        finally:
-            g.stats.wait_s += time.monotonic() - t0
-        self._finished = True
-        if self._finish is not None:
-            self._result = self._finish(self._result)
-        return self._result
-
-
-def _wait_in_thread(
-    work: Any,
-    ev: threading.Event,
-    wake: threading.Event,
-    out: list[BaseException | None],
-    done_at: list[float],
-) -> None:
-    try:
-        work.wait()
-        out.append(None)
-    except BaseException as e:
-        out.append(e)
-    finally:
-        done_at.append(time.monotonic())
-        ev.set()
-        wake.set()
-
-
-def _short(e: BaseException, limit: int = 300) -> str:
-    s = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return s if len(s) <= limit else s[:limit] + "..."
+#: A transfer counts as moving (:meth:`Group.moving`) while some connection advanced within
+#: this many seconds: well inside a heartbeat bound, so that the partners of a member that
+#: stopped reading stop vouching for it before that bound passes.
+MOVING_WINDOW_S = 2.0
 
 
 def build_process_group(
@@ -240,20 +129,6 @@ def forward(src: int, dst: int, world: int) -> bool:
     return d < world - d or (d == world - d and src < dst)
 
 
-class _Exchange:
-    """The work of one :meth:`Group.exchange`: its steps run, blocking, in :meth:`wait`, which
-    :class:`Handle` calls on a thread of its own as soon as the exchange is issued."""
-
-    def __init__(self, run: Callable[[], None]) -> None:
-        self._run = run
-
-    def get_future(self) -> Any:
-        raise RuntimeError("an exchange has no future; wait() runs it")
-
-    def wait(self) -> None:
-        self._run()
-
-
 class Group:
     """Collectives over one epoch's process group, bounded and accounted.
 
@@ -267,6 +142,17 @@ class Group:
     members (see :mod:`isthmus.comm.stripes`); all_reduce, all_gather_flat and exchange then
     split their buffers over all of them, and ``connect_reverse`` must build one reverse group
     per group (a list).
+
+    ``timeout_s`` bounds connecting (the reverse connections); ``stall_s`` and ``late_s`` decide
+    when a wait gives up (:meth:`stuck`). With ``wires``, Gloo's own timeout of each operation on
+    the group is set far beyond them (:func:`backstop_s`), so that it never ends a transfer that
+    moves: the watch decides, and :meth:`abort` ends whatever Gloo still runs by shutting the
+    connections down. Without ``wires`` (a group built outside a session, e.g.
+    :func:`isthmus.testing.local_groups`) nothing could end an operation Gloo still runs, and a
+    process group with work in flight blocks whoever drops it (its destructor waits for that
+    work): every wait and every Gloo operation of such a group keeps the fixed bound
+    ``timeout_s``. ``watch``: what judges progress instead of a
+    :class:`~isthmus.comm.tcpstats.TcpWatch` over ``wires``' connections (tests give a fake).
     """
 
     def __init__(
@@ -281,9 +167,14 @@ class Group:
         connect_reverse: Callable[[], Any] | None = None,
         wires: Wires | None = None,
         stripes: Sequence[Any] = (),
+        stall_s: float = 10.0,
+        late_s: float = 600.0,
+        watch: Watch | None = None,
     ) -> None:
         if world > 1 and pg is None:
             raise ValueError("a group of more than one peer needs a process group")
+        self.progress = ProgressConfig(stall_s=stall_s, late_s=late_s)  # validates both
+        self.stall_s, self.late_s = stall_s, late_s
         self.pg = pg
         self.pgs = [pg, *stripes]
         self.wires = wires
@@ -301,6 +192,75 @@ class Group:
         self.abort_reason = ""
         self._lock = threading.Lock()
         self._inflight: list[Handle] = []
+        # Sampled by the waiting handles themselves (at most every SAMPLE_PERIOD_S), so a group
+        # costs no thread and nothing has to stop one when the group is retired.
+        if watch is None and wires is not None and world > 1:
+            watch = TcpWatch(wires.snapshot, self.progress)
+        self._watch = watch
+        self._sample_lock = threading.Lock()
+        self._sampled_at = -SAMPLE_PERIOD_S
+        if wires is not None:
+            for g in self.pgs:
+                _set_backstop(g, late_s)
+
+    def op_bound_s(self, nbytes: int) -> float:
+        """Gloo's own timeout for an operation moving ``nbytes`` on this group, and the bound of
+        a wait nothing watches: :func:`backstop_s` when :meth:`abort` can end the operation
+        (the group has ``wires``), else the fixed ``timeout_s``."""
+        return backstop_s(self.late_s, nbytes) if self.wires is not None else self.timeout_s
+
+    def stuck(self, since: float, nbytes: int = 0) -> Verdict | None:
+        """Whether a transfer issued at ``since`` (monotonic seconds) should be given up now:
+        the progress watch's verdict over the group's connections when it is stuck, else None.
+
+        Stuck means a connection holds data its remote has not acknowledged for ``stall_s``
+        (state silent: the verdict names the remote), or no byte moved on any connection for
+        ``late_s`` since ``since`` (its remote takes no data, or this member waits for a member
+        that does not send). A group whose connections are not watched is stuck once
+        :meth:`op_bound_s` of ``nbytes`` passed since ``since``."""
+        now = time.monotonic()
+        if self._watch is None:
+            limit = self.op_bound_s(nbytes)
+            if now - since < limit:
+                return None
+            why = f"not done {limit:.0f}s after it was issued (nothing watches its connections)"
+            return Verdict(State.IDLE, True, now - since, "", why)
+        self._sample(now)
+        v = self._watch.verdict(since=since)
+        if not v.stuck:
+            return None
+        if v.remote and self.wires is not None:
+            # a connection labelled by its address only: name it now, the one time it matters
+            name = self.wires.name_of(v.remote)
+            if name != v.remote:
+                v = dataclasses.replace(v, remote=name, why=v.why.replace(v.remote, name))
+        return v
+
+    def _sample(self, now: float) -> None:
+        assert self._watch is not None
+        with self._sample_lock:
+            if now - self._sampled_at >= SAMPLE_PERIOD_S:
+                self._sampled_at = now
+                self._watch.sample()
+
+    def moving(self) -> bool:
+        """True while an operation on this group is in flight and some connection of the group
+        moved bytes within :data:`MOVING_WINDOW_S`, or holds sent data awaiting its
+        acknowledgement (a live path in loss recovery behind a slow link's deep queue) and is
+        not silent. What a heartbeat reports: the coordinator tolerates heartbeats that queue
+        behind this transfer's data, and stops doing so for a partner of this member's once
+        this says nothing moves (a stopped member takes no data: this member's data to it is
+        acknowledged by its kernel or waits behind its closed window). False for a group whose
+        connections are not watched, and when nothing is in flight. Safe from any thread."""
+        if self._watch is None or self.aborted or not self.busy():
+            return False
+        self._sample(time.monotonic())
+        v = self._watch.verdict()
+        if v.state is State.SILENT:
+            return False
+        if v.state is State.PROGRESSING and v.for_s < MOVING_WINDOW_S:
+            return True
+        return self._watch.in_flight()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:
@@ -347,7 +307,7 @@ class Group:
             return fn()
         except Exception as e:  # Gloo can fail at issue time when a pair is already closed
             self.abort(f"{op} failed: {e}")
-            raise CollectiveError(f"{op} failed: {_short(e)}") from e
+            raise CollectiveError(f"{op} failed: {short(e)}") from e
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Any:
@@ -371,7 +331,7 @@ class Group:
         opts.reduceOp = _REDUCE_OPS["sum" if op == "avg" else op]
         work = self._issue("all_reduce", lambda: striping.all_reduce(self.pgs, t, opts))
         self.stats.record("all_reduce", wire_bytes("all_reduce", _nbytes(t), self.world))
-        h = Handle(self, work, t, "all_reduce", finish)
+        h = Handle(self, work, t, "all_reduce", finish, nbytes=_nbytes(t))
         return h if async_op else h.wait()
 
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Any:
@@ -382,11 +342,13 @@ class Group:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
+        # Gloo's broadcast waits for the whole message at once: its bound grows with it
+        opts.timeout = datetime.timedelta(seconds=self.op_bound_s(_nbytes(t)))
         work = self._issue("broadcast", lambda: self.pg.broadcast([t], opts))
         self.stats.record(
             "broadcast", wire_bytes("broadcast", _nbytes(t), self.world, self.rank, src)
         )
-        h = Handle(self, work, t, "broadcast")
+        h = Handle(self, work, t, "broadcast", nbytes=_nbytes(t))
         return h if async_op else h.wait()
 
     def all_gather(self, t: torch.Tensor, *, async_op: bool = False) -> Any:
@@ -397,7 +359,7 @@ class Group:
         outs = [torch.empty_like(t) for _ in range(self.world)]
         work = self._issue("all_gather", lambda: self.pg.allgather([outs], [t]))
         self.stats.record("all_gather", wire_bytes("all_gather", _nbytes(t), self.world))
-        h = Handle(self, work, outs, "all_gather")
+        h = Handle(self, work, outs, "all_gather", nbytes=_nbytes(t) * self.world)
         return h if async_op else h.wait()
 
     def all_gather_flat(self, t: torch.Tensor, *, async_op: bool = False) -> Any:
@@ -412,7 +374,7 @@ class Group:
             "all_gather", lambda: striping.all_gather_flat(self.pgs, flat, out, self.world)
         )
         self.stats.record("all_gather", wire_bytes("all_gather", _nbytes(flat), self.world))
-        h = Handle(self, work, out, "all_gather")
+        h = Handle(self, work, out, "all_gather", nbytes=_nbytes(out))
         return h if async_op else h.wait()
 
     def all_to_all(
@@ -455,7 +417,7 @@ class Group:
             own = int(in_splits[self.rank]) * inp.element_size()
             sent = _nbytes(inp) - own
         self.stats.record("all_to_all", sent)
-        h = Handle(self, work, out, "all_to_all")
+        h = Handle(self, work, out, "all_to_all", nbytes=_nbytes(inp) + _nbytes(out))
         return h if async_op else h.wait()
 
     def exchange(self, inp: torch.Tensor, *, async_op: bool = False) -> Any:
@@ -488,6 +450,7 @@ class Group:
         out = torch.empty_like(inp)
         outs = out.view(n, -1)
         outs[r].copy_(rows[r])
+        piece = datetime.timedelta(seconds=self.op_bound_s(_nbytes(rows[0])))
         base = _EXCHANGE_TAG + (self._exchanges * n) % (1 << 29)
         self._exchanges += 1
 
@@ -504,11 +467,11 @@ class Group:
                     works.append(to.send([rows[dst][lo:hi]], dst, base + k))
                     works.append(frm.recv([outs[src][lo:hi]], src, base + k))
                 for w in works:
-                    w.wait()
+                    w.wait(piece)
 
         self._check("all_to_all")
         self.stats.record("all_to_all", wire_bytes("all_to_all", _nbytes(inp), n))
-        h = Handle(self, _Exchange(run), out, "all_to_all")
+        h = Handle(self, Exchange(run), out, "all_to_all", nbytes=2 * _nbytes(inp))
         return h if async_op else h.wait()
 
     def _reverse_group(self) -> Any:
@@ -547,9 +510,12 @@ class Group:
             if isinstance(box[0], BaseException):
                 self.abort(f"connecting the reverse connections failed: {box[0]}")
                 raise CollectiveError(
-                    f"exchange: connecting the reverse connections failed: {_short(box[0])}"
+                    f"exchange: connecting the reverse connections failed: {short(box[0])}"
                 ) from box[0]
             self._reverse = box[0]
+            if self.wires is not None:
+                for g in self._reverse if isinstance(self._reverse, list) else [self._reverse]:
+                    _set_backstop(g, self.late_s)
             return self._reverse
 
     def send(
@@ -565,13 +531,13 @@ class Group:
         count under ``label`` in :attr:`stats` (``by_op``)."""
         work = self._issue("send", lambda: self.pg.send([t], dst, tag))
         self.stats.record(label, _nbytes(t))
-        h = Handle(self, work, t, "send")
+        h = Handle(self, work, t, "send", nbytes=_nbytes(t))
         return h if async_op else h.wait()
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """Receive into ``t`` from rank ``src``."""
         work = self._issue("recv", lambda: self.pg.recv([t], src, tag))
-        h = Handle(self, work, t, "recv")
+        h = Handle(self, work, t, "recv", nbytes=_nbytes(t))
         return h if async_op else h.wait()
 
     def barrier(self) -> None:
@@ -582,5 +548,31 @@ class Group:
         Handle(self, work, None, "barrier").wait()
 
 
+class _Round(Protocol):
+    epoch: int
+    round: int
+
+
+def transfer_info(plan: _Round | None, group: Group | None) -> dict[str, Any] | None:
+    """What a heartbeat says of this peer's round (``info.transfer``): None outside a round
+    (before its go, after this peer reported it); else the round's ``epoch`` and ``round`` and
+    whether it is ``moving``: about to transfer, or transferring with some connection of
+    ``group`` advancing (:meth:`Group.moving`). The coordinator gives the round's members a
+    longer heartbeat bound unless one of them says, for that very round, that nothing moves."""
+    if plan is None:
+        return None
+    moving = group is None or not group.busy() or group.moving()
+    return {"epoch": plan.epoch, "round": plan.round, "moving": moving}
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _set_backstop(pg: Any, late_s: float) -> None:
+    """Set ``pg``'s timeout for the operations that do not pass their own to ``late_s``: a
+    Gloo collective applies it to each piece of a ring step (a few MB), and to the wait for a
+    member late to the collective. A process group without the setting keeps its own."""
+    set_timeout = getattr(pg, "set_timeout", None)
+    if set_timeout is not None:
+        set_timeout(datetime.timedelta(seconds=late_s))

@@ -25,6 +25,7 @@ that names nobody is reported without names.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -33,7 +34,7 @@ from isthmus.comm.session_config import SessionConfig
 from isthmus.coordinator.partition import How
 from isthmus.coordinator.protocol import ProbePush, RoundPlan, Unreached
 
-__all__ = ["PeerReach", "plan_addresses"]
+__all__ = ["PeerReach", "named_unreached", "plan_addresses"]
 
 log = logging.getLogger("isthmus.session")
 
@@ -45,6 +46,10 @@ def plan_addresses(plan: RoundPlan, peer_id: int) -> dict[int, str]:
         if k.isdigit() and int(k) != peer_id and int(k) in plan.members:
             out[int(k)] = a
     return out
+
+
+_RANKED = re.compile(r"rank (\d+) at (\S+)")
+"""How a group names the remote of a connection (``comm/connect.py`` labels each socket so)."""
 
 
 def _host(address: str) -> str:
@@ -94,12 +99,16 @@ class PeerReach:
         """This peer's probe listener, ``host:port`` (None: none)."""
         return None if self.listener is None else self.listener.address
 
-    def waiting(self, reason: str) -> None:
-        """A begin was answered ``wait`` for ``reason``: an ``isolated: ...`` one is logged
-        once per reason (the peer waits in it until it is taken back)."""
-        if reason.startswith("isolated:") and reason != self._isolated:
+    def waiting(self, reason: str) -> bool:
+        """A begin was answered ``wait`` for ``reason``: True when it is an ``isolated: ...``
+        one (the peer waits in it until it is taken back, so the wait does not count against
+        ``round_timeout``), logged once per reason."""
+        if not reason.startswith("isolated:"):
+            return False
+        if reason != self._isolated:
             self._isolated = reason
             log.warning("%s sits out: %s", self.owner, reason)
+        return True
 
     # -- probes the coordinator asks for -------------------------------------------------------
     def on_push(self, msg: ProbePush) -> None:
@@ -151,7 +160,7 @@ class PeerReach:
         found: list[Unreached] = []
         for entry in named or ():
             try:
-                u = self._entry(entry, plan, addresses)
+                u = named_unreached(entry, plan, addresses)
             except (TypeError, ValueError):  # an entry of a shape this peer does not know
                 continue
             if u is not None:
@@ -166,27 +175,36 @@ class PeerReach:
             for m, a, how in probe_all(addresses, timeout_s=self.probe_timeout, source=self.source)
         )
 
-    def _entry(self, entry: Any, plan: RoundPlan, addresses: dict[int, str]) -> Unreached | None:
-        """One entry of ``CollectiveError.unreached``: ``(peer id, address, How)`` or an address
-        ``host:port`` (a stalled connection's remote), mapped to the member by its host."""
-        if isinstance(entry, tuple) and len(entry) == 3:
-            member, address, how = entry
-            if isinstance(member, int) and member in plan.members:
-                return Unreached(member, str(address), How(how).value)
-            return None
-        if isinstance(entry, str):
-            member = self._by_host(_host(entry), addresses)
-            if member is not None:
-                return Unreached(member, addresses[member], How.STALLED.value)
-        return None
-
-    @staticmethod
-    def _by_host(host: str, addresses: dict[int, str]) -> int | None:
-        """The one member whose probe listener is on ``host`` (None: none, or several)."""
-        hits = [m for m, a in addresses.items() if _host(a) == host]
-        return hits[0] if len(hits) == 1 else None
-
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+
+
+def named_unreached(entry: Any, plan: RoundPlan, addresses: dict[int, str]) -> Unreached | None:
+    """One entry of ``CollectiveError.unreached``: ``(peer id, address, How)``, a stalled
+    connection's remote as the group names it (``rank R at host:port``: the member of rank
+    R in this round), or an address ``host:port``, mapped to the member by its host."""
+    if isinstance(entry, tuple) and len(entry) == 3:
+        member, address, how = entry
+        if isinstance(member, int) and member in plan.members:
+            return Unreached(member, str(address), How(how).value)
+        return None
+    ranked = _RANKED.fullmatch(entry) if isinstance(entry, str) else None
+    if ranked is not None:
+        rank = int(ranked.group(1))
+        if rank < len(plan.members):
+            member = plan.members[rank]  # a plan lists its members in rank order
+            return Unreached(member, addresses.get(member, ranked.group(2)), How.STALLED.value)
+        return None
+    if isinstance(entry, str):
+        member = _by_host(_host(entry), addresses)
+        if member is not None:
+            return Unreached(member, addresses[member], How.STALLED.value)
+    return None
+
+
+def _by_host(host: str, addresses: dict[int, str]) -> int | None:
+    """The one member whose probe listener is on ``host`` (None: none, or several)."""
+    hits = [m for m, a in addresses.items() if _host(a) == host]
+    return hits[0] if len(hits) == 1 else None

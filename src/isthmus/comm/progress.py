@@ -10,8 +10,10 @@ connection, when its counters last advanced, and :meth:`ProgressWatch.verdict` c
 * **progressing**: some connection advanced within the last ``stall_s`` seconds, and none is
   silent. A slow link is never stuck, however long the whole transfer takes.
 * **silent** (stuck, with a culprit): a connection holds data in flight that its remote has not
-  acknowledged for ``stall_s``: the path or the remote host is gone (a cut link, a one-way
-  route, a firewall that drops). Per connection, so that one dead link is caught even while
+  acknowledged for ``stall_s``, and (where the source says) its kernel has retransmitted it on
+  ``min_retransmits`` timeouts in a row: the path or the remote host is gone (a cut link, a
+  one-way route, a firewall that drops). A live path behind a deep queue on a slow link can go
+  longer than ``stall_s`` without an acknowledgement, but one retransmission gets one. Per connection, so that one dead link is caught even while
   others still move data; the verdict names the remote, which is what a failure report needs.
 * **not reading** (stuck after ``late_s``): data is queued but nothing is in flight and nothing
   advanced: the remote's kernel is there (it acknowledges window probes) but its process takes
@@ -56,6 +58,9 @@ class ConnSample:
     received: int
     in_flight: bool = False
     queued: bool = False
+    retransmits: int | None = None
+    """Consecutive retransmission timeouts of the data in flight (reset by an acknowledgement);
+    None where the source does not say."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,11 +68,16 @@ class ProgressConfig:
     """``stall_s``: how long data in flight may go unacknowledged before its connection counts
     as silent. ``late_s``: how long a transfer may move no byte at all while no connection is
     silent (the remote is not reading, or this member waits for others). ``min_bytes``: how many
-    bytes a connection must advance to count as moving (1: any byte)."""
+    bytes a connection must advance to count as moving (1: any byte). ``min_retransmits``: how
+    many retransmission timeouts in a row a connection that says so must also have had to count
+    as silent: on a slow link with a deep queue a live path can leave data unacknowledged for
+    longer than ``stall_s`` (one timeout, then the acknowledgement), a dead one keeps timing out.
+    """
 
     stall_s: float = 10.0
     late_s: float = 600.0
     min_bytes: int = 1
+    min_retransmits: int = 3
 
     def __post_init__(self) -> None:
         for name in ("stall_s", "late_s"):
@@ -82,6 +92,11 @@ class ProgressConfig:
             )
         if self.min_bytes < 1:
             raise ValueError("ProgressConfig.min_bytes: must be >= 1")
+        if not isinstance(self.min_retransmits, int) or self.min_retransmits < 0:
+            raise ValueError(
+                f"ProgressConfig.min_retransmits: must be an integer >= 0, "
+                f"got {self.min_retransmits!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,7 @@ class _Conn:
     flight_from: float | None  # first sample with data in flight since acked last advanced
     in_flight: bool
     queued: bool
+    retransmits: int | None = None
 
 
 class ProgressWatch:
@@ -143,6 +159,7 @@ class ProgressWatch:
                 # a connection appearing (or made again) is movement too
                 flight = at if s.in_flight else None
                 c = _Conn(s.remote, total, at, s.acked, flight, s.in_flight, s.queued)
+                c.retransmits = s.retransmits
                 self.last_moved = max(self.last_moved, at)
             else:
                 if total - c.base >= need:
@@ -156,8 +173,14 @@ class ProgressWatch:
                 elif c.flight_from is None:
                     c.flight_from = at
                 c.in_flight, c.queued = s.in_flight, s.queued
+                c.retransmits = s.retransmits
             seen[s.key] = c
         self._conns = seen
+
+    def in_flight(self) -> bool:
+        """Whether some connection had sent data awaiting acknowledgement at the last sample (a
+        live path in loss recovery on a slow link shows this for seconds without moving)."""
+        return any(c.in_flight for c in self._conns.values())
 
     def verdict(self, now: float | None = None, *, since: float | None = None) -> Verdict:
         """Classify at ``now`` (default: the last sample's time) the transfer that began at
@@ -166,8 +189,15 @@ class ProgressWatch:
         cfg = self.config
         t = self.at if now is None else max(now, self.at)
         begin = self.started if since is None else since
+        need = cfg.min_retransmits
         worst = self._worst(
-            lambda c: t - c.flight_from if c.in_flight and c.flight_from is not None else None,
+            lambda c: (
+                t - c.flight_from
+                if c.in_flight
+                and c.flight_from is not None
+                and (c.retransmits is None or c.retransmits >= need)
+                else None
+            ),
         )
         if worst is not None and worst[0] >= cfg.stall_s:
             for_s, remote = worst

@@ -46,7 +46,7 @@ import torch
 from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
-from isthmus.comm.group import CollectiveError, CommStats, Group
+from isthmus.comm.group import CollectiveError, CommStats, Group, transfer_info
 from isthmus.comm.mesh_agent import MeshAgent
 from isthmus.comm.peer_reach import PeerReach
 from isthmus.comm.probe import LinkProber
@@ -182,7 +182,9 @@ class Session(IslandDispatch):
         )
         self._stores: Rendezvous | None = None
         self._group: Group | None = None
-        self._graveyard = Graveyard()  # abandoned groups, held until torch is done with them
+        self._in_round: RoundPlan | None = None  # from a round's go to this peer's report
+        # Abandoned groups and connection attempts, held until torch is done with them.
+        self._graveyard = Graveyard()
         self._aborted_epochs: set[int] = set()
         self._push_lock = threading.Lock()
         self._fresh = True  # never began a round since (re)registering: send schema and hashes
@@ -214,13 +216,8 @@ class Session(IslandDispatch):
         self._stores = rendezvous(
             self._client, reply, self.peer_id, self.run_id, self.config.collective_timeout
         )
-        self._client.start_heartbeat(
-            self.peer_id,
-            reply.heartbeat_interval,
-            self._heartbeat_info,
-            self._on_push,
-            run_id=self.run_id,
-        )
+        hb = (reply.heartbeat_interval, self._heartbeat_info, self._on_push)
+        self._client.start_heartbeat(self.peer_id, *hb, run_id=self.run_id)
         log.info("%s registered as peer %d of run %s", self.name, self.peer_id, self.run_id)
 
     def _heartbeat_info(self) -> dict[str, Any]:
@@ -230,6 +227,7 @@ class Session(IslandDispatch):
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
             "parked_groups": len(self._graveyard),
+            "transfer": transfer_info(self._in_round, self._group),  # see the function
         }
         if probes := self.reach.take_outcomes():  # those the coordinator asked for
             info["probes"] = probes
@@ -340,7 +338,7 @@ class Session(IslandDispatch):
             plan = self._ask_for_round(deadline)
             if plan is None:
                 continue  # evicted and registered again
-            t0 = time.monotonic()
+            t0, self._in_round = time.monotonic(), plan
             try:
                 group = self._group_for(plan)
                 fault = functools.partial(self._probe_fault, plan.round)
@@ -392,7 +390,8 @@ class Session(IslandDispatch):
                 msg = dataclasses.replace(msg, hashes=self.state.hashes())
             elif not isinstance(d, msgs.Wait):
                 break
-            self.reach.waiting(d.reason)  # an "isolated: ..." wait is logged once
+            if self.reach.waiting(d.reason):  # isolated: it waits to be taken back, unbounded
+                deadline = max(deadline, time.monotonic() + self.config.round_timeout)
         match d:
             case msgs.Go(plan=plan) if plan is not None:
                 self._fresh = False
@@ -450,6 +449,7 @@ class Session(IslandDispatch):
         begins again by itself, so the strategy never saw the attempt) or ``"round"``.
         A failure names the members this peer could not reach (``cause``, the exception, or
         the text of ``error`` names them, or probes find them: :meth:`PeerReach.unreached`)."""
+        self._in_round = None
         with self._push_lock:
             aborted = ok or plan.epoch in self._aborted_epochs  # then nothing is probed
         why = cause or CollectiveError(error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,8 +100,10 @@ class SessionConfig:
     connect_timeout: float = 30.0
     """How long calls keep retrying while the coordinator cannot be reached."""
     collective_timeout: float = 60.0
-    """Bound on building a process group and on every collective; a silent peer is dropped
-    after at most this long (usually much sooner: the coordinator aborts the round)."""
+    """The connect bound: how long building an epoch's process group (every pair of members
+    connected) may take, and Gloo's timeout of the handshake there. It no longer bounds a
+    collective: a transfer may take as long as it needs while its bytes move (``stall_s`` and
+    ``late_s`` decide when one is stuck)."""
     round_timeout: float = 600.0
     """Bound on waiting for a round to form (e.g. fewer than ``min_peers`` alive) or finish."""
     checkpoint_dir: str | None = None
@@ -120,6 +123,20 @@ class SessionConfig:
     sent as TensorBoard event files under ``DIR/<name>/`` (one run per peer). Needs the
     ``tensorboard`` package (``pip install 'isthmus[tensorboard]'``): without it the first
     logged step raises ImportError saying so."""
+    stall_s: float = 10.0
+    """How long a connection of a collective or state transfer may hold data that its remote
+    does not acknowledge before the transfer counts as stuck: the path or the remote host is
+    gone. The attempt then fails naming the member at the other end
+    (:attr:`~isthmus.comm.group.CollectiveError.unreached`), and the round is retried. A slow
+    link whose bytes keep moving is never stuck, however long the transfer takes."""
+    late_s: float = 600.0
+    """How long a collective or state transfer may move no byte at all, on any of its
+    connections, while none is silent, before it counts as stuck: a member late to the
+    collective, one whose process takes no data, or this member waiting for one that does not
+    send. A stopped or dead member is evicted by heartbeat long before (the coordinator then
+    aborts the round). Also the backstop of Gloo's own per-operation timeout, and (plus the
+    bytes at 1 Mbit/s) the whole bound of a transfer whose connections cannot be watched
+    (NCCL). At least ``stall_s``."""
     probe_timeout: float = 3.0
     """How long one reachability probe (a TCP connect to another member's probe listener) may
     take: after a group fails to connect or a collective fails without naming a remote, the
@@ -151,9 +168,19 @@ class SessionConfig:
             raise ValueError("SessionConfig.token is empty: pass the run's token")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
-        for n in ("connect_timeout", "collective_timeout", "round_timeout", "probe_timeout"):
-            if getattr(self, n) <= 0:
-                raise ValueError(f"{n} must be positive, got {getattr(self, n)}")
+        for n in (
+            "connect_timeout",
+            "collective_timeout",
+            "round_timeout",
+            "stall_s",
+            "late_s",
+            "probe_timeout",
+        ):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"{n} must be a positive number of seconds, got {v!r}")
+        if self.late_s < self.stall_s:
+            raise ValueError(f"late_s ({self.late_s}) must be at least stall_s ({self.stall_s})")
         if not isinstance(self.connections, int) or not 1 <= self.connections <= 64:
             raise ValueError(f"connections must be an int from 1 to 64, got {self.connections!r}")
         if not isinstance(self.probe_links, bool):
@@ -201,8 +228,9 @@ class SessionConfig:
         TLS, ``ISTHMUS_HOSTNAME`` or ``ISTHMUS_INTERFACE`` for Gloo, and the run's
         ``ISTHMUS_CONNECTIONS`` (an integer: ``connections``) and ``ISTHMUS_PROBE_LINKS`` (``1``
         or ``0``: ``probe_links``), which ``isthmus run`` sets from ``--connections`` and
-        ``--probe-links`` so that every peer of the run agrees, and ``ISTHMUS_MESH`` (``1``:
-        ``mesh``). Keyword arguments win over the
+        ``--probe-links`` so that every peer of the run agrees, ``ISTHMUS_STALL_S`` and
+        ``ISTHMUS_LATE_S`` (seconds: ``stall_s``, ``late_s``, from ``--stall-s`` and
+        ``--late-s``) and ``ISTHMUS_MESH`` (``1``: ``mesh``). Keyword arguments win over the
         environment (which never overrides what the script says).
 
         Raises ValueError naming the missing variable when the script was not started by
@@ -230,6 +258,8 @@ class SessionConfig:
             ("connections", "ISTHMUS_CONNECTIONS", int),
             ("probe_links", "ISTHMUS_PROBE_LINKS", bool),
             ("mesh", "ISTHMUS_MESH", bool),
+            ("stall_s", "ISTHMUS_STALL_S", float),
+            ("late_s", "ISTHMUS_LATE_S", float),
         ):
             if env.get(var):
                 values[key] = coerce(env[var].strip(), hint, key=var)  # SpecError names var

@@ -162,7 +162,8 @@ def _read_checked(fd: int, inode: int) -> TcpInfo | None:
 
 def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
     """``info`` as a :class:`~isthmus.comm.progress.ConnSample`: data in flight when segments
-    await acknowledgement, queued when written bytes wait (the remote's window is closed)."""
+    await acknowledgement, queued when written bytes wait (the remote's window is closed), with
+    the current streak of retransmission timeouts."""
     return ConnSample(
         key=key,
         remote=remote,
@@ -170,6 +171,7 @@ def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
         received=info.bytes_received,
         in_flight=info.unacked > 0,
         queued=info.notsent > 0 or info.snd_wnd == 0,
+        retransmits=info.retransmits,
     )
 
 
@@ -222,6 +224,11 @@ class TcpWatch:
         default: when the watch was made)."""
         with self._lock:
             return self._watch.verdict(now=time.monotonic(), since=since)
+
+    def in_flight(self) -> bool:
+        """:meth:`ProgressWatch.in_flight` at the last sample."""
+        with self._lock:
+            return self._watch.in_flight()
 
     def stop(self) -> None:
         self._stop.set()

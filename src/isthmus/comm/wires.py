@@ -23,6 +23,11 @@ listener is never shut down (Gloo's accept loop does not expect it).
 Sockets are known by inode, not by descriptor number: :meth:`Wires.cut` looks up where each is
 open at that moment and checks the inode again on a private duplicate before shutting it down, so
 a descriptor Gloo closed meanwhile (and the kernel reused for another socket) is left alone.
+
+Each held socket also carries a label saying whom it leads to (:meth:`Wires.add`'s ``names``;
+by default the remote address): :meth:`Wires.snapshot` hands them to the progress watch of the
+group (:class:`~isthmus.comm.tcpstats.TcpWatch`), so that a connection that goes silent is
+reported with the member at its other end.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -212,6 +217,10 @@ class Wires:
         self.name = name
         self._lock = threading.Lock()
         self._held: set[int] = set()  # socket inodes
+        self._named: dict[int, str] = {}  # the held group connections -> whom each leads to
+        # asked lazily for the names of connections labelled by address (see add)
+        self._resolvers: list[Callable[[], Mapping[str, str]]] = []
+        self._resolved: dict[str, str] = {}
         self.cut_reason: str | None = None
         self.cut_count = 0
         self._hooks: list[Callable[[str], None]] = []
@@ -224,14 +233,60 @@ class Wires:
     def is_cut(self) -> bool:
         return self.cut_reason is not None
 
-    def add(self, sockets: Iterable[SocketInfo]) -> None:
-        """Hold ``sockets`` (connected ones; listeners are ignored) for a later :meth:`cut`."""
-        new = {s.inode for s in sockets if not s.listening}
+    def add(
+        self,
+        sockets: Iterable[SocketInfo],
+        names: Mapping[int, str] | None = None,
+        *,
+        resolve: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
+        """Hold ``sockets`` (connected ones; listeners are ignored) for a later :meth:`cut`.
+        ``names``, given for a group's connections (not for a store client's): whom each socket
+        leads to, by inode (e.g. ``rank 1 at 10.0.0.2:41234``); a socket missing from it is
+        labelled with its remote address. Only sockets added with ``names`` are watched
+        (:meth:`snapshot`). ``resolve``: asked by :meth:`name_of` for whom the address labels lead
+        to (``host:port`` -> name), only when one must be named."""
+        if resolve is not None:
+            with self._lock:
+                self._resolvers.append(resolve)
+        conns = [s for s in sockets if not s.listening]
+        new = {s.inode for s in conns}
+        named = (
+            {}
+            if names is None
+            else {s.inode: names.get(s.inode) or _label(s.remote) for s in conns}
+        )
         with self._lock:
             if self.cut_reason is None:
                 self._held |= new
+                self._named.update(named)
                 return
         self.cut_count += _cut(new)
+
+    def name_of(self, label: str) -> str:
+        """``label`` (one of :meth:`snapshot`'s), named after the member it leads to when a
+        ``resolve`` given to :meth:`add` knows it; else ``label`` itself. Never raises: a
+        resolver that fails (the store is gone) leaves the label as it is (logged)."""
+        with self._lock:
+            known = self._resolved.get(label)
+            resolvers = list(self._resolvers)
+        if known is not None or not resolvers:
+            return known or label
+        found: dict[str, str] = {}
+        for resolve in resolvers:
+            try:
+                found.update(resolve())
+            except Exception as e:  # the epoch's store may be gone: keep the address
+                log.debug("could not name the connection to %s: %s", label, e)
+        with self._lock:
+            self._resolved.update(found)
+        return found.get(label, label)
+
+    def snapshot(self) -> dict[int, str]:
+        """The group connections held now (added with ``names``): inode -> whom it leads to.
+        Empty once cut."""
+        with self._lock:
+            return dict(self._named)
 
     def on_cut(self, hook: Callable[[str], None]) -> None:
         """Call ``hook(reason)`` at the cut (at once if it was cut already): for connections
@@ -251,6 +306,8 @@ class Wires:
                 return 0
             self.cut_reason = reason
             held, self._held = self._held, set()
+            self._named = {}
+            self._resolvers = []
             hooks, self._hooks = self._hooks, []
         for hook in hooks:
             with contextlib.suppress(Exception):  # cut never raises
@@ -260,6 +317,10 @@ class Wires:
         if held:
             log.debug("cut %d of %d connections of %s: %s", n, len(held), self.name, reason)
         return n
+
+
+def _label(remote: Endpoint | None) -> str:
+    return "an unknown remote" if remote is None else f"{remote[0]}:{remote[1]}"
 
 
 def _cut(inodes: set[int]) -> int:

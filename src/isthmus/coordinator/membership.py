@@ -9,7 +9,10 @@ moves), :mod:`.parity` (the vote on the state), :mod:`.peers` (each peer, and th
 docs/PROTOCOL.md walks through the protocol; in short:
 
 * A peer **registers**, then keeps a heartbeat; one silent for ``heartbeat_timeout`` (or whose
-  heartbeat connection closed) is evicted.
+  heartbeat connection closed) is evicted. A member of the running round that has not reported
+  gets ``transfer_heartbeat_timeout`` instead (its heartbeats may queue behind that transfer's
+  data on a thin link), unless another member's heartbeat since the round formed says nothing
+  moves on its connections.
 * **begin**: the run's next round is always ``revision`` (committed rounds so far). It forms
   when every surviving member of the last epoch is ready (plus waiting joiners) and at least
   ``min_peers`` are: members ranked by name, a new epoch if membership changed or the last
@@ -18,7 +21,9 @@ docs/PROTOCOL.md walks through the protocol; in short:
   stale, peers send per-tensor hashes; the voters (in sync at the last commit) decide the
   canonical hashes by majority; a voter that differs is a *parity failure*, anyone who differs
   is repaired from an in-sync source before taking part.
-* **commit**: one failure, a report missing past ``commit_timeout`` or a member's death aborts
+* **commit**: one failure, a report missing past ``commit_timeout`` (counted from the later
+  of the round's start and the member's last heartbeat that said its transfer moved), or a
+  member's death aborts
   the round for everyone; only when every member succeeded does ``revision`` advance. After an
   abort the next round opens a new epoch (fresh process groups). **leave** aborts nothing.
   A round that aborts ``abort_limit`` times in a row for the same cause stops: every begin is
@@ -96,9 +101,32 @@ class Membership(RunState):
             return False
         p.last_seen = now
         if info:
+            t = info.get("transfer")
+            t = t if isinstance(t, dict) else {}
+            p.moving = t.get("moving") is True
+            p.transfer_round = (t.get("epoch"), t.get("round")) if t else None
+            if p.moving:
+                p.progress_at = now
             p.info.update(info)
         if probes and isolation.probed(self, p, probes, now):
             self.try_form(now)
+        return True
+
+    def _in_transfer(self, pid: int) -> bool:
+        """Whether ``pid`` may be inside its round's transfer, so that its heartbeats may queue
+        behind the data: a member of the running round that has not reported, unless another
+        such member's last heartbeat says, for this round, that nothing moves on its connections (a
+        stopped member takes no data, so its partners soon see that; the heartbeats of members
+        whose link is full may not arrive at all, which says nothing)."""
+        r = self.phase.round
+        if r is None or pid not in r.plan.members or pid in r.reports:
+            return False
+        for m in r.plan.members:  # a partner that reported is done with the transfer: no evidence
+            q = self.roster.active(m)
+            if m == pid or q is None or m in r.reports:
+                continue
+            if q.transfer_round == (r.plan.epoch, r.plan.round) and not q.moving:
+                return False
         return True
 
     def remove(
@@ -121,16 +149,24 @@ class Membership(RunState):
         """Apply every timeout: dead peers, members that never begin or never commit."""
         cfg = self.config
         for p in list(self.peers.values()):
-            if p.state is PeerState.ACTIVE and now - p.last_seen > cfg.heartbeat_timeout:
+            if p.state is PeerState.ACTIVE and now - p.last_seen > cfg.silence_bound(
+                self._in_transfer(p.id)
+            ):
                 self.drop(p.id, now, f"no heartbeat for {now - p.last_seen:.1f}s")
         r = self.phase.round
         if r is not None and now - r.started_at > cfg.commit_timeout:
             for pid in self.roster.alive(r.plan.members):
-                if pid not in r.reports:
+                if pid in r.reports:
+                    continue
+                # counted from the member's last progress: a transfer that moves is not late
+                p = self.peers[pid]
+                since = max(r.started_at, p.progress_at or r.started_at)
+                if now - since > cfg.commit_timeout:
                     self.drop(
                         pid,
                         now,
-                        f"did not report round {r.plan.round} within {cfg.commit_timeout:.0f}s",
+                        f"did not report round {r.plan.round} within {cfg.commit_timeout:.0f}s "
+                        "of its last progress",
                     )
         isolation.ask_probes(self, now)
         forming.try_form(self, now, quick=True)

@@ -26,6 +26,12 @@ class MembershipConfig:
     """How long the first round waits for ``start_peers`` before starting with whoever is there."""
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is evicted (a stopped or partitioned process)."""
+    transfer_heartbeat_timeout: float = 10.0
+    """The same bound for a member of the running round that has not reported it, unless
+    another member's heartbeat since the round formed says nothing moves on its connections:
+    its heartbeats share the link with the round's data and may queue behind it on a thin link
+    (none may arrive until long after the transfer began), while a stopped member's partners
+    soon see nothing move. Never shorter than ``heartbeat_timeout``."""
     quiet_after: float | None = None
     """A member of the last epoch that has not begun the next round and has been silent (no
     heartbeat, no request) this long is not waited for: the round forms without it. It is not
@@ -54,7 +60,13 @@ class MembershipConfig:
             raise ValueError(
                 f"start_peers ({self.start_peers}) must be >= min_peers ({self.min_peers})"
             )
-        for name in ("start_timeout", "heartbeat_timeout", "begin_timeout", "commit_timeout"):
+        for name in (
+            "start_timeout",
+            "heartbeat_timeout",
+            "transfer_heartbeat_timeout",
+            "begin_timeout",
+            "commit_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.quiet_after is not None and self.quiet_after <= 0:
@@ -63,6 +75,13 @@ class MembershipConfig:
             raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
         if not isinstance(self.abort_limit, int) or self.abort_limit < 2:
             raise ValueError(f"abort_limit must be an integer >= 2, got {self.abort_limit!r}")
+
+    def silence_bound(self, moving: bool) -> float:
+        """How long a peer may go without a heartbeat: ``heartbeat_timeout``, or while its
+        transfer moves (``moving``) the longer ``transfer_heartbeat_timeout``."""
+        if moving:
+            return max(self.heartbeat_timeout, self.transfer_heartbeat_timeout)
+        return self.heartbeat_timeout
 
     @property
     def quiet_after_s(self) -> float:
@@ -98,6 +117,12 @@ class Peer:
     info: dict[str, Any] = field(default_factory=dict)
     # why it sits out (it cannot reach a member, or one cannot reach it); None: it does not
     isolated: str | None = None
+    # its last heartbeat said it was in a round with its transfer moving (or about to start)
+    moving: bool = False
+    # the (epoch, round) its last heartbeat's ``moving`` was about; None: it was in no round
+    transfer_round: tuple[Any, Any] | None = None
+    # when a heartbeat last said so: the commit bound counts from there
+    progress_at: float | None = None
 
     @property
     def probe_address(self) -> str | None:

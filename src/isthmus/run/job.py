@@ -234,6 +234,8 @@ def run_job(job: PeerJob) -> PeerResult:
             collective_timeout=t.collective_timeout,
             connect_timeout=t.connect_timeout,
             round_timeout=t.round_timeout,
+            stall_s=t.stall_s,
+            late_s=t.late_s,
             connections=run.strategy.connections,
             probe_links=run.strategy.probe_links,
             mesh=run.strategy.mesh,

@@ -206,8 +206,8 @@ def lab_script(
     """The program a lab run's peers run when it is a user's script: ``job`` (a
     :class:`~isthmus.lab.jobspec.JobSpec` or a ready :class:`~isthmus.run.programs.Script`), else
     the scenario's ``[job]``; None: the built-in job. The script's environment gets the run's
-    ``ISTHMUS_CONNECTIONS`` and ``ISTHMUS_PROBE_LINKS`` (what its own ``SessionConfig`` says
-    wins). Raises :class:`~isthmus.spec.SpecError` naming the scenario's key for what a script
+    ``ISTHMUS_CONNECTIONS``, ``ISTHMUS_PROBE_LINKS``, ``ISTHMUS_MESH``, ``ISTHMUS_STALL_S`` and
+    ``ISTHMUS_LATE_S`` (what its own ``SessionConfig`` says wins). Raises :class:`~isthmus.spec.SpecError` naming the scenario's key for what a script
     cannot take (``[[fault]]``, ``[[byzantine]]``, ``[checkpoint]``) and FileNotFoundError for a
     script that does not exist."""
     if isinstance(job, Script):
@@ -222,6 +222,9 @@ def lab_script(
     program.settings = {
         "ISTHMUS_CONNECTIONS": str(s.connections),
         "ISTHMUS_PROBE_LINKS": "1" if s.probe_links else "0",
+        "ISTHMUS_MESH": "1" if s.mesh else "0",
+        "ISTHMUS_STALL_S": repr(float(run.timeouts.stall_s)),
+        "ISTHMUS_LATE_S": repr(float(run.timeouts.late_s)),
         **program.settings,
     }
     return program

@@ -18,16 +18,18 @@ three commands plugs in, and one driver per command puts it together
   link counters.
 
 A crashed peer (non-zero exit the launcher did not cause) is started again as a joiner, up to
-``max_restarts`` times per slot (torchrun's elastic agent does the same). Every wait is bounded:
-the whole run by ``timeouts.run_timeout``, each teardown step by a few seconds. On Ctrl-C,
-a timeout or an error every child gets SIGCONT and SIGTERM, then SIGKILL after a short grace
-period, and the embedded coordinator stops; the exception (KeyboardInterrupt) then propagates.
+``max_restarts`` times per slot (torchrun's elastic agent does the same). The whole run is
+bounded by ``timeouts.run_timeout`` when it is set (none: the run lasts as long as its peers do),
+each teardown step by a few seconds. On Ctrl-C, a timeout or an error every child gets SIGCONT
+and SIGTERM, then SIGKILL after a short grace period, and the embedded coordinator stops; the
+exception (KeyboardInterrupt) then propagates.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import signal
@@ -69,6 +71,10 @@ log = logging.getLogger("isthmus.launch")
 
 TERM_GRACE_S = 3.0
 """How long children get to exit after SIGTERM before SIGKILL."""
+
+COMMIT_BOUND_S = 86400.0
+"""The embedded coordinator's bound on a member that keeps heartbeating but never reports its
+round: a day, longer than any sync it must let finish."""
 
 
 # ---------------------------------------------------------------------------- processes
@@ -326,7 +332,8 @@ class Launcher:
                 h.start(self)
             for i in self.starting:
                 self.spawn(i, 0)
-            timed_out = self._watch(started + self.timeouts.run_timeout)
+            limit = self.timeouts.run_timeout
+            timed_out = self._watch(math.inf if limit is None else started + limit)
             for h in self.hooks:
                 h.stop(self)
         finally:
@@ -358,7 +365,13 @@ class Launcher:
                         start_peers=max(1, len(self.starting)),
                         start_timeout=t.start_timeout,
                         heartbeat_timeout=t.heartbeat_timeout,
-                        commit_timeout=max(60.0, 4 * t.collective_timeout),
+                        # a member whose transfer moves may be quiet as long as a link may
+                        # (its heartbeats queue behind that transfer's data)
+                        transfer_heartbeat_timeout=max(t.heartbeat_timeout, t.stall_s),
+                        # A transfer runs as long as its bytes move, and each member gives up
+                        # a stuck one itself (stall_s, late_s): the coordinator's bound is
+                        # only for a member that heartbeats yet never reports.
+                        commit_timeout=COMMIT_BOUND_S,
                     ),
                     heartbeat_interval=min(0.5, t.heartbeat_timeout / 3),
                     checkpoint_dir=self.checkpoint_dir,
@@ -454,7 +467,8 @@ class Launcher:
                     break
                 if time.monotonic() > deadline:
                     self._say(
-                        f"[red]run timed out after {self.timeouts.run_timeout:.0f}s; stopping peers"
+                        f"[red]run timed out after {self.timeouts.run_timeout or 0:.0f}s; "
+                        "stopping peers"
                     )
                     return True
                 st = self._poll_status()

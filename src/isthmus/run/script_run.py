@@ -27,15 +27,36 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from isthmus.run.config import TimeoutConfig
+from isthmus.run.config import RunConfig, TimeoutConfig, from_flat
 from isthmus.run.launch import Hook, Launcher, Outcome, PeerLaunch, Script, Spawner
 from isthmus.run.record import RunDir, Summary
 from isthmus.run.summarize import collect_metrics, summarize
 
-__all__ = ["DeviceScript", "StepRecords", "launch_script", "run_script", "visible_devices"]
+__all__ = [
+    "DeviceScript",
+    "StepRecords",
+    "launch_script",
+    "run_script",
+    "script_config",
+    "visible_devices",
+]
+
+_RUN_TIMEOUT_KEYS = ("timeout", "run_timeout", "timeouts.run_timeout")
+
+
+def script_config(overrides: Mapping[str, Any]) -> RunConfig:
+    """``isthmus run``'s settings from the flags given (flat names or dotted paths, as
+    :func:`~isthmus.run.flags.overrides_from` gives them): a run lasts as long as its peers do,
+    so there is no wall-clock bound (``timeouts.run_timeout`` None) unless ``--timeout`` (or
+    ``timeouts.run_timeout``) is among them. Raises :class:`~isthmus.spec.SpecError` naming a bad
+    value."""
+    if not any(k in _RUN_TIMEOUT_KEYS for k in overrides):
+        overrides = {**overrides, "timeout": None}
+    return from_flat(**overrides)
 
 
 def visible_devices() -> list[str]:
@@ -174,9 +195,11 @@ def run_script(
     """Run ``script`` on ``peers`` local processes until they all exit; returns the summary
     (also in ``summary.json``) and the run directory.
 
-    ``connections``, ``probe_links`` and ``mesh`` (``--connections``, ``--probe-links``,
-    ``--mesh``) reach every peer as ``ISTHMUS_CONNECTIONS``, ``ISTHMUS_PROBE_LINKS`` and
-    ``ISTHMUS_MESH``, which
+    ``timeouts``: the run's bounds; without, those of :func:`script_config` with no flags (no
+    wall-clock bound). ``connections``, ``probe_links`` and ``mesh`` (``--connections``,
+    ``--probe-links``, ``--mesh``) reach every peer as ``ISTHMUS_CONNECTIONS``,
+    ``ISTHMUS_PROBE_LINKS`` and ``ISTHMUS_MESH``, and ``timeouts``' ``stall_s`` and ``late_s`` as
+    ``ISTHMUS_STALL_S`` and ``ISTHMUS_LATE_S``, which
     :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins). With
     ``tee`` (``isthmus run`` without ``--quiet``) every line the peers write is also printed
     here, prefixed with its peer (:mod:`isthmus.run.tee`); the logs in the run directory hold it
@@ -188,16 +211,18 @@ def run_script(
     """
     if peers < 1:
         raise ValueError(f"--peers must be at least 1, got {peers}")
+    timeouts = timeouts or script_config({}).timeouts
     settings = {
         "ISTHMUS_CONNECTIONS": str(connections),
         "ISTHMUS_PROBE_LINKS": "1" if probe_links else "0",
         "ISTHMUS_MESH": "1" if mesh else "0",  # SessionConfig.mesh
+        "ISTHMUS_STALL_S": repr(float(timeouts.stall_s)),
+        "ISTHMUS_LATE_S": repr(float(timeouts.late_s)),
     }
     program = DeviceScript(
         script, args, visible_devices(), settings=settings, nproc_per_peer=nproc_per_peer
     )
     rd = RunDir.create(run_dir, Path(script).stem)
-    timeouts = timeouts or TimeoutConfig()
     rd.write_json(
         "config.json",
         {

@@ -241,7 +241,9 @@ class FaultConfig:
 
 @dataclass(kw_only=True)
 class TimeoutConfig(Checked):
-    """``[timeouts]``: every wait of the run is bounded by one of these (seconds)."""
+    """``[timeouts]``: the bounds of the run's waits (seconds). Transfers are bounded by their
+    progress (``stall_s``, ``late_s``), not by their length; the whole run by ``run_timeout``
+    when it is set."""
 
     SECTION = "timeouts"
 
@@ -249,7 +251,10 @@ class TimeoutConfig(Checked):
         3.0, gt=0, help="The coordinator evicts a peer whose heartbeat is older than this."
     )
     collective_timeout: float = setting(
-        30.0, gt=0, help="Bound on building a process group and on every collective."
+        30.0,
+        gt=0,
+        help="""The connect bound: how long building an epoch's process group may take. A
+        collective is not bounded by it: it runs while its bytes move (stall_s, late_s).""",
     )
     connect_timeout: float = setting(
         30.0, gt=0, help="How long a peer keeps retrying an unreachable coordinator."
@@ -260,12 +265,35 @@ class TimeoutConfig(Checked):
     start_timeout: float = setting(
         120.0, gt=0, help="How long the first round waits for every starting peer."
     )
-    run_timeout: float = setting(
+    run_timeout: float | None = setting(
         1800.0,
         gt=0,
         flat="timeout",
-        help="Bound on the whole run; peers still running after it are stopped.",
+        help="""Bound on the whole run; peers still running after it are stopped (none: no
+        bound). `isthmus run` has none unless --timeout is given.""",
     )
+    stall_s: float = setting(
+        10.0,
+        gt=0,
+        help="""A collective or state transfer whose connection holds data the remote has not
+        acknowledged for this long is stuck (the path or the remote host is gone): the attempt
+        fails naming that member. A slow transfer whose bytes move is never stuck.""",
+    )
+    late_s: float = setting(
+        600.0,
+        gt=0,
+        help="""A collective or state transfer that moves no byte at all for this long is stuck
+        (a member late to it, or one that takes no data); dead or stopped peers are evicted by
+        heartbeat long before. At least stall_s.""",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.late_s < self.stall_s:
+            raise SpecError(
+                f"must be at least stall_s ({self.stall_s}), got {self.late_s}",
+                key="timeouts.late_s",
+            )
 
 
 @dataclass(kw_only=True)

@@ -56,7 +56,25 @@ from isthmus.strategies.model_state import (
 )
 from isthmus.strategies.sharded import local_view, register_shard
 
-__all__ = ["Strategy", "materialize_optimizer_state", "outer_sgd", "register_optimizer"]
+__all__ = [
+    "Strategy",
+    "final_checkpoint_wait_s",
+    "materialize_optimizer_state",
+    "outer_sgd",
+    "register_optimizer",
+]
+
+#: The slowest checkpoint store the final wait allows for (bytes per second): a network
+#: filesystem or an object store far away.
+CHECKPOINT_MIN_RATE = 10_000_000
+
+
+def final_checkpoint_wait_s(nbytes: int, floor_s: float) -> float:
+    """How long :meth:`Strategy.finish` waits for the last checkpoint, whose part here is at
+    most ``nbytes``: ``max(60, floor_s)`` plus those bytes at :data:`CHECKPOINT_MIN_RATE`, so
+    that the bound grows with the model (a 40 GB state allows 4000 s more)."""
+    return max(60.0, floor_s) + nbytes / CHECKPOINT_MIN_RATE
+
 
 log = logging.getLogger("isthmus.strategy")
 S = TypeVar("S", bound="Strategy")
@@ -367,11 +385,15 @@ class Strategy(ABC):
 
     def finish(self) -> None:
         """Call once after the last step: the strategy's final round (the DiLoCo family syncs
-        what is left, gossip merges), then the run's last checkpoint, waited for (bounded)."""
+        what is left, gossip merges), then the run's last checkpoint, waited for (bounded by
+        :func:`final_checkpoint_wait_s` of the shared state's size; when a write still runs then,
+        this returns anyway and the checkpoint before it stays the last complete one)."""
         self._finish()
         if self.checkpointer is not None and self.session is not None:
             self.checkpointer.maybe_save(force=True)
-            self.checkpointer.wait(max(60.0, self.session.config.collective_timeout))
+            s = self.session
+            nbytes = sum(t.numel() * t.element_size() for _, t in s.state.items())
+            self.checkpointer.wait(final_checkpoint_wait_s(nbytes, s.config.collective_timeout))
 
     @abstractmethod
     def _step(self, *args: Any, **kwargs: Any) -> None:

@@ -32,8 +32,8 @@ What happens on failure (the guarantee every overlapped strategy documents):
 
 Timeouts: a round stays open while the inner steps between issue and settle run (tau steps for
 Streaming DiLoCo, H for eager DiLoCo and CO2), so the coordinator's ``commit_timeout`` must exceed
-that much compute, or members are evicted as silent. The reduction itself is still bounded by
-the session's ``collective_timeout``, counted from issue.
+that much compute, or members are evicted as silent. The reduction itself runs as long as its
+bytes move (the session's ``stall_s`` and ``late_s``, :mod:`isthmus.comm.handle`).
 
 With ``session=None`` nothing leaves the process: the "reduction" of one peer is its own update,
 and it is applied at the same point of the schedule as with a session (so one-peer results do not

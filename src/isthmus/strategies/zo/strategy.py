@@ -491,8 +491,8 @@ class _Replayer:
     missed from the source's :class:`~isthmus.strategies.zo.replay.RoundLog` (the choice and the
     exchange are described in :mod:`isthmus.strategies.zo.replay` and :mod:`isthmus.comm.transfer`).
     The replay runs on copies of the parameters (one extra copy of the model while catching
-    up); its time counts against the source's ``collective_timeout``, which waits for the
-    destination's verdict."""
+    up); the source waits for the destination's verdict while it replays (a point-to-point wait:
+    the session's ``late_s`` plus the message's bytes at 1 Mbit/s)."""
 
     _WISH: ClassVar[dict[str, int]] = {"transfer": 0, "replay": 1, "auto": 2}
 
