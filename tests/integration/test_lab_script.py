@@ -23,7 +23,7 @@ from isthmus.run.report import compare_runs
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 SCENARIO = """
-description = "a user's script on two shaped links; peer 1 killed, then back as a joiner"
+description = "a user's script on two shaped links; peer 0 fails a collective, peer 1 is killed, then back as a joiner"
 [run]
 name = "userscript"
 steps = 50
@@ -33,6 +33,9 @@ rate = "20mbit"
 [job]
 script = "user_train.py"
 args = ["--steps", "50", "--delay", "0.3"]
+[[fault]]
+peer = 0
+spec = "fail@collective:round=3"
 [[churn]]
 action = "kill"
 peer = 1
@@ -85,6 +88,10 @@ def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(
     # parity: every finished peer reported the same digest when it left
     assert s.parity_failures == 0 and s.peers_final >= 1 and s.final_digest
     assert s.rounds_committed >= 50 // 5 - 1
+    # the [[fault]] entry reached the script's session, which failed its round-3 collective:
+    # the round aborted, and the run went on
+    assert s.rounds_aborted >= 1
+    assert "injected failure at collective" in (run_dir / "events.jsonl").read_text()
 
     # the same run directory as the built-in job's: records from what the script reported,
     # link counters, the summary, the report with its lab section, and a comparison

@@ -1,6 +1,7 @@
 """A scenario that runs the user's own script: ``[job]`` and ``--script`` parsed and checked, what a
 script cannot take refused by key, the churn a lab run applies (``[[fault]]`` entries reach the
-built-in job; a script's step-clock kills are applied from outside), and the command line's
+built-in job and a script's session; a script's step-clock kills are applied from outside), and
+the command line's
 ``--script F -- ARGS``."""
 
 from __future__ import annotations
@@ -87,9 +88,7 @@ def test_a_bad_job_section_names_the_file_and_the_key(
 @pytest.mark.parametrize(
     ("body", "key", "words"),
     [
-        ('[[fault]]\npeer = 1\nspec = "fail@collective:round=3"\n', "fault", "'fail' faults"),
         ('[[fault]]\npeer = 0\nspec = "slow:3@5-20"\n', "fault", "'slow' faults"),
-        ('[[fault]]\npeer = 1\nspec = "corrupt@commit:round=2"\n', "fault", "'corrupt' faults"),
         ('[[byzantine]]\npeer = 1\nattack = "sign_flip"\n', "byzantine[0]", "byzantine attacks"),
         ("[checkpoint]\nevery = 2\n", "checkpoint", "saves its own"),
     ],
@@ -154,8 +153,13 @@ def test_scenario_faults_reach_the_builtin_job_and_a_scripts_kills_come_from_out
     assert script.plan.due(run_step=5, elapsed=1.0) == []
     (due,) = script.plan.due(run_step=6, elapsed=1.0)
     assert (due.action, due.slot, due.how) == ("kill", 1, "at step 6")
-    with pytest.raises(ValueError, match="fires them on itself"):
-        lab_churn(sc, run, script=True)
+    # a script's [[fault]] entries (other than slow) reach its first process, for its session
+    fail = '[[fault]]\npeer = 1\nspec = "fail@collective:round=3"\n'
+    sc3 = parse_scenario(NET + '[strategy]\nname = "ddp"\n' + KILL + fail, source="t.toml")
+    sc3 = sc3.with_job(script_spec(_scenario_dir(tmp_path, "").parent / "train.py"))
+    script = lab_churn(sc3, lab_config(sc3), script=True)
+    assert script.faults(1, 0) == ["fail@collective:round=3"] and script.faults(1, 10) == []
+    assert script.faults(0, 0) == []
 
 
 def test_a_plan_applied_from_outside_reports_unreached_step_kills_as_never_due() -> None:

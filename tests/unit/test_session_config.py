@@ -46,3 +46,19 @@ def test_from_env_reads_the_runs_connections_and_probe_setting(monkeypatch):
         ValueError, match=r"ISTHMUS_PROBE_LINKS: must be true or false \(or 1/0\), got 'maybe'"
     ):
         SessionConfig.from_env()
+
+
+def test_faults_come_from_the_environment_and_are_checked_by_spec(monkeypatch):
+    monkeypatch.setenv("ISTHMUS_COORDINATOR", "127.0.0.1:9")
+    monkeypatch.setenv("ISTHMUS_TOKEN", "t")
+    monkeypatch.delenv("ISTHMUS_FAULTS", raising=False)
+    assert SessionConfig.from_env().faults == ()
+    monkeypatch.setenv("ISTHMUS_FAULTS", "fail@collective:round=3; kill@step:step=40")
+    assert SessionConfig.from_env().faults == ("fail@collective:round=3", "kill@step:step=40")
+    # the script's own choice wins, and a list becomes a tuple
+    assert SessionConfig.from_env(faults=["stop@commit:round=2"]).faults == ("stop@commit:round=2",)
+    monkeypatch.setenv("ISTHMUS_FAULTS", "explode@step:step=3")
+    with pytest.raises(ValueError, match="explode"):
+        SessionConfig.from_env()
+    with pytest.raises(ValueError, match="one string"):
+        SessionConfig(coordinator="h:1", token="t", faults="fail@step:step=1")  # type: ignore[arg-type]

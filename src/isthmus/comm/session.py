@@ -45,7 +45,7 @@ import torch
 
 from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
-from isthmus.comm.faults import FaultInjector
+from isthmus.comm.faults import Fault, FaultInjector
 from isthmus.comm.group import CollectiveError, CommStats, Group, transfer_info
 from isthmus.comm.mesh_agent import MeshAgent
 from isthmus.comm.peer_reach import PeerReach
@@ -148,7 +148,7 @@ class Session(IslandDispatch):
 
     def __init__(self, config: SessionConfig, *, faults: FaultInjector | None = None) -> None:
         self.config = config
-        self.faults = faults or FaultInjector()
+        self.faults = faults or FaultInjector([Fault.parse(f) for f in config.faults])
         self.name = config.name or _default_name()
         self.state = SharedState()
         self.stats = CommStats()

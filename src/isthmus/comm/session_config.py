@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from isthmus.comm.faults import Fault
 from isthmus.coordinator.client import CoordinatorError
 from isthmus.coordinator.tls import normalize_fingerprint
 from isthmus.spec import coerce
@@ -162,6 +163,11 @@ class SessionConfig:
     """Offer to forward between members behind NAT (a reachable peer only)."""
     mesh_handshake_timeout: float = 10.0
     """How long joining the mesh waits for a first WireGuard handshake with a reachable member."""
+    faults: tuple[str, ...] = ()
+    """Faults this peer injects into itself (:mod:`isthmus.comm.faults` specs such as
+    ``fail@collective:round=3`` or ``kill@step:step=40``) when the Session is given no injector
+    of its own: the lab hands a user's script its peer's ``[[fault]]`` entries this way
+    (``ISTHMUS_FAULTS``). For testing a run's recovery; empty in a real run."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -179,6 +185,13 @@ class SessionConfig:
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                 raise ValueError(f"{n} must be a positive number of seconds, got {v!r}")
+        if isinstance(self.faults, str):
+            raise ValueError(
+                f"faults must be a sequence of fault specs, got one string {self.faults!r}"
+            )
+        self.faults = tuple(self.faults)
+        for spec in self.faults:
+            Fault.parse(spec)  # a SpecError naming the spec and what is wrong with it
         if self.late_s < self.stall_s:
             raise ValueError(f"late_s ({self.late_s}) must be at least stall_s ({self.stall_s})")
         if not isinstance(self.connections, int) or not 1 <= self.connections <= 64:
@@ -230,7 +243,9 @@ class SessionConfig:
         or ``0``: ``probe_links``), which ``isthmus run`` sets from ``--connections`` and
         ``--probe-links`` so that every peer of the run agrees, ``ISTHMUS_STALL_S`` and
         ``ISTHMUS_LATE_S`` (seconds: ``stall_s``, ``late_s``, from ``--stall-s`` and
-        ``--late-s``) and ``ISTHMUS_MESH`` (``1``: ``mesh``). Keyword arguments win over the
+        ``--late-s``), ``ISTHMUS_MESH`` (``1``: ``mesh``) and ``ISTHMUS_FAULTS`` (fault specs
+        separated by ``;``: ``faults``, what the lab gives a script from its scenario's
+        ``[[fault]]`` entries). Keyword arguments win over the
         environment (which never overrides what the script says).
 
         Raises ValueError naming the missing variable when the script was not started by
@@ -263,6 +278,10 @@ class SessionConfig:
         ):
             if env.get(var):
                 values[key] = coerce(env[var].strip(), hint, key=var)  # SpecError names var
+        if env.get("ISTHMUS_FAULTS", "").strip():
+            values["faults"] = tuple(
+                f.strip() for f in env["ISTHMUS_FAULTS"].split(";") if f.strip()
+            )
         values.update(overrides)
         for key, var in (("coordinator", "ISTHMUS_COORDINATOR"), ("token", "ISTHMUS_TOKEN")):
             if not values.get(key):

@@ -11,10 +11,13 @@ and ``isthmus lab run scenario.toml --script train.py -- ARGS`` names one on the
 starts: it finds the run with :meth:`isthmus.SessionConfig.from_env` and brings its own model,
 data and strategy, so the scenario's ``[strategy]`` is optional for it.
 
-What a script cannot take is refused before anything starts (:func:`check_script_scenario`):
-``[[fault]]`` entries and ``[[byzantine]]`` attacks fire *inside* the built-in job (its own
-fault injector and update path), which a script does not run, and ``[checkpoint]`` configures
-the built-in job's saves (a script passes ``checkpoint_dir`` to its own ``SessionConfig``).
+``[[fault]]`` entries reach a script's session (``ISTHMUS_FAULTS``, read by
+:meth:`isthmus.SessionConfig.from_env`), which fires them at its own points (a step, a round's
+collective, its commit, a checkpoint). What a script cannot take is refused before anything
+starts (:func:`check_script_scenario`): a ``slow`` fault paces the built-in job's training loop,
+which a script does not run; ``[[byzantine]]`` attacks act on the built-in job's update path;
+and ``[checkpoint]`` configures the built-in job's saves (a script passes ``checkpoint_dir`` to
+its own ``SessionConfig``).
 Churn (``[[churn]]``, ``[random_churn]``) works on a script: the launcher applies it from
 outside, a kill or stop at a step once a peer reported that step (``session.report(step=...)``).
 """
@@ -97,14 +100,14 @@ def check_script_scenario(
 
     for peer, specs in peer_faults.items():
         for spec in specs:
-            kind = Fault.parse(spec).action
-            raise SpecError(
-                f"a user script cannot take {kind!r} faults (peer {peer}: {spec}): the built-in "
-                "job fires them on itself; for a kill or a stop use [[churn]] (at_step or "
-                "at_seconds), which the launcher applies to any script",
-                key="fault",
-                source=source,
-            )
+            if Fault.parse(spec).action == "slow":
+                raise SpecError(
+                    f"a user script cannot take 'slow' faults (peer {peer}: {spec}): they pace "
+                    "the built-in job's training loop; kill, stop, fail and corrupt faults reach "
+                    "a script's session",
+                    key="fault",
+                    source=source,
+                )
     for j, b in enumerate(byzantine):
         raise SpecError(
             f"a user script cannot take byzantine attacks ({b.attack!r}): the built-in job "

@@ -47,8 +47,9 @@ def plan_from_config(run: RunConfig) -> tuple[list[Planned], int]:
 class ChurnHook(Hook):
     """Applies ``events`` through the launcher and hands every new incarnation its faults
     (``static_faults`` per slot go to a slot's first incarnation only). With ``self_fired``
-    False no fault is handed out: step-clock kills and stops are applied when due, like the
-    rest, and ``static_faults`` must be empty (raises ValueError)."""
+    False (a user's script) the churn's step-clock kills and stops are applied from outside
+    when due, like the rest, and only ``static_faults`` are handed out (a script's session
+    fires them: ``SessionConfig.faults``)."""
 
     def __init__(
         self,
@@ -58,8 +59,6 @@ class ChurnHook(Hook):
         log_path: Any = None,
         self_fired: bool = True,
     ) -> None:
-        if not self_fired and any(static_faults.values() if static_faults else ()):
-            raise ValueError("faults need a peer that fires them on itself (the built-in job)")
         self.plan = ChurnPlan(list(events), self_fired=self_fired)
         self.static = {k: list(v) for k, v in (static_faults or {}).items()}
         self.applied: list[dict[str, Any]] = []

@@ -189,9 +189,9 @@ def lab_churn(
     scenario: Scenario, run: RunConfig, *, log_path: Any = None, script: bool = False
 ) -> ChurnHook:
     """The churn hook of a lab run: the scenario's ``[[churn]]`` and ``[random_churn]`` events,
-    and its ``[[fault]]`` entries handed to each slot's first process. For a ``script`` nothing
-    is fired by the peer itself (step-clock kills and stops are applied when due); raises
-    ValueError if the run has faults then (:func:`lab_script` refuses them earlier, by key)."""
+    and its ``[[fault]]`` entries handed to each slot's first process (a script's session reads
+    them from ``ISTHMUS_FAULTS``). For a ``script`` the churn's step-clock kills and stops are
+    applied from outside when due rather than fired by the peer itself."""
     return ChurnHook(
         _events(scenario, run.timeouts.run_timeout),
         static_faults=run.faults.peer_faults,

@@ -132,6 +132,8 @@ class Script(Program):
             "ISTHMUS_RUN_DIR": str(peer.run_dir),
             **self.settings,
         }
+        if peer.faults:  # the lab's [[fault]] entries for this peer: SessionConfig.faults
+            env["ISTHMUS_FAULTS"] = ";".join(peer.faults)
         if peer.hostname:
             env["ISTHMUS_HOSTNAME"] = peer.hostname
         if peer.coordinator_fingerprint:
