@@ -1,8 +1,8 @@
 """Suite-wide test settings and the fixtures tests/unit and tests/integration share.
 
 Tests marked ``@pytest.mark.slow`` are skipped (with a visible reason in the summary) unless
-``ISTHMUS_SLOW=1`` is set, which ``make test-slow`` does. ``make test`` stays well under its
-10-minute budget on 2 cores.
+``ISTHMUS_SLOW=1`` is set, which ``make test-slow`` does. ``make test`` stays under its
+10-minute budget on 2 cores with several pytest-xdist workers (the Makefile's ``TEST_WORKERS``).
 
 Shared helpers that are not fixtures live in the ``support`` package beside this file.
 """
@@ -19,6 +19,10 @@ from isthmus.data import Corpus
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # tests/integration first, tests/unit last: under `make test`'s workers (pytest-xdist hands
+    # tests out in this order) the thousand quick one-process tests then fill the gaps the long
+    # multi-process runs leave at the end, instead of those runs finishing alone
+    items.sort(key=lambda item: "tests/unit/" in item.nodeid)
     if os.environ.get("ISTHMUS_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow test: run `make test-slow` (ISTHMUS_SLOW=1) to include it")
