@@ -11,7 +11,8 @@ TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 # Test workers (pytest-xdist) for make test and test-integration. Most multi-process tests wait
 # on sockets, heartbeats and timeouts rather than compute (a serial run keeps 2 cores about 40%
-# busy), so 4 workers on 2 cores finish in about half the time. TEST_WORKERS=0 runs in one
+# busy), so 4 workers on 2 cores finish in about half the time; worksteal lets an idle worker
+# take tests queued behind a long run on another. TEST_WORKERS=0 runs in one
 # process (what -x, --pdb or reading one test's output in order want).
 TEST_WORKERS ?= 4
 
@@ -30,7 +31,7 @@ demo: $(STAMP)
 	$(BIN)/isthmus demo
 
 test: $(STAMP) test-deps
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # chromium, ping and nftables for the browser and lab tests, with apt where this runs as root
 # (tools/test_deps.sh); without them those tests skip with their reason.
@@ -43,7 +44,7 @@ test-unit: $(STAMP)
 
 # Gloo groups, servers, peer processes, network namespaces.
 test-integration: $(STAMP) test-deps
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests/integration $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/integration $(PYTEST_ARGS)
 
 # The dashboard in a real browser: Debian's chromium (installed here with apt, as root, when it is
 # missing), driven by Playwright. `make test` runs the same test when chromium is present.
