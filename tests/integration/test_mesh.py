@@ -268,6 +268,7 @@ def test_what_the_mesh_refuses_says_why(monkeypatch: pytest.MonkeyPatch) -> None
 
     coord = Coordinator(CoordinatorConfig(token=ADMIN, port=0)).start()
     agents: list[MeshAgent] = []
+    clients: list[CoordinatorClient] = []  # the caller owns a client; the agent does not close it
     try:
 
         def config(name: str) -> SessionConfig:
@@ -279,7 +280,9 @@ def test_what_the_mesh_refuses_says_why(monkeypatch: pytest.MonkeyPatch) -> None
             )
 
         def client(name: str) -> CoordinatorClient:
-            return CoordinatorClient(coord.address, join_token(ADMIN, name), connect_timeout=5)
+            c = CoordinatorClient(coord.address, join_token(ADMIN, name), connect_timeout=5)
+            clients.append(c)
+            return c
 
         agents.append(MeshAgent.start(client("good"), config("good"), "good"))
         with pytest.raises(MeshError, match=r"no WireGuard handshake.*refuse this peer's key"):
@@ -290,5 +293,7 @@ def test_what_the_mesh_refuses_says_why(monkeypatch: pytest.MonkeyPatch) -> None
     finally:
         for a in agents:
             a.close()
+        for c in clients:
+            c.close()
         coord.stop()
     assert not [p for p in Path("/var/run/wireguard").glob(f"ism{os.getpid()}.*")]
