@@ -37,8 +37,11 @@ LINE = re.compile(
 
 def _isthmus_run(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
+        # a 10 s heartbeat bound: these runs test the Trainer integration, and under make test's
+        # workers a peer starved of the CPU for over the 3 s default was once evicted alive
+        # (eviction itself is tested in test_silent_peer and test_fault_runs)
         [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--run-dir", str(run_dir),
-         "--summary-json", str(run_dir.parent / "s.json"), *args],
+         "--summary-json", str(run_dir.parent / "s.json"), "--heartbeat-timeout", "10", *args],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
 
