@@ -170,6 +170,33 @@ def test_keep_prunes_and_an_unfinished_checkpoint_is_never_listed(tmp_path: Path
     assert load_latest(url, fresh)[0].revision == 6
 
 
+def test_a_revision_written_again_is_unlisted_until_its_new_manifest(tmp_path: Path) -> None:
+    # every peer died after writing revision 4 unreported; the run restarted from 2 and now
+    # writes 4 again with other values: until all its new parts are in, 4 is not a checkpoint
+    url = str(tmp_path / "ck")
+    for rev in (2, 4):
+        _save_all(_peers(url, 2, _state(0)), rev)
+    store = CheckpointStore(url)
+    assert store.revisions() == [2, 4]
+    again = _state(5)
+    cks = _peers(url, 2, again)
+    cks[0].session.revision = 4  # type: ignore[attr-defined]
+    assert cks[0].maybe_save()
+    cks[0].wait(30)  # one new part written, the other writer not yet
+    assert store.revisions() == [2] and store.incomplete() == [4]
+    fresh = SharedState()
+    for n, t in _state(3).items():
+        fresh.register(n, t.clone())
+    assert load_latest(url, fresh)[0].revision == 2  # never old and new parts as one
+    cks[1].session.revision = 4  # type: ignore[attr-defined]
+    assert cks[1].maybe_save()
+    cks[1].wait(30)
+    assert store.revisions() == [2, 4]
+    assert load_latest(url, fresh)[0].revision == 4
+    for n, t in again.items():
+        assert torch.equal(fresh[n], t), n
+
+
 def test_a_corrupted_part_falls_back_and_another_model_is_refused(tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
     tensors = _state(0)

@@ -205,6 +205,7 @@ class Checkpointer:
         d = store.dirname(revision)
         slot = slot_of(s.name)
         try:
+            store.unseal(revision)  # a revision this run wrote before it went back to an older one
             if snapshot:
                 store.save(snapshot, d, f"shared-{rank}")
             if local:

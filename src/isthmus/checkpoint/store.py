@@ -115,6 +115,15 @@ class CheckpointStore:
             data: bytes = f.read()
         return data
 
+    def unseal(self, revision: int) -> None:
+        """Remove ``revision``'s manifest, if it has one, leaving its parts: before a revision is
+        written again. That happens when a run went back to an older checkpoint (every peer
+        died after writing a newer one the coordinator never heard of) and reached the revision
+        anew; without this, a reader would take the old manifest over a mix of old and new
+        parts until the new manifest replaces it."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(self.dirname(revision), "manifest.json"))
+
     def remove(self, revision: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(self.dirname(revision)), recursive=True)
@@ -136,9 +145,12 @@ class CheckpointStore:
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+            # DCP warns on every overwrite, even one asked for
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             dcp.save(
                 state,
-                storage_writer=FsspecWriter(self.url_of(*parts), sync_files=True),
+                # overwrite: a revision written again (see unseal) replaces its old parts
+                storage_writer=FsspecWriter(self.url_of(*parts), sync_files=True, overwrite=True),
                 no_dist=True,
             )
 
