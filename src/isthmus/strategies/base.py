@@ -54,7 +54,7 @@ from isthmus.strategies.model_state import (
     load_tensors,
     unblob,
 )
-from isthmus.strategies.sharded import local_view, register_shard
+from isthmus.strategies.sharded import island_refusal, local_view, register_shard
 
 __all__ = [
     "Strategy",
@@ -266,17 +266,16 @@ class Strategy(ABC):
 
     def _refuse_islands(self, session: Session | None) -> None:
         """Raise ValueError naming why, when ``session`` is a rank of an island and this
-        strategy (or its reducer) cannot run there."""
+        strategy (its class's :attr:`islands`) or its reducer
+        (:func:`~isthmus.strategies.sharded.island_refusal`) cannot run there."""
         if getattr(session, "island", None) is None:
             return
         why = vars(type(self)).get("islands", Strategy.islands)
         if why:
             raise ValueError(f"{self.name} cannot run on islands: {why}")
-        if self.reducer.compressor is not None or self.reducer.aggregator is not None:
-            raise ValueError(
-                f"{self.name} on islands: compression and robust aggregation are not built for "
-                "sharded state yet (drop compression= and aggregator=)"
-            )
+        why = island_refusal(self.reducer)
+        if why:
+            raise ValueError(f"{self.name} on islands: {why}")
 
     def setup(self) -> None:  # noqa: B027 (optional hook, empty by default)
         """Create this strategy's own state and register the shared part with the session (in a

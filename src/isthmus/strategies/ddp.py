@@ -51,7 +51,7 @@ from isthmus.data.global_batch import micro_batches, share_positions, step_posit
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers
-from isthmus.strategies.sharded import island_snapshot
+from isthmus.strategies.sharded import island_snapshot, start_reduction
 
 __all__ = ["DDP", "DDPConfig", "LossFn", "accumulate_share"]
 
@@ -117,7 +117,8 @@ class DDP(Strategy):
     Config = DDPConfig
     config: DDPConfig
     first_round_uses_work = True  # the first step trains on the batch drawn before the round
-    islands = ""  # HSDP: each rank of an island reduces its gradient shard across islands
+    islands = ""  # HSDP: each rank of an island reduces its gradient shard across islands (by
+    # piece between islands of different sizes); the mean is elementwise
 
     def _refuse_islands(self, session: object) -> None:
         super()._refuse_islands(session)
@@ -183,10 +184,10 @@ class DDP(Strategy):
             exact = buffers.flat(snap) if buffers else None
 
             def reduce(rnd: Round) -> Reduced | None:
-                if getattr(rnd, "pieces", None):
-                    raise ValueError("ddp across islands of different sizes is not built yet")
                 ok = not rnd.resynced and (not buffers or buffers.finite(snap))
-                pending = reducer.start(rnd, items, contribute=ok, exact=exact)
+                pending = start_reduction(
+                    reducer, rnd, items, self.placements, contribute=ok, exact=exact
+                )
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 

@@ -56,7 +56,7 @@ from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 from isthmus.strategies.phased import PhasedStrategy
-from isthmus.strategies.sharded import island_agree, island_snapshot, start_by_piece
+from isthmus.strategies.sharded import island_snapshot, start_reduction
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -213,21 +213,16 @@ class DiLoCo(PhasedStrategy):
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
                 ok = not catch_up and not rnd.resynced and buffers.finite(snap)
-                if getattr(self.session, "island", None) is not None:  # one decision per island
-                    ok = island_agree(self.session, ok and all(all_finite(d) for _, d in items))
                 if timed:
                     # before the reducer's collectives, from this thread: the same order on
                     # every member
                     mine = torch.tensor([rate, float(self.since)] if ok else [0.0, 0.0])
                     device = self.params[0].device if self.params else torch.device("cpu")
                     gathered[:] = [rnd.group.all_gather_flat(mine.to(device)).cpu()]
-                if getattr(rnd, "pieces", None):  # islands of different sizes
-                    pending = start_by_piece(
-                        reducer, rnd, items, self.placements, contribute=ok, exact=steps,
-                        weight=weight,
-                    )  # fmt: skip
-                else:
-                    pending = reducer.start(rnd, items, contribute=ok, exact=steps, weight=weight)
+                pending = start_reduction(
+                    reducer, rnd, items, self.placements, contribute=ok, exact=steps,
+                    weight=weight,
+                )  # fmt: skip
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 

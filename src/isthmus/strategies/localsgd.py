@@ -48,3 +48,4 @@ class LocalSGD(DiLoCo):
     name = "localsgd"
     Config = LocalSGDConfig
     config: LocalSGDConfig
+    islands = ""  # DiLoCo's rules with another outer step: elementwise, so by shard

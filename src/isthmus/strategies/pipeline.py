@@ -51,9 +51,11 @@ from typing import Any, Protocol
 import torch
 
 from isthmus.comm.group import CollectiveError
+from isthmus.comm.layout import Placement
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
+from isthmus.strategies.sharded import start_reduction
 
 __all__ = ["Build", "Exchange", "Flight", "Planned", "RoundPipeline", "Settled", "SteadyOverlap"]
 
@@ -94,6 +96,9 @@ class Planned:
     """The strategy's own bookkeeping for this round (fragment index, apply step, ...)."""
     exchange: Exchange | None = None
     """How the round is reduced; None: the reducer's mean of ``items`` and ``exact``."""
+    placements: list[Placement | None] | None = None
+    """On a rank of an island: each item's placement in its full tensor (None: held whole), so
+    that the reduction goes by shard (:func:`~isthmus.strategies.sharded.start_reduction`)."""
 
 
 Build = Callable[[Round | None], Planned]
@@ -230,7 +235,10 @@ class RoundPipeline:
     def _start(self, rnd: Round, plan: Planned) -> PendingMean:
         if plan.exchange is not None:
             return plan.exchange.start(rnd, plan.contribute)
-        return self.reducer.start(rnd, plan.items, contribute=plan.contribute, exact=plan.exact)
+        places = plan.placements or [None] * len(plan.items)
+        return start_reduction(
+            self.reducer, rnd, plan.items, places, contribute=plan.contribute, exact=plan.exact
+        )
 
     def _commit(self, plan: Planned) -> None:
         # The reducer's staged state was kept by the session's commit hook (Reducer.attach).

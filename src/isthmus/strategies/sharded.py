@@ -6,6 +6,31 @@ that shares the parameter's storage, so an update written into it is the paramet
 needs (:class:`~isthmus.comm.island.IslandState`). Everything the DiLoCo family and DDP do to a
 parameter is elementwise, so doing it to every rank's shard equals doing it to the whole
 tensor.
+
+Reductions (:func:`start_reduction`, the one entry every strategy uses for a round's update):
+on a rank of an island the ranks first agree whether the island contributes, then each rank
+reduces its shards with the same shards of the other islands (by piece, :func:`start_by_piece`,
+when the islands' sizes differ). What the reducer does to them (:func:`island_refusal`):
+
+* plain mean: elementwise, so the same bits as an unsharded peer's reduction for two islands
+  (a sum of two values does not depend on their order); with more, each element is one fp32 sum
+  of the same values, whose order Gloo picks from the element's position in the buffer, so the
+  result equals the unsharded one to fp32 rounding and is identical on every island.
+* block quantizers (``int8``, ``int4``, ``e3m0``, ...): blockwise. A shard whose bounds fall on
+  the full tensor's block grid, and that is at least ``world`` blocks long, is quantized in the
+  same blocks as the whole tensor, so its bits are an unsharded peer's; elsewhere the blocks
+  are cut from the shard's start instead (a block's scale is its absolute maximum, which would
+  otherwise need the neighbouring rank's elements): the result is identical on every island,
+  not to an unsharded peer's (:func:`quantized_span_exact` says which).
+* coordinate-wise robust rules (mean, median, trimmed mean, meamed): every coordinate's value is
+  the rule applied to the same column, so the bits are an unsharded peer's whenever every
+  island's vector is finite (an honest island's always is: a non-finite shard makes the whole
+  island contribute nothing). A forged vector non-finite in part of its coordinates is excluded
+  only from the shards that hold them, where an unsharded peer excludes it everywhere.
+* other compressors and rules are refused: top-k and rand-k pick over a whole tensor, PowerSGD
+  factors the whole matrix, sign and sketch scale by whole-tensor norms, and the distance-based
+  robust rules (Krum, geometric median, clipping, pre-aggregators) need each vector's norms and
+  inner products, which would need every rank's partial sums combined across the island.
 """
 
 from __future__ import annotations
@@ -15,15 +40,21 @@ from typing import Any
 import torch
 
 from isthmus.comm.layout import Placement, shard_placement, tensor_pieces
+from isthmus.reduce.aggregate.aggregator import CoordinateRule
+from isthmus.reduce.compress.compressor import all_finite
+from isthmus.reduce.compress.quantize import QuantizedAllReduce, shard_layout
 from isthmus.reduce.reducer import Reduced, Reducer
 
 __all__ = [
     "is_dtensor",
     "island_agree",
+    "island_refusal",
     "island_snapshot",
     "local_view",
+    "quantized_span_exact",
     "register_shard",
     "start_by_piece",
+    "start_reduction",
 ]
 
 
@@ -82,6 +113,43 @@ def island_snapshot(session: Any, snap: list[torch.Tensor]) -> list[torch.Tensor
     return snap if island is None else island.mean(snap)
 
 
+def island_refusal(reducer: Reducer) -> str:
+    """Why ``reducer`` cannot reduce an island's sharded state (see the module docstring), or
+    ``""`` when it can: plain, a block quantizer, or a pipeline of coordinate-wise rules only."""
+    comp = reducer.compressor
+    if comp is not None and not isinstance(comp, QuantizedAllReduce):
+        return (
+            f"compression {comp.name!r} needs whole tensors (top-k and rand-k pick over a "
+            "tensor, PowerSGD factors its matrix, sign and sketches scale by its norm) and an "
+            "island's ranks hold shards: use a block quantizer (int8, int4, e3m0, ...)"
+        )
+    agg = reducer.aggregator
+    if agg is not None:
+        whole = [st.spec for st in agg.stages if not isinstance(st.rule, CoordinateRule)]
+        if whole:
+            return (
+                f"robust aggregation {agg.spec!r}: {', '.join(whole)} need(s) the norms and "
+                "inner products of whole update vectors, which an island's ranks would have "
+                "to sum across the island: use a coordinate-wise rule (median, trimmed_mean, "
+                "meamed)"
+            )
+    return ""
+
+
+def quantized_span_exact(start: int, stop: int, numel: int, world: int, fmt: Any) -> bool:
+    """Whether the block quantizer ``fmt`` over ``world`` islands quantizes the elements
+    ``[start, stop)`` of a tensor of ``numel`` elements, reduced as one item, in the blocks an
+    unsharded peer uses for the whole tensor (so that their result has its bits): the span
+    starts on the full tensor's block grid, ends on it or at the tensor's end, and is long
+    enough that its own layout keeps the block whole (about ``world`` blocks or more)."""
+    if stop <= start or (start == 0 and stop == numel):
+        return True
+    whole, _ = shard_layout(numel, world, fmt)
+    mine, _ = shard_layout(stop - start, world, fmt)
+    b = whole.block
+    return mine.block == b and start % b == 0 and (stop % b == 0 or stop == numel)
+
+
 def island_agree(session: Any, ok: bool) -> bool:
     """True only if ``ok`` on every rank of ``session``'s island (``ok`` itself on a plain
     peer): whether an island contributes to a round is one decision, or its ranks' pieces would
@@ -122,14 +190,12 @@ class _PiecesPending:
         results = [(segs, pending.wait()) for segs, pending in self.parts]
         if any(r is None for _, r in results):
             return None  # nobody contributed: the same in every group (one decision per island)
-        outs = [torch.empty_like(t) for t in self.like]
+        outs = [torch.empty_like(t, dtype=torch.float32) for t in self.like]
         exact, count = None, 0
         for segs, r in results:
             assert r is not None
-            flat, off = r.tensors[0], 0
-            for i, a, b in segs:
-                outs[i].view(-1)[a:b] = flat[off : off + b - a]
-                off += b - a
+            for (i, a, b), part in zip(segs, r.tensors, strict=False):
+                outs[i].view(-1)[a:b] = part.reshape(-1)
             exact, count = r.exact, r.contributors
         return Reduced(outs, exact, count)
 
@@ -143,11 +209,12 @@ def start_by_piece(
 ) -> Any:
     """Start reducing ``items`` (local shards, ``placements`` in their full tensors) on a round
     of islands of different sizes: for every piece group of this rank (``rnd.pieces``), the
-    elements of the shards that group's owners hold, one reduction each (``options`` are
-    :meth:`Reducer.start`'s: every group carries the exact values, identical on every rank of
-    an island). Returns an object whose ``wait()`` gives the :class:`Reduced` in the shape of
-    ``items``. Raises ValueError for a tensor held whole on every rank (not sharded): not built
-    for islands of different sizes yet."""
+    elements of the shards that group's owners hold, one reduction each, every tensor's part
+    an item of its own (so that a block quantizer cuts each where an unsharded peer would, see
+    :func:`quantized_span_exact`; ``options`` are :meth:`Reducer.start`'s: every group carries
+    the exact values, identical on every rank of an island). Returns an object whose ``wait()``
+    gives the :class:`Reduced` in the shape of ``items``. Raises ValueError for a tensor held
+    whole on every rank (not sharded): not built for islands of different sizes."""
     sizes = rnd.session.island_sizes
     parts = []
     for owners, group in rnd.pieces.items():
@@ -160,7 +227,43 @@ def start_by_piece(
                 )
             segs += [(i, a - p.start, b - p.start)
                      for (a, b), own in tensor_pieces(p.full_shape, sizes) if own == owners]  # fmt: skip
-        pieces = [items[i][1].reshape(-1)[a:b] for i, a, b in segs]
-        flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=items[0][1].dtype)
-        parts.append((segs, reducer.start(_PieceRound(rnd, group), [("piece", flat)], **options)))
+        pieces = [
+            (f"{items[i][0]}[{a}:{b}]", items[i][1].reshape(-1)[a:b]) for i, a, b in segs
+        ]
+        if not pieces:  # a group this rank meets for nothing of these tensors: still one call
+            pieces = [("piece", torch.zeros(0, dtype=items[0][1].dtype))]
+        parts.append((segs, reducer.start(_PieceRound(rnd, group), pieces, **options)))
     return _PiecesPending(parts, [t for _, t in items])
+
+
+def start_reduction(
+    reducer: Reducer,
+    rnd: Any,
+    items: list[tuple[str, torch.Tensor]],
+    placements: list[Placement | None],
+    *,
+    contribute: bool,
+    exact: torch.Tensor | None = None,
+    weight: float = 1.0,
+) -> Any:
+    """Start reducing a round's update ``items`` (:meth:`Reducer.start`'s arguments) on any
+    peer: a plain one's goes to the reducer as it is; on a rank of an island, the ranks first
+    agree whether the island contributes (every rank's ``contribute`` and its shards finite:
+    one decision, or the ranks' pieces would be averaged over different contributors) and with
+    which weight (the mean of its ranks' ``weight``: an island counts as one peer, as its
+    ranks' gradients are averaged inside it), then
+    each rank reduces its own shards across islands, by piece (:func:`start_by_piece`) when the
+    islands' sizes differ. Every rank of an island calls it at the same point. Returns what
+    :meth:`Reducer.start` returns (an object with ``wait()``); raises what it raises."""
+    island = getattr(getattr(rnd, "session", None), "island", None)
+    if island is not None:
+        finite = all(all_finite(t.float() if t.dtype == torch.float64 else t) for _, t in items)
+        votes = island.gather((bool(contribute and finite), float(weight)))
+        contribute = all(ok for ok, _ in votes)
+        weights = {w for _, w in votes}
+        weight = weights.pop() if len(weights) == 1 else sum(w for _, w in votes) / len(votes)
+    if getattr(rnd, "pieces", None):
+        return start_by_piece(
+            reducer, rnd, items, placements, contribute=contribute, exact=exact, weight=weight
+        )
+    return reducer.start(rnd, items, contribute=contribute, exact=exact, weight=weight)

@@ -79,6 +79,7 @@ from isthmus.strategies.diloco import DiLoCoConfig
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 from isthmus.strategies.phased import PhasedStrategy
 from isthmus.strategies.pipeline import Planned, RoundPipeline, SteadyOverlap
+from isthmus.strategies.sharded import island_snapshot
 from isthmus.strategies.streaming.math import (
     PATTERNS,
     Pattern,
@@ -158,6 +159,7 @@ class StreamingDiLoCo(PhasedStrategy):
     name = "streaming"
     Config = StreamingConfig
     config: StreamingConfig
+    islands = ""  # fragments are whole tensors, each rank syncs its shards of them
 
     def __init__(
         self, *args: Any, fragment_of: Callable[[str], int] | None = None, **kwargs: Any
@@ -177,8 +179,10 @@ class StreamingDiLoCo(PhasedStrategy):
             pattern=cfg.pattern,
             nonlayer_fragment=cfg.nonlayer_fragment,
             fragment_of=self.fragment_of,
-            sizes=[p.numel() for p in self.params],
-        )
+            # the full tensors' sizes: every rank of every island must cut the same fragments
+            sizes=[p.numel() if x is None else x.numel_full
+                   for p, x in zip(self.params, self.placements, strict=True)],
+        )  # fmt: skip
         self.global_params = [global_copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
         self.buffers = SharedBuffers(self.model_state.float_buffers)
@@ -189,7 +193,7 @@ class StreamingDiLoCo(PhasedStrategy):
         # The same names as DiLoCo: with P=1, tau=0 the two share state bit for bit.
         self.share_model(self.global_params, "global", self.buffers)
         if session is not None:
-            register_optimizer(session, "outer", self.outer)
+            register_optimizer(session, "outer", self.outer, self.placements)
             self._register_counter()
 
     def fragment_sizes(self) -> list[int]:
@@ -235,7 +239,7 @@ class StreamingDiLoCo(PhasedStrategy):
             frag = fragment_for_round(number, self.config.fragments)
             idx = self.fragments[frag]
             base = int(self.global_step)  # read after begin: a joiner's was just received
-            snap = self.buffers.snapshot()
+            snap = island_snapshot(self.session, self.buffers.snapshot())
             ok = (
                 not catch_up
                 and (rnd is None or not rnd.resynced)
@@ -254,6 +258,7 @@ class StreamingDiLoCo(PhasedStrategy):
                     [torch.tensor([float(apply_step - base)]), self.buffers.flat(snap)]
                 ),
                 tag=_Sync(frag, apply_step, base, tuple(snap) if ok else None),
+                placements=[self.placements[i] for i in idx],
             )
             return self._planned(frag, plan)
 
@@ -398,7 +403,13 @@ class StreamingDiLoCo(PhasedStrategy):
 
         def build(rnd: Round | None) -> Planned:
             ok = saved["contribute"] and (rnd is None or not rnd.resynced)
-            plan = Planned(items=items, contribute=ok, exact=saved["exact"], tag=tag)
+            plan = Planned(
+                items=items,
+                contribute=ok,
+                exact=saved["exact"],
+                tag=tag,
+                placements=[self.placements[i] for i in self.fragments[frag]],
+            )
             return self._planned(frag, plan)
 
         self.pipeline.issue(build)
