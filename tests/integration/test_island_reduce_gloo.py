@@ -116,9 +116,7 @@ def _islands(
             items.append((f"t{k}", shard))
         pieces = {owners: conn[owners][j] for owners in tuples if owners[j] == i}
         rnd = IslandRound(pieces, FakeIsland(boards[j], i), sizes)
-        pending = start_reduction(
-            make(), rnd, items, list(places), contribute=True, exact=exact[j]
-        )
+        pending = start_reduction(make(), rnd, items, list(places), contribute=True, exact=exact[j])
         out[(j, i)] = pending.wait()
 
     _run(

@@ -7,7 +7,9 @@ Gloo inside, one membership slot each), exchanging their shards across islands i
   island digest; each rank sent its own bytes; strategies that cannot run on islands refused,
   naming why.
 * DDP across 2 islands x 2 ranks (HSDP) equals 4 single-rank peers with the same global batch,
-  to fp32 rounding.
+  to fp32 rounding; across islands of 2 ranks and 1, it equals 2 single peers each drawing one
+  island's batches, to fp32 rounding.
+* Streaming DiLoCo with int8 outer gradients on islands of 2 ranks and 1: identical full states.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ def test_diloco_on_two_islands_of_two_ranks_one_killed_and_rejoining(tmp_path: P
         # traffic by shard: each rank sent its own part, the island counts them all
         rank = int(key.split(".")[1])
         assert r["bytes"] > 0 and r["island_bytes"][rank] == r["bytes"], r
-        assert "streaming cannot run on islands" in r["refusals"]["streaming"]
-        assert "compression" in r["refusals"]["compressed"]
+        assert "sparseloco cannot run on islands" in r["refusals"]["sparseloco"]
+        assert "needs whole tensors" in r["refusals"]["compressed"]
     # rank 0 of an island also carries the replicated tensors (buffers, counter): more bytes
     assert recs["0.0"]["bytes"] > recs["0.1"]["bytes"]
 
@@ -133,3 +135,45 @@ def test_diloco_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
     # each rank of the island of two sent its own part (the new island of one counts only the
     # rounds since its restart, so the sizes of the figures are not comparable here)
     assert min(recs["0.0"]["bytes"], recs["0.1"]["bytes"], recs["1.0"]["bytes"]) > 0
+
+
+def test_ddp_across_islands_of_two_ranks_and_one_equals_two_single_peers(tmp_path: Path) -> None:
+    """HSDP between islands sharded differently: each rank reduces its rows of the gradient by
+    piece with the matching rows of the other island. Every rank ends with the same full state,
+    which equals that of 2 single peers where peer p draws the batches of island p's ranks (its
+    gradient is theirs: the mean over the island's batches), to fp32 rounding (the island's
+    gradient is averaged by FSDP2, a single peer's by its loss)."""
+    summary, islands = _run(
+        tmp_path, "hsdp21", "--peers", "2", "--nproc-per-peer", "2,1", strategy="ddp"
+    )
+    _, singles = _run(
+        tmp_path, "single2", "--peers", "2", strategy="ddp", extra=("--island-sizes", "2,1")
+    )
+    assert sorted(islands) == ["0.0", "0.1", "1.0"]
+    assert len({r["full_digest"] for r in islands.values()}) == 1
+    assert summary["parity_failures"] == 0, summary
+    a, b = islands["1.0"]["full"], singles["0.0"]["full"]
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert a["opt/0/momentum_buffer"].abs().sum() > 0
+    assert islands["1.0"]["step"] == singles["0.0"]["step"] == 4
+
+
+def test_streaming_with_int8_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
+    """Streaming DiLoCo (two fragments packed by the full tensors' sizes, one step of overlap)
+    with int8 outer gradients on islands of 2 ranks and 1: every fragment round reduces its
+    tensors' pieces across the islands, and every rank ends with the same full state, checked
+    at every parity check on the way."""
+    summary, recs = _run(
+        tmp_path, "stream21", "--peers", "2", "--nproc-per-peer", "2,1", strategy="streaming",
+        extra=("--steps", "8", "--compression", "int8"),
+    )  # fmt: skip
+    assert sorted(recs) == ["0.0", "0.1", "1.0"]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert len({r["digest"] for r in recs.values()}) == 1
+    assert summary["parity_checks"] >= 2 and summary["parity_failures"] == 0, summary
+    state = recs["0.0"]["full"]
+    assert state["outer/0/momentum_buffer"].shape == (10, 6)  # full shapes, by placement
+    assert all(state[f"outer/{i}/momentum_buffer"].abs().sum() > 0 for i in range(6))
+    assert recs["1.0"]["step"] >= 8

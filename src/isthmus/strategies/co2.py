@@ -57,6 +57,7 @@ import torch
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.delayed import DelayedOuter
+from isthmus.strategies.sharded import register_shard
 
 __all__ = ["CO2", "CO2Config"]
 
@@ -99,14 +100,16 @@ class CO2(DelayedOuter):
     name = "co2"
     Config = CO2Config
     config: CO2Config
+    islands = ""  # momentum, penalty and clamp are elementwise: each rank on its shards
 
     def init_outer(self) -> None:
         self.momentum = [torch.zeros_like(g) for g in self.global_params]
-        self.clipped = 0  # elements clamped so far (this peer's count; identical on all peers)
+        # elements clamped so far (identical on all peers; on an island, of this rank's shards)
+        self.clipped = 0
 
     def register_outer(self, session: Session) -> None:
-        for n, m in zip(self.names, self.momentum, strict=True):
-            session.register(f"co2/momentum/{n}", m)
+        for n, m, place in zip(self.names, self.momentum, self.placements, strict=True):
+            register_shard(session, f"co2/momentum/{n}", m, place)
 
     def apply_outer(self, result: Reduced | None) -> None:
         if result is None:

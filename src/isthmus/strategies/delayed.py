@@ -20,6 +20,7 @@ from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy, load_tensors
 from isthmus.strategies.phased import PhasedStrategy
 from isthmus.strategies.pipeline import Flight, Planned, RoundPipeline, SteadyOverlap
+from isthmus.strategies.sharded import island_snapshot
 
 __all__ = ["DelayedOuter"]
 
@@ -136,7 +137,7 @@ class DelayedOuter(PhasedStrategy):
 
         def build(rnd: Round | None) -> Planned:
             # after the previous round landed in the buffers (see the class docstring)
-            snap[:] = buffers.snapshot()
+            snap[:] = island_snapshot(self.session, buffers.snapshot())
             contribute = not stale and (rnd is None or not rnd.resynced)
             contribute = contribute and (not buffers or buffers.finite(snap))
             # read after begin: a joiner's counter was just received
@@ -145,6 +146,7 @@ class DelayedOuter(PhasedStrategy):
                 contribute=contribute,
                 exact=buffers.flat(snap) if buffers else None,
                 tag=int(self.global_step) + h,
+                placements=self.placements,
             )
 
         flight = self.pipeline.issue(build)
@@ -266,6 +268,7 @@ class DelayedOuter(PhasedStrategy):
                 contribute=saved["contribute"] and (rnd is None or not rnd.resynced),
                 exact=saved["exact"],
                 tag=int(self.global_step) + h,
+                placements=self.placements,
             )
 
         flight = self.pipeline.issue(build)

@@ -155,6 +155,7 @@ class EagerDiLoCo(DelayedOuter):
     name = "eager"
     Config = EagerConfig
     config: EagerConfig
+    islands = ""  # the outer step and every start rule are elementwise: each rank on its shards
 
     def init_outer(self) -> None:
         cfg = self.config
@@ -164,7 +165,7 @@ class EagerDiLoCo(DelayedOuter):
         materialize_optimizer_state(self.outer)
 
     def register_outer(self, session: Session) -> None:
-        register_optimizer(session, "outer", self.outer)
+        register_optimizer(session, "outer", self.outer, self.placements)
 
     def apply_outer(self, result: Reduced | None) -> None:
         if result is None:

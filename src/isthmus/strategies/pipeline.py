@@ -55,7 +55,7 @@ from isthmus.comm.layout import Placement
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
-from isthmus.strategies.sharded import start_reduction
+from isthmus.strategies.sharded import island_vote, start_reduction
 
 __all__ = ["Build", "Exchange", "Flight", "Planned", "RoundPipeline", "Settled", "SteadyOverlap"]
 
@@ -235,10 +235,13 @@ class RoundPipeline:
     def _start(self, rnd: Round, plan: Planned) -> PendingMean:
         if plan.exchange is not None:
             return plan.exchange.start(rnd, plan.contribute)
+        # an island decides as one, and the strategy reads the decision from the plan
+        plan.contribute, _ = island_vote(rnd, plan.items, plan.contribute)
         places = plan.placements or [None] * len(plan.items)
         return start_reduction(
-            self.reducer, rnd, plan.items, places, contribute=plan.contribute, exact=plan.exact
-        )
+            self.reducer, rnd, plan.items, places, contribute=plan.contribute, exact=plan.exact,
+            agreed=True,
+        )  # fmt: skip
 
     def _commit(self, plan: Planned) -> None:
         # The reducer's staged state was kept by the session's commit hook (Reducer.attach).

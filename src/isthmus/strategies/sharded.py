@@ -50,6 +50,7 @@ __all__ = [
     "island_agree",
     "island_refusal",
     "island_snapshot",
+    "island_vote",
     "local_view",
     "quantized_span_exact",
     "register_shard",
@@ -227,13 +228,29 @@ def start_by_piece(
                 )
             segs += [(i, a - p.start, b - p.start)
                      for (a, b), own in tensor_pieces(p.full_shape, sizes) if own == owners]  # fmt: skip
-        pieces = [
-            (f"{items[i][0]}[{a}:{b}]", items[i][1].reshape(-1)[a:b]) for i, a, b in segs
-        ]
+        pieces = [(f"{items[i][0]}[{a}:{b}]", items[i][1].reshape(-1)[a:b]) for i, a, b in segs]
         if not pieces:  # a group this rank meets for nothing of these tensors: still one call
             pieces = [("piece", torch.zeros(0, dtype=items[0][1].dtype))]
         parts.append((segs, reducer.start(_PieceRound(rnd, group), pieces, **options)))
     return _PiecesPending(parts, [t for _, t in items])
+
+
+def island_vote(
+    rnd: Any, items: list[tuple[str, torch.Tensor]], contribute: bool, weight: float = 1.0
+) -> tuple[bool, float]:
+    """Whether the island of this rank contributes to ``rnd`` and with which weight, the same
+    on every rank of it: every rank's ``contribute``, with its shards of ``items`` finite; the
+    mean of the ranks' ``weight`` (an island counts as one peer, as its ranks' gradients are
+    averaged inside it). A plain peer's arguments come back as they are. Every rank of an
+    island calls it at the same point."""
+    island = getattr(getattr(rnd, "session", None), "island", None)
+    if island is None:
+        return contribute, weight
+    finite = all(all_finite(t.float() if t.dtype == torch.float64 else t) for _, t in items)
+    votes = island.gather((bool(contribute and finite and weight > 0), float(weight)))
+    weights = {w for _, w in votes}
+    mean = weights.pop() if len(weights) == 1 else sum(w for _, w in votes) / len(votes)
+    return all(ok for ok, _ in votes), mean
 
 
 def start_reduction(
@@ -245,6 +262,7 @@ def start_reduction(
     contribute: bool,
     exact: torch.Tensor | None = None,
     weight: float = 1.0,
+    agreed: bool = False,
 ) -> Any:
     """Start reducing a round's update ``items`` (:meth:`Reducer.start`'s arguments) on any
     peer: a plain one's goes to the reducer as it is; on a rank of an island, the ranks first
@@ -253,15 +271,11 @@ def start_reduction(
     which weight (the mean of its ranks' ``weight``: an island counts as one peer, as its
     ranks' gradients are averaged inside it), then
     each rank reduces its own shards across islands, by piece (:func:`start_by_piece`) when the
-    islands' sizes differ. Every rank of an island calls it at the same point. Returns what
+    islands' sizes differ. Every rank of an island calls it at the same point. ``agreed``: the
+    caller already took ``contribute`` and ``weight`` from :func:`island_vote`. Returns what
     :meth:`Reducer.start` returns (an object with ``wait()``); raises what it raises."""
-    island = getattr(getattr(rnd, "session", None), "island", None)
-    if island is not None:
-        finite = all(all_finite(t.float() if t.dtype == torch.float64 else t) for _, t in items)
-        votes = island.gather((bool(contribute and finite), float(weight)))
-        contribute = all(ok for ok, _ in votes)
-        weights = {w for _, w in votes}
-        weight = weights.pop() if len(weights) == 1 else sum(w for _, w in votes) / len(votes)
+    if not agreed:
+        contribute, weight = island_vote(rnd, items, contribute, weight)
     if getattr(rnd, "pieces", None):
         return start_by_piece(
             reducer, rnd, items, placements, contribute=contribute, exact=exact, weight=weight

@@ -2,7 +2,8 @@
 peer an island of N ranks, FSDP2 on Gloo inside) or `--nproc-per-peer 1` (plain peers, no
 process group). Trains a tiny MLP with a LayerNorm and a persistent buffer; the batch of rank
 ``r`` of peer ``p`` is batch ``p * N + r`` of every step, so M islands of N ranks see the same
-data as M * N single peers. Writes ``<out>/<peer>.<rank>.pt``: the full gathered shared state
+data as M * N single peers (or, with ``--island-sizes``, as M single peers each drawing the
+batches of one island's ranks at once). Writes ``<out>/<peer>.<rank>.pt``: the full gathered shared state
 (every rank assembles it from the island's shards), its digest, the island digest and bytes.
 """
 
@@ -37,7 +38,16 @@ class Net(torch.nn.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", choices=["diloco", "ddp"], default="diloco")
+    ap.add_argument(
+        "--strategy", choices=["diloco", "ddp", "streaming", "localsgd", "eager", "co2"],
+        default="diloco",
+    )  # fmt: skip
+    ap.add_argument("--compression", default=None, help="the reducer's compression spec")
+    ap.add_argument(
+        "--island-sizes", default=None,
+        help="plain peers only: peer p draws the batches of the N_p ranks of island p of "
+        "islands sized so (e.g. 2,1), so that its gradient is theirs",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fault", default=None, help="a fault spec fired by --fault-rank")
@@ -64,26 +74,38 @@ def main() -> None:
     refusals = {}
     if hasattr(session, "island"):  # what cannot run on islands says so, before touching anything
         for name, build in (
-            ("streaming", lambda: isthmus.StreamingDiLoCo(session, model, torch.optim.SGD(
+            ("sparseloco", lambda: isthmus.SparseLoCo(session, model, torch.optim.SGD(
                 model.parameters(), lr=0.1))),
             ("compressed", lambda: isthmus.DiLoCo(session, model, torch.optim.SGD(
-                model.parameters(), lr=0.1), compression="int8")),
+                model.parameters(), lr=0.1), compression="topk:0.1+ef")),
         ):  # fmt: skip
             try:
                 build()
             except ValueError as e:
                 refusals[name] = str(e)
+    comp = args.compression
     if args.strategy == "ddp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        strategy: isthmus.Strategy = isthmus.DDP(session, model, opt)
+        strategy: isthmus.Strategy = isthmus.DDP(session, model, opt, compression=comp)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        strategy = isthmus.DiLoCo(session, model, opt, isthmus.DiLoCoConfig(sync_every=2))
+        options = {"sync_every": 2}
+        if args.strategy == "streaming":  # two fragments of whole tensors packed by full size
+            options = {"sync_every": 4, "fragments": 2, "pattern": "balanced", "overlap": 1}
+        strategy = isthmus.make_strategy(
+            args.strategy, session, model, opt, compression=comp, **options
+        )
     peer = int(os.environ["ISTHMUS_PEER"])
     w = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    # the batches of this process: its own, or those of every rank of the island it stands for
+    n = int(args.island_sizes.split(",")[peer]) if args.island_sizes else 1
+    base = peer * (n if args.island_sizes else local)
+    batches = [base + rank] if not args.island_sizes else [base + r for r in range(n)]
     while strategy.step_count < args.steps:
-        g = torch.Generator().manual_seed(1000 * strategy.step_count + peer * local + rank)
-        x = torch.randn(8, 6, generator=g)
+        seeds = [1000 * strategy.step_count + k for k in batches]
+        x = torch.cat(
+            [torch.randn(8, 6, generator=torch.Generator().manual_seed(k)) for k in seeds]
+        )
         loss = torch.nn.functional.mse_loss(model(x), x @ w)
         loss.backward()
         strategy.step()

@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -98,6 +98,10 @@ class DeMo(Strategy):
     """DeMo: call :meth:`step` after every backward (instead of ``optimizer.step()``)."""
 
     name = "decoupled_momentum"
+    islands: ClassVar[str] = (
+        "it sends the top-k DCT coefficients of tiles of whole tensors, and a shard's bounds cut "
+        "through the tiles its transform mixes (not built)"
+    )
     Config = DeMoConfig
     config: DeMoConfig
     first_round_uses_work = True  # the first step trains on its batch, as DDP's

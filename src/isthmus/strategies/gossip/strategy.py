@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -77,6 +77,10 @@ class Gossip(PhasedStrategy):
     """
 
     name = "gossip"
+    islands: ClassVar[str] = (
+        "pairs of peers mix whole models with each other; islands would need every pair's "
+        "exchange split by piece between islands of any sizes (not built)"
+    )
     Config = GossipConfig
     config: GossipConfig
     phase_counters = ()  # its rounds follow the shared step counter, which advances every step

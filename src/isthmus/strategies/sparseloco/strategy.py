@@ -84,7 +84,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -280,6 +280,11 @@ class SparseLoCo(StreamingDiLoCo):
     once; see :meth:`StreamingDiLoCo.final_round` for the steps a round in flight leaves out)."""
 
     name = "sparseloco"
+    islands: ClassVar[str] = (
+        "its message keeps the top-k of every chunk of a whole flattened tensor and is "
+        "all-gathered whole: an island's ranks would each need the message of their shard, cut "
+        "on the full tensor's chunk grid (not built)"
+    )
     Config = SparseLoCoConfig
     config: SparseLoCoConfig
 

@@ -236,6 +236,11 @@ class ZO(Strategy):
     """
 
     name = "zo"
+    islands: ClassVar[str] = (
+        "each perturbation is drawn from one seed over whole tensors and measured by forward "
+        "passes that every rank of an island would have to run together on its perturbed "
+        "shards (not built)"
+    )
     Config = ZOConfig
     config: ZOConfig
     first_round_uses_work = True  # the forward passes run inside the round, on its batch
