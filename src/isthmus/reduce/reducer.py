@@ -206,7 +206,8 @@ class Reducer:
     ) -> PendingMean:
         """Start reducing ``items`` (and ``exact``) across ``rnd``'s group; return at once.
         ``weight`` is how much this peer counts (see the module docstring). Raises ValueError
-        for a negative or non-finite weight, or a weight other than 1 with a robust aggregator.
+        for a negative or non-finite weight, or a weight other than 1 with a robust aggregator
+        on a contributing peer.
 
         Every peer of the round must call this with the same names, shapes and ``exact`` length,
         in the same order. The plain mode issues async all-reduces from this thread and leaves
@@ -215,7 +216,8 @@ class Reducer:
         """
         if not (weight >= 0 and weight < float("inf")):
             raise ValueError(f"a peer's weight must be a finite number >= 0, got {weight}")
-        if weight != 1.0 and self.aggregator is not None:
+        if weight != 1.0 and self.aggregator is not None and contribute:
+            # (a peer that contributes nothing, e.g. a catch-up round's, has no vote to weigh)
             raise ValueError("robust aggregators take one vote per peer: weights do not apply")
         self._served = True
         contribute = self._check(rnd, items, contribute) and weight > 0

@@ -43,6 +43,7 @@ def main() -> None:
         default="diloco",
     )  # fmt: skip
     ap.add_argument("--compression", default=None, help="the reducer's compression spec")
+    ap.add_argument("--aggregator", default=None, help="the reducer's robust aggregator spec")
     ap.add_argument(
         "--island-sizes", default=None,
         help="plain peers only: peer p draws the batches of the N_p ranks of island p of "
@@ -86,15 +87,18 @@ def main() -> None:
     comp = args.compression
     if args.strategy == "ddp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        strategy: isthmus.Strategy = isthmus.DDP(session, model, opt, compression=comp)
+        strategy: isthmus.Strategy = isthmus.DDP(
+            session, model, opt, compression=comp, aggregator=args.aggregator
+        )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         options = {"sync_every": 2}
         if args.strategy == "streaming":  # two fragments of whole tensors packed by full size
             options = {"sync_every": 4, "fragments": 2, "pattern": "balanced", "overlap": 1}
         strategy = isthmus.make_strategy(
-            args.strategy, session, model, opt, compression=comp, **options
-        )
+            args.strategy, session, model, opt, compression=comp, aggregator=args.aggregator,
+            **options,
+        )  # fmt: skip
     peer = int(os.environ["ISTHMUS_PEER"])
     w = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
     # the batches of this process: its own, or those of every rank of the island it stands for
