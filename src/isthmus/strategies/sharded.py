@@ -230,7 +230,8 @@ def start_by_piece(
                      for (a, b), own in tensor_pieces(p.full_shape, sizes) if own == owners]  # fmt: skip
         pieces = [(f"{items[i][0]}[{a}:{b}]", items[i][1].reshape(-1)[a:b]) for i, a, b in segs]
         if not pieces:  # a group this rank meets for nothing of these tensors: still one call
-            pieces = [("piece", torch.zeros(0, dtype=items[0][1].dtype))]
+            like = items[0][1]
+            pieces = [("piece", torch.zeros(0, dtype=like.dtype, device=like.device))]
         parts.append((segs, reducer.start(_PieceRound(rnd, group), pieces, **options)))
     return _PiecesPending(parts, [t for _, t in items])
 

@@ -99,8 +99,9 @@ class DeMo(Strategy):
 
     name = "decoupled_momentum"
     islands: ClassVar[str] = (
-        "it sends the top-k DCT coefficients of tiles of whole tensors, and a shard's bounds cut "
-        "through the tiles its transform mixes (not built)"
+        "it sends the top-k DCT coefficients of 2-D tiles of whole tensors: a shard's rows cut "
+        "through the tiles its transform mixes unless they fall on the tile grid, and each "
+        "rank would need a message of its own (not built)"
     )
     Config = DeMoConfig
     config: DeMoConfig

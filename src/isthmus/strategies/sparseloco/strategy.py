@@ -281,9 +281,10 @@ class SparseLoCo(StreamingDiLoCo):
 
     name = "sparseloco"
     islands: ClassVar[str] = (
-        "its message keeps the top-k of every chunk of a whole flattened tensor and is "
-        "all-gathered whole: an island's ranks would each need the message of their shard, cut "
-        "on the full tensor's chunk grid (not built)"
+        "its quantizer's statistics (the mean, standard deviation and level means of the "
+        "values kept in a whole tensor) would need every rank's partial sums combined across "
+        "the island, and each rank a message of its own cut on the tensor's chunk grid (not "
+        "built)"
     )
     Config = SparseLoCoConfig
     config: SparseLoCoConfig
