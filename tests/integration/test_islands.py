@@ -10,6 +10,8 @@ Gloo inside, one membership slot each), exchanging their shards across islands i
   to fp32 rounding; across islands of 2 ranks and 1, it equals 2 single peers each drawing one
   island's batches, to fp32 rounding.
 * Streaming DiLoCo with int8 outer gradients on islands of 2 ranks and 1: identical full states.
+* DiLoCo with a time budget on islands of 2 ranks and 1: phases end on the leaders' clocks,
+  every rank of an island at the same step; identical full states.
 """
 
 from __future__ import annotations
@@ -177,3 +179,20 @@ def test_streaming_with_int8_on_islands_of_two_ranks_and_one(tmp_path: Path) -> 
     assert state["outer/0/momentum_buffer"].shape == (10, 6)  # full shapes, by placement
     assert all(state[f"outer/{i}/momentum_buffer"].abs().sum() > 0 for i in range(6))
     assert recs["1.0"]["step"] >= 8
+
+
+def test_diloco_with_a_time_budget_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
+    """Phases end on the clock (0.5 s, steps of 0.2 s, at most 4 steps): each island's leader
+    decides when its phase ends and its ranks follow, the leaders' step counts and rates make
+    the round's table, and every rank ends on the same state and step."""
+    summary, recs = _run(
+        tmp_path, "timed21", "--peers", "2", "--nproc-per-peer", "2,1",
+        extra=("--steps", "12", "--phase-seconds", "0.5", "--delay", "0.2"),
+    )  # fmt: skip
+    assert sorted(recs) == ["0.0", "0.1", "1.0"]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert summary["parity_failures"] == 0, summary
+    assert len({r["step"] for r in recs.values()}) == 1
+    phases = [r["phase_steps"] for r in recs.values()]
+    assert phases[0] == phases[1]  # the two ranks of island 0 ended every phase together
+    assert any(n < 4 for p in phases for n in p), phases  # the clock, not H, ended some

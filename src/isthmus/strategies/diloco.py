@@ -37,6 +37,11 @@ as fast does half the steps instead of making everyone wait; its outer gradient 
 The step counter then advances by the largest count of the round, so that every peer agrees
 when the run is over. Each peer's inner steps per phase are in :meth:`metrics`
 (``phase_steps``).
+
+**Islands.** Each rank runs these rules on its shards (see :mod:`isthmus.strategies.sharded`):
+an island contributes as one, with the mean of its ranks' weights; with a time budget its
+leader's clock ends the island's phase (a broadcast inside the island after every inner step),
+and the round's table holds each island's leader's rate and count.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
 from isthmus.strategies.phased import PhasedStrategy
-from isthmus.strategies.sharded import island_snapshot, start_reduction
+from isthmus.strategies.sharded import island_snapshot, island_vote, start_reduction
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
 
@@ -110,14 +115,6 @@ class DiLoCo(PhasedStrategy):
     config: DiLoCoConfig
     islands = ""  # every rule is elementwise: each rank of an island runs it on its shards
 
-    def _refuse_islands(self, session: object) -> None:
-        super()._refuse_islands(session)
-        if getattr(session, "island", None) is not None and self.config.inner_budget == "time":
-            raise ValueError(
-                "diloco on islands: inner_budget='time' is not built yet (every rank of an "
-                "island must end its phase at the same step): use inner_budget='steps'"
-            )
-
     def setup(self) -> None:
         super().setup()
         cfg = self.config
@@ -151,7 +148,12 @@ class DiLoCo(PhasedStrategy):
         return True
 
     def boundary_due(self) -> bool:
-        return self.since >= self.config.sync_every or self._past_deadline()
+        due = self.since >= self.config.sync_every or self._past_deadline()
+        island = getattr(self.session, "island", None)
+        if island is not None and self.config.inner_budget == "time":
+            # every rank of an island must end its phase at the same step: its leader's clock
+            due = bool(island.broadcast(due))
+        return due
 
     def boundary(self) -> None:
         self.sync()
@@ -213,15 +215,16 @@ class DiLoCo(PhasedStrategy):
             def reduce(rnd: Round) -> Reduced | None:
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
                 ok = not catch_up and not rnd.resynced and buffers.finite(snap)
+                # an island decides as one (before the table below, which reads the decision)
+                ok, w = island_vote(rnd, items, ok, weight)
                 if timed:
                     # before the reducer's collectives, from this thread: the same order on
                     # every member
                     mine = torch.tensor([rate, float(self.since)] if ok else [0.0, 0.0])
-                    device = self.params[0].device if self.params else torch.device("cpu")
-                    gathered[:] = [rnd.group.all_gather_flat(mine.to(device)).cpu()]
+                    gathered[:] = [self._rates(rnd, mine)]
                 pending = start_reduction(
-                    reducer, rnd, items, self.placements, contribute=ok, exact=steps,
-                    weight=weight,
+                    reducer, rnd, items, self.placements, contribute=ok, exact=steps, weight=w,
+                    agreed=True,
                 )  # fmt: skip
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
@@ -239,6 +242,18 @@ class DiLoCo(PhasedStrategy):
                     result.exact[0] = table[:, 1].max()
         self.phase_tokens = 0.0
         self.apply_outer(result)
+
+    def _rates(self, rnd: Round, mine: torch.Tensor) -> torch.Tensor:
+        """Every member's ``[rate, inner steps]`` (a time budget's table), the same on every
+        rank: on an island, the leaders gather theirs in the group all islands' rank 0 share
+        (their primary group: it always holds the tuple of owners ``(0, ..., 0)``) and tell
+        their followers, so that the island's phases end on its leader's clock."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        island = getattr(self.session, "island", None)
+        if island is None:
+            return rnd.group.all_gather_flat(mine.to(device)).cpu()
+        table = rnd.group.all_gather_flat(mine.to(device)).cpu() if island.leader else None
+        return island.broadcast(table)  # type: ignore[no-any-return]
 
     def round_written_shared(self) -> set[str]:
         """The shared tensors only rounds write (the outer round's result, a repair, a

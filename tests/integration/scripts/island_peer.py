@@ -44,6 +44,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--compression", default=None, help="the reducer's compression spec")
     ap.add_argument("--aggregator", default=None, help="the reducer's robust aggregator spec")
+    ap.add_argument("--phase-seconds", type=float, default=None, help="diloco: a time budget")
     ap.add_argument(
         "--island-sizes", default=None,
         help="plain peers only: peer p draws the batches of the N_p ranks of island p of "
@@ -92,7 +93,9 @@ def main() -> None:
         )
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"sync_every": 2}
+        options: dict[str, object] = {"sync_every": 2}
+        if args.phase_seconds is not None:  # phases end on the clock (or after 4 steps)
+            options = {"sync_every": 4, "inner_budget": "time", "phase_seconds": args.phase_seconds}
         if args.strategy == "streaming":  # two fragments of whole tensors packed by full size
             options = {"sync_every": 4, "fragments": 2, "pattern": "balanced", "overlap": 1}
         strategy = isthmus.make_strategy(
@@ -133,6 +136,7 @@ def main() -> None:
         "revision": session.revision,
         "step": strategy.step_count,
         "refusals": refusals,
+        "phase_steps": strategy.metrics().get("phase_steps", []),
     }
     torch.save(record, Path(args.out) / f"{peer}.{rank}.pt")
     print(f"peer {peer} rank {rank}: full state {record['full_digest']}", flush=True)
