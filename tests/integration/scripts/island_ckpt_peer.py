@@ -2,7 +2,7 @@
 (FSDP2 on Gloo inside each island) or plain peers. DiLoCo (a round every 2 steps) on a tiny MLP,
 data from an ElasticSampler split across islands and across each island's ranks, checkpoints
 every round with ``--checkpoint-dir``, a resume with ``--resume``. ``--exit-at S`` SIGKILLs
-every rank at step S (a run that dies whole). Writes ``<out>/<peer>.<rank>.pt``: the full
+every rank at step S (a run that dies whole; restarted ranks, ``peer0.1``, do not). Writes ``<out>/<peer>.<rank>.pt``: the full
 gathered shared state right after the strategy was built (after a resume) and at the end, the
 losses, the revisions; each rank's sampler appends its commits to ``<out>/used-<peer>.<rank>``.
 """
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--resume", default=None)
-    ap.add_argument("--exit-at", type=int, default=0, help="every rank SIGKILLs itself here")
+    ap.add_argument("--exit-at", type=int, default=0, help="every first rank SIGKILLs itself here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:  # an island (of any size) started by isthmus run
@@ -80,7 +80,7 @@ def main() -> None:
     start = {"full": full_state(session), "revision": session.revision}
     losses = []
     while strategy.step_count < args.steps:
-        if args.exit_at and strategy.step_count == args.exit_at:
+        if args.exit_at and strategy.step_count == args.exit_at and "." not in config.name:
             os.kill(os.getpid(), signal.SIGKILL)
         idx = sampler.indices(session.rank, session.world, local_rank=rank, local_world=local)
         loss = torch.nn.functional.mse_loss(model(data[idx]), target[idx])
