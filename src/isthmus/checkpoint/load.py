@@ -7,6 +7,12 @@ is skipped with a warning naming the tensor, and the previous complete one is us
 of another model (a tensor missing, or of another shape or dtype) is refused with the tensor's
 name, because falling back would only find the same mismatch.
 
+Checkpoints of islands hold flat shards (:mod:`isthmus.checkpoint.shards`): a reader takes the
+elements it holds from whichever parts overlap them (:func:`load_ranges`), so an island of any
+size, or a single peer, reads a checkpoint written by islands of any sizes, and an island
+reads one written by single peers. Every piece is checked by its xxh3, and every tensor by its
+layout hash (an island sums its ranks' shares), before anything is overwritten.
+
 Local state (inner optimizer, error feedback, RNG) belongs to a peer *slot* (``peer1``). A slot
 the checkpoint has no local state for (a run resumed on more peers) starts its local state as a
 joiner does: a fresh inner optimizer and empty error feedback, its parameters from the shared
