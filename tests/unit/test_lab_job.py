@@ -61,6 +61,23 @@ def test_job_script_is_read_from_the_scenario_folder_and_strategy_is_optional(
         parse_scenario(NET, source="b.toml")
 
 
+def test_job_nproc_per_peer_makes_each_peer_an_island_in_its_namespace(tmp_path: Path) -> None:
+    path = _scenario_dir(tmp_path, '[job]\nscript = "train.py"\nnproc_per_peer = [2, 1]\n')
+    sc = load_scenario(path)
+    assert sc.job is not None and sc.job.nproc_per_peer == (2, 1)
+    assert sc.to_json()["job"]["nproc_per_peer"] == [2, 1]
+    program = lab_script(sc, lab_config(sc))
+    assert isinstance(program, Script) and program.nprocs == (2, 1)
+    # the peer's one command is the island's agent: its ranks are its children, in its namespace
+    assert program.command(_Peer(0))[1:4] == ["-m", "isthmus.run.island", "2"]
+    assert program.command(_Peer(1))[1:4] == ["-m", "isthmus.run.island", "1"]
+
+
+class _Peer:
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+
 @pytest.mark.parametrize(
     ("job", "key", "words"),
     [
@@ -71,6 +88,8 @@ def test_job_script_is_read_from_the_scenario_folder_and_strategy_is_optional(
         ('script = "train.py"\nargs = ["--steps", 3]', "job.args[1]", "must be a string"),
         ('scirpt = "train.py"', "job.scirpt", "did you mean 'script'"),
         ('args = ["x"]', "job.script", "missing required key"),
+        ('script = "train.py"\nnproc_per_peer = 0', "job.nproc_per_peer", "int >= 1"),
+        ('script = "train.py"\nnproc_per_peer = [2, "1"]', "job.nproc_per_peer", "int >= 1"),
     ],
 )
 def test_a_bad_job_section_names_the_file_and_the_key(

@@ -274,7 +274,7 @@ class Scenario:
             "byzantine": [asdict(b) for b in self.byzantine],
             "faults": [asdict(f) for f in self.faults],
             "checkpoint": asdict(checkpoint) if checkpoint else None,
-            "job": {"script": self.job.script, "args": list(self.job.args)} if self.job else None,
+            "job": self.job.to_json() if self.job else None,
             "description": self.description,
             "source": self.source,
         }

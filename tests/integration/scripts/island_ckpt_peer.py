@@ -100,6 +100,7 @@ def main() -> None:
         "losses": losses,
         "revision": session.revision,
         "resumed_from": strategy.resumed_from,
+        "netns": os.readlink("/proc/self/ns/net"),  # the lab: which namespace this rank ran in
     }
     session.close()
     record["digest"] = session.state.digest()
