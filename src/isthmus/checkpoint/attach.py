@@ -56,6 +56,9 @@ def resume_from(session: Any, strategy: _Strategy, url: str, upto: int | None = 
             url, session.state, slot=key, local_template=local_tree(template), upto=upto
         )
         local = None if local is None else merge_local(template, local)
+        # the island's ranks step together: all of them take their local state, or none does
+        if not all(island.gather(local is not None)):
+            local = None
     if local is not None:
         strategy.load_local_state(local)
     session.revision = manifest.revision
