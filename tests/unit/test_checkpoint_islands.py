@@ -201,11 +201,13 @@ def run_ranks(sizes: list[int], fn: Any) -> list[Any]:
     return [out[key] for key in sorted(out)]
 
 
-def write_2x2(url: str, full: dict[str, torch.Tensor]) -> list[FakeSession]:
+def write_islands(
+    url: str, full: dict[str, torch.Tensor], sizes: tuple[int, ...] = (2, 2)
+) -> list[FakeSession]:
     book = (CheckpointBook(url), threading.Lock())
 
     def write(k: int, island: Any) -> FakeSession:
-        s = FakeSession(island, k, [2, 2], book, full)
+        s = FakeSession(island, k, list(sizes), book, full)
         ck = IslandCheckpointer(
             s, url, every=2, local_state=lambda: {"rng": torch.full((2,), float(island.rank))}
         )
@@ -216,7 +218,7 @@ def write_2x2(url: str, full: dict[str, torch.Tensor]) -> list[FakeSession]:
         s.state.prepare()  # the island's parity hashes, to compare with the manifest's
         return s
 
-    return run_ranks([2, 2], write)
+    return run_ranks(list(sizes), write)
 
 
 def test_two_islands_of_two_write_shards_that_any_shape_reads_back_bit_for_bit(
@@ -224,7 +226,7 @@ def test_two_islands_of_two_write_shards_that_any_shape_reads_back_bit_for_bit(
 ) -> None:
     full = full_state()
     url = str(tmp_path / "ck")
-    writers = write_2x2(url, full)
+    writers = write_islands(url, full)
     store = CheckpointStore(url)
     assert store.revisions() == [4]
     m = read_manifest(store, 4)
@@ -268,7 +270,7 @@ def test_two_islands_of_two_write_shards_that_any_shape_reads_back_bit_for_bit(
 def test_a_corrupt_or_mismatched_island_checkpoint_is_named(tmp_path: Path) -> None:
     full = full_state()
     url = str(tmp_path / "ck")
-    write_2x2(url, full)
+    write_islands(url, full)
     store = CheckpointStore(url)
     m = read_manifest(store, 4)
     templates = {n: torch.empty_like(t) for n, t in full.items()}
@@ -327,4 +329,25 @@ def test_a_checkpoint_of_single_peers_loads_on_an_island(tmp_path: Path) -> None
         return st.gathered()
 
     for state in run_ranks([2], read):
+        assert all(torch.equal(state[n].reshape(t.shape), t) for n, t in full.items())
+
+
+def test_islands_of_two_and_one_write_a_checkpoint_an_island_of_three_reads(
+    tmp_path: Path,
+) -> None:
+    """Writers sharded two ways at once (each island its own rows): the parts still cover
+    every element once, and a reader of a third shape gets the same bits."""
+    full = full_state()
+    url = str(tmp_path / "ck")
+    writers = write_islands(url, full, sizes=(2, 1))
+    m = read_manifest(CheckpointStore(url), 4)
+    assert m.islands == [2, 1] and sorted(m.shards) == ["0", "1", "2"]
+    assert m.hashes == writers[0].state.hashes() == writers[2].state.hashes()
+
+    def read(_k: int, island: Any) -> dict[str, torch.Tensor]:
+        st = island_state(island, {n: torch.zeros_like(t) for n, t in full.items()})
+        load_latest(url, st)
+        return st.gathered()
+
+    for state in run_ranks([3], read):
         assert all(torch.equal(state[n].reshape(t.shape), t) for n, t in full.items())
