@@ -81,6 +81,7 @@ class IslandCheckpointer(Checkpointer):
         if local is not None:
             kwargs["local_state"] = lambda: local_tree(local())
         super().__init__(session, url, **kwargs)
+        self._writers: list[int] = []  # the island sizes of the write in progress
 
     def _sizes(self) -> list[int]:
         """The island sizes of the round that produced the revision, in member order."""
@@ -92,7 +93,7 @@ class IslandCheckpointer(Checkpointer):
         s = self.session
         state = s.state
         full = {n: math.prod(state.full_shape(n)) * t.element_size() for n, t in state.items()}
-        sizes = self._sizes()
+        sizes = self._writers = self._sizes()
         by_island = assign_parts(full, s.world)
         parts: list[list[str]] = []
         for k, n_ranks in enumerate(sizes):
@@ -147,7 +148,7 @@ class IslandCheckpointer(Checkpointer):
             hash_kind="layout",
             parts=parts,
             shards=shards,
-            islands=self._sizes(),
+            islands=list(self._writers),
             writers=dict(answer.get("writers", {})),
             local=sorted(answer.get("local", [])),
             model_keys=self.model_keys,
