@@ -291,6 +291,21 @@ def test_a_corrupt_or_mismatched_island_checkpoint_is_named(tmp_path: Path) -> N
         load_shared(store, m, templates)
     with pytest.raises(NoCheckpoint, match="all 1 failed to verify"):
         load_latest(url, _plain(full))
+
+    # on an island the verdict is the island's: the rank that reads no bad shard refuses too,
+    # and a model of another shape is refused on every rank, naming the tensor
+    def corrupt(_k: int, island: Any) -> str:
+        st = island_state(island, {n: torch.zeros_like(t) for n, t in full.items()})
+        with pytest.raises(NoCheckpoint, match="all 1 failed to verify"):
+            load_latest(url, st)
+        other = {
+            n: torch.zeros(11, 6) if n == "w" else torch.zeros_like(t) for n, t in full.items()
+        }
+        with pytest.raises(CheckpointMismatch, match=r"'w' is \[10, 6\] torch.float32 in the"):
+            load_latest(url, island_state(island, other))
+        return "refused"
+
+    assert run_ranks([2], corrupt) == ["refused", "refused"]
     # a manifest whose shards do not add up: the missing elements named
     del m.shards[p]["w"]
     with pytest.raises(CheckpointCorrupt, match=r"tensor 'w': elements \[\d+, \d+\) are in no"):

@@ -180,29 +180,35 @@ def load_ranges(
 
 
 def _load_island(
-    store: CheckpointStore, m: Manifest, state: Any, where: str
-) -> dict[str, torch.Tensor]:
-    """This rank's part of checkpoint ``m`` for an island's state (every rank of the island
-    calls it together): each rank reads the pieces that overlap what it holds, checks them by
-    xxh3, and the island checks every full tensor's layout hash (summed over its ranks) against
-    the manifest. The verdict is the island's: every rank raises the same
-    :class:`CheckpointCorrupt` when any rank's part failed, so all of them go on (or fall back
-    to an older checkpoint) together."""
+    store: CheckpointStore, rev: int, state: Any, where: str
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """This rank's part of checkpoint ``rev`` for an island's state (every rank of the island
+    calls it together): each rank reads the manifest and the pieces that overlap what it holds,
+    checks them by xxh3, and the island checks every full tensor's layout hash (summed over its
+    ranks) against the manifest. The verdict is the island's: when any rank failed, every rank
+    raises the same error (:class:`CheckpointMismatch` if a rank found another model's state,
+    else :class:`CheckpointCorrupt`), so all of them go on, fall back to an older checkpoint or
+    stop together."""
     island = state.island
     wants: dict[str, tuple[int, int, tuple[int, ...]]] = {}
     for n, t in state.items():
         p = state.placements[n]
         full = tuple(state.full_shape(n))
         wants[n] = (0, t.numel(), full) if p is None else (p.start, p.stop, full)
-    error = ""
+    error: tuple[str, str] | None = None
     loaded: dict[str, torch.Tensor] = {}
     try:
+        m = read_manifest(store, rev)
+        _check_schema(m, state, where)
         loaded = load_ranges(store, m, wants, {n: t.dtype for n, t in state.items()})
-    except CheckpointCorrupt as e:
-        error = str(e)
+    except (ValueError, OSError) as e:  # CheckpointCorrupt and CheckpointMismatch among them
+        error = (type(e).__name__, str(e))
     errors = [e for e in island.gather(error) if e]
     if errors:
-        raise CheckpointCorrupt(errors[0])
+        mismatch = [msg for kind, msg in errors if kind == CheckpointMismatch.__name__]
+        if mismatch:
+            raise CheckpointMismatch(mismatch[0])
+        raise CheckpointCorrupt(errors[0][1])
     if m.hash_kind == "layout":
         mine = []
         for n, _t in state.items():
@@ -216,7 +222,7 @@ def _load_island(
                     f"{where}: tensor {n!r} read by the island's ranks does not match its layout "
                     "hash in the manifest"
                 )
-    return {n: loaded[n].view(t.shape) for n, t in state.items()}
+    return m, {n: loaded[n].view(t.shape) for n, t in state.items()}
 
 
 def load_latest(
@@ -243,11 +249,11 @@ def load_latest(
     for rev in reversed(revisions):
         where = f"{url}/{store.dirname(rev)}"
         try:
-            m = read_manifest(store, rev)
-            _check_schema(m, state, where)
-            if getattr(state, "island", None) is not None:
-                loaded = _load_island(store, m, state, where)
+            if getattr(state, "island", None) is not None:  # the island's ranks in lockstep
+                m, loaded = _load_island(store, rev, state, where)
             else:
+                m = read_manifest(store, rev)
+                _check_schema(m, state, where)
                 loaded = load_shared(store, m, state)
         except (CheckpointCorrupt, ValueError, OSError) as e:
             if isinstance(e, CheckpointMismatch):
