@@ -73,6 +73,24 @@ def test_job_nproc_per_peer_makes_each_peer_an_island_in_its_namespace(tmp_path:
     assert program.command(_Peer(1))[1:4] == ["-m", "isthmus.run.island", "1"]
 
 
+def test_run_nproc_per_peer_makes_the_builtin_jobs_peers_islands(tmp_path: Path) -> None:
+    from isthmus.run.programs import BuiltinJob, PeerLaunch
+    from isthmus.run.record import RunDir
+
+    body = '[strategy]\nname = "diloco"\n'
+    sc = parse_scenario(NET.replace('name = "t"', 'name = "t"\nnproc_per_peer = 2') + body)
+    run = lab_config(sc)
+    assert run.nproc_per_peer == 2
+    launch = PeerLaunch(0, "peer0", "c:1", "tok", (), None, RunDir(tmp_path))
+    argv = BuiltinJob(run).command(launch)
+    assert argv[1:4] == ["-m", "isthmus.run.island", "2"] and argv[4].endswith("run/job.py")
+    assert argv[5] == str(tmp_path / "peer0.job.json")  # the job's own file, as for one process
+    with pytest.raises(SpecError, match="nproc_per_peer"):
+        lab_config(
+            parse_scenario(NET.replace('name = "t"', 'name = "t"\nnproc_per_peer = 0') + body)
+        )
+
+
 class _Peer:
     def __init__(self, slot: int) -> None:
         self.slot = slot
