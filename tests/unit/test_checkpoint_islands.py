@@ -237,6 +237,7 @@ def test_two_islands_of_two_write_shards_that_any_shape_reads_back_bit_for_bit(
         assert reads(m.shards, n, 0, t.numel())
     assert m.schema == [[n, list(t.shape), str(t.dtype)] for n, t in full.items()]
     assert m.local == [f"peer{k}.{r}of2" for k in range(2) for r in range(2)]
+    assert m.writers == {str(2 * k + r): f"peer{k} rank {r}" for k in range(2) for r in range(2)}
     # the manifest's hashes are the islands' own parity hashes (layout-independent)
     assert m.hashes == writers[0].state.hashes() == writers[3].state.hashes()
 

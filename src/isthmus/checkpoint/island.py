@@ -125,6 +125,9 @@ class IslandCheckpointer(Checkpointer):
             out[key] = value
         return out
 
+    def _writer(self) -> str:
+        return f"{self.session.name} rank {self.session.island.rank}"
+
     def _local_key(self) -> str:
         s = self.session
         return island_local_key(slot_of(s.name), s.island.rank, s.island.size)

@@ -20,6 +20,9 @@ which waits for that copy, before each of its rounds. Likewise the local tensors
 sampler's position moves at every step) and the rest of the local state (floating buffers: a
 forward pass writes them) are copied on the training thread.
 
+A rank of an island (a peer of several local ranks) writes its own shards instead, with no
+gather: :class:`~isthmus.checkpoint.island.IslandCheckpointer`.
+
 On failure: a part that cannot be written (disk full, permission, an unreachable store) is
 logged and counted (:attr:`Checkpointer.failures`); training goes on and the previous complete
 checkpoint stays the latest. A peer that dies mid-save leaves a directory without a manifest,
@@ -170,6 +173,10 @@ class Checkpointer:
         """The ``hashes`` of a part's report: the xxh3 of every tensor written."""
         return {n: tensor_hash(t) for n, t in snapshot.items()}
 
+    def _writer(self) -> str:
+        """Who wrote a part, as the manifest names it (here: the peer's name)."""
+        return str(self.session.name)
+
     def _local_key(self) -> str:
         """The name under which this process's local state is saved (``local-<key>``)."""
         return slot_of(self.session.name)
@@ -241,7 +248,7 @@ class Checkpointer:
                     "ok": True,
                     "hashes": self._part_hashes(rank, snapshot),
                     "bytes": sum(t.numel() * t.element_size() for t in snapshot.values()),
-                    "writer": s.name,
+                    "writer": self._writer(),
                     "local": slot if local else "",
                 }
             )
