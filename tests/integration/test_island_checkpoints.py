@@ -81,3 +81,25 @@ def test_a_2x2_island_checkpoint_resumes_as_3x1_and_1x4(tmp_path: Path) -> None:
         used = Counter(_used(out_a, before=saved) + _used(out))
         assert used and max(used.values()) == 1, [k for k, v in used.items() if v > 1]
         assert sum(1 for e, _ in used if e == 0) == 64  # epoch 0 was used whole
+
+
+def test_an_island_restarted_whole_continues_from_the_runs_restore_point(tmp_path: Path) -> None:
+    """The only island of a run dies whole (both ranks SIGKILLed) after checkpoints; the
+    launcher starts it again, the coordinator answers its registration with the restore point,
+    and both ranks load their parts of it before any round: the run goes on from there."""
+    ck = tmp_path / "ck"
+    code, out, logs = _run(
+        tmp_path, "r", "--peers", "1", "--nproc-per-peer", "2", "--max-restarts", "1",
+        script=("--checkpoint-dir", str(ck), "--exit-at", "5", "--steps", "8"),
+    )  # fmt: skip
+    assert code == 0, logs
+    events = [json.loads(line) for line in (tmp_path / "r" / "events.jsonl").open()]
+    restart = [e for e in events if e["kind"] == "restart"]
+    assert len(restart) == 1, logs
+    restored = restart[0]["checkpoint_revision"]
+    recs = {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
+    assert sorted(recs) == ["0.0", "0.1"], logs
+    for r in recs.values():
+        assert r["resumed_from"] == restored == r["start"]["revision"] and r["revision"] > restored
+    assert len({r["digest"] for r in recs.values()}) == 1
+    assert {int(r["full"]["meta/step"]) for r in recs.values()} == {8}
