@@ -17,6 +17,13 @@ The model is a tiny Llama built from a ``transformers`` config (nothing is downl
 built-in GPT when transformers is not installed); the data are synthetic sequences with a
 pattern to learn (each token is the previous one plus a per-sequence stride), different on
 every rank. Each rank prints its tokens per second, its peak memory and the bytes it sent.
+
+With ``--checkpoint-dir DIR`` (under ``isthmus run``) every rank of every island writes its own
+shards of the shared state after every ``--checkpoint-every`` rounds; ``--resume DIR`` starts a
+run from the latest one, on any number of islands of any size::
+
+    isthmus run --peers 2 --nproc-per-peer 2 examples/fsdp_llama.py --checkpoint-dir ck
+    isthmus run --peers 1 --nproc-per-peer 4 examples/fsdp_llama.py --resume ck --steps 60
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ def main() -> None:
         help="between islands: auto is NCCL for CUDA state; gloo where islands share one GPU "
         "(NCCL refuses two ranks of a group on one device)",
     )  # fmt: skip
+    ap.add_argument("--checkpoint-dir", default=None, help="checkpoints (every rank its shards)")
+    ap.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints")
+    ap.add_argument("--resume", default=None, help="start from the latest checkpoint here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:  # torchrun, or isthmus run --nproc-per-peer N
@@ -105,7 +115,13 @@ def main() -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     session = None
     if os.environ.get("ISTHMUS_COORDINATOR"):  # started by isthmus run
-        config = dataclasses.replace(isthmus.SessionConfig.from_env(), backend=args.backend)
+        config = dataclasses.replace(
+            isthmus.SessionConfig.from_env(),
+            backend=args.backend,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
+            resume=args.resume,
+        )
         session = isthmus.Session(config)
     strategy = isthmus.DiLoCo(
         session, model, inner, isthmus.DiLoCoConfig(sync_every=args.sync_every)

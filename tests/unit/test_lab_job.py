@@ -61,6 +61,41 @@ def test_job_script_is_read_from_the_scenario_folder_and_strategy_is_optional(
         parse_scenario(NET, source="b.toml")
 
 
+def test_job_nproc_per_peer_makes_each_peer_an_island_in_its_namespace(tmp_path: Path) -> None:
+    path = _scenario_dir(tmp_path, '[job]\nscript = "train.py"\nnproc_per_peer = [2, 1]\n')
+    sc = load_scenario(path)
+    assert sc.job is not None and sc.job.nproc_per_peer == (2, 1)
+    assert sc.to_json()["job"]["nproc_per_peer"] == [2, 1]
+    program = lab_script(sc, lab_config(sc))
+    assert isinstance(program, Script) and program.nprocs == (2, 1)
+    # the peer's one command is the island's agent: its ranks are its children, in its namespace
+    assert program.command(_Peer(0))[1:4] == ["-m", "isthmus.run.island", "2"]
+    assert program.command(_Peer(1))[1:4] == ["-m", "isthmus.run.island", "1"]
+
+
+def test_run_nproc_per_peer_makes_the_builtin_jobs_peers_islands(tmp_path: Path) -> None:
+    from isthmus.run.programs import BuiltinJob, PeerLaunch
+    from isthmus.run.record import RunDir
+
+    body = '[strategy]\nname = "diloco"\n'
+    sc = parse_scenario(NET.replace('name = "t"', 'name = "t"\nnproc_per_peer = 2') + body)
+    run = lab_config(sc)
+    assert run.nproc_per_peer == 2
+    launch = PeerLaunch(0, "peer0", "c:1", "tok", (), None, RunDir(tmp_path))
+    argv = BuiltinJob(run).command(launch)
+    assert argv[1:4] == ["-m", "isthmus.run.island", "2"] and argv[4].endswith("run/job.py")
+    assert argv[5] == str(tmp_path / "peer0.job.json")  # the job's own file, as for one process
+    with pytest.raises(SpecError, match="nproc_per_peer"):
+        lab_config(
+            parse_scenario(NET.replace('name = "t"', 'name = "t"\nnproc_per_peer = 0') + body)
+        )
+
+
+class _Peer:
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+
 @pytest.mark.parametrize(
     ("job", "key", "words"),
     [
@@ -71,6 +106,8 @@ def test_job_script_is_read_from_the_scenario_folder_and_strategy_is_optional(
         ('script = "train.py"\nargs = ["--steps", 3]', "job.args[1]", "must be a string"),
         ('scirpt = "train.py"', "job.scirpt", "did you mean 'script'"),
         ('args = ["x"]', "job.script", "missing required key"),
+        ('script = "train.py"\nnproc_per_peer = 0', "job.nproc_per_peer", "int >= 1"),
+        ('script = "train.py"\nnproc_per_peer = [2, "1"]', "job.nproc_per_peer", "int >= 1"),
     ],
 )
 def test_a_bad_job_section_names_the_file_and_the_key(

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -436,6 +437,32 @@ def test_without_a_session_each_call_consumes_its_block() -> None:
     a, b = ElasticSampler(10, 4, seed=2), ElasticSampler(10, 4, seed=2)
     shares = [(a.indices(0, 2), b.indices(1, 2)) for _ in range(3)]
     assert sorted(i for x, y in shares for i in x + y) == list(range(10))
+
+
+def test_the_ranks_of_an_island_split_its_share_and_use_it_once() -> None:
+    """Islands of 2 and 1 ranks: every rank holds the sampler's shared state and draws its
+    part of its island's share; the parts are disjoint and together are what the commit uses."""
+    sizes = {(0, 0): 2, (0, 1): 2, (1, 0): 1}  # (peer, local rank) -> its island's size
+    samplers = {key: ElasticSampler(40, 7, seed=1) for key in sizes}
+    for s in samplers.values():
+        s.attach(FakeSession())
+    for rnd in range(2):  # the first round's work is owed again (nobody knew the membership)
+        drawn = {
+            (peer, r): [i for _ in range(3) for i in s.indices(peer, 2, local_rank=r,
+                                                               local_world=sizes[(peer, r)])]
+            for (peer, r), s in samplers.items()
+        }  # fmt: skip
+        plan = SimpleNamespace(round=rnd, members=(0, 1), resynced=())
+        for s in samplers.values():
+            s.on_commit(plan)
+    every = [i for got in drawn.values() for i in got]
+    assert len(every) == len(set(every)) == 21  # 3 blocks of 7, no sample twice
+    assert all(sorted(s.last_used) == sorted(every) for s in samplers.values())
+    # a block of 7: 4 to the island of 2 (2 + 2 over its ranks), 3 to the island of 1
+    assert [len(drawn[k]) for k in sorted(drawn)] == [6, 6, 9]
+    assert len({tuple(s.state_dict()["cursor"].tolist()) for s in samplers.values()}) == 1
+    with pytest.raises(ValueError, match="local_rank must be in"):
+        samplers[(0, 0)].indices(0, 2, local_rank=2, local_world=2)
 
 
 def test_assignment_says_whose_work_will_count(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ checkpoint complete. Loading (:func:`load_latest`): every part, consolidated and
 run of any size; a corrupted checkpoint falls back to the previous one. Tools: :func:`inspect`,
 :func:`export` (a plain safetensors state dict). Storage: a directory or any fsspec URL.
 Ideas from Universal Checkpointing (distributed representation for saving, consolidated for
-loading, resume on any configuration).
+loading, resume on any configuration). Islands (peers of several local ranks) write with every
+rank, each its own flat shards (:mod:`isthmus.checkpoint.island`, :mod:`.shards`); the same
+loader reads those on islands of any size and on single peers.
 
 checkpoint may import reduce, comm (a round's members and their group), the coordinator and the
 floor. Never imports runconfig, strategies, lab, integrations, run or cli: a strategy hands it the shared state

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from typing import Any, Protocol
 
+from isthmus.checkpoint.island import IslandCheckpointer, island_local_key, local_tree, merge_local
 from isthmus.checkpoint.load import load_latest
 from isthmus.checkpoint.save import Checkpointer, slot_of
 
@@ -43,13 +44,25 @@ def resume_from(session: Any, strategy: _Strategy, url: str, upto: int | None = 
     unreadable location); nothing is changed then.
     """
     name = session.name
-    manifest, local = load_latest(
-        url, session.state, slot=slot_of(name), local_template=strategy.local_state(), upto=upto
-    )
+    island = getattr(session, "island", None)
+    template = strategy.local_state()
+    if island is None:
+        manifest, local = load_latest(
+            url, session.state, slot=slot_of(name), local_template=template, upto=upto
+        )
+    else:  # each rank its own local state, as its DTensors' shards
+        key = island_local_key(slot_of(name), island.rank, island.size)
+        manifest, local = load_latest(
+            url, session.state, slot=key, local_template=local_tree(template), upto=upto
+        )
+        local = None if local is None else merge_local(template, local)
+        # the island's ranks step together: all of them take their local state, or none does
+        if not all(island.gather(local is not None)):
+            local = None
     if local is not None:
         strategy.load_local_state(local)
     session.revision = manifest.revision
-    slots = sorted(manifest.local)
+    slots = sorted({slot_of(k) for k in manifest.local})
     if slot_of(name) in slots:
         session.rank, session.world = slots.index(slot_of(name)), len(slots)
     log.info("%s resumed from revision %d of %s", name, manifest.revision, url)
@@ -86,7 +99,8 @@ def checkpointer_for(session: Any, strategy: _Strategy) -> Checkpointer | None:
     named = getattr(strategy, "round_written_shared", None)
     # likewise the local tensors only its optimizer's step writes (it settles before each step)
     stepped = getattr(strategy, "step_written_local", None)
-    ck = Checkpointer(
+    kind = Checkpointer if getattr(session, "island", None) is None else IslandCheckpointer
+    ck = kind(
         session,
         cfg.checkpoint_dir,
         # 0: only at the end of the run (the strategy's finish() forces one)

@@ -8,10 +8,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMAT", "Manifest", "assign_parts"]
+__all__ = ["FORMAT", "ISLAND_FORMAT", "PLAIN_FORMAT", "Manifest", "assign_parts"]
 
-FORMAT = 1
-"""Version of the checkpoint layout; a reader refuses a newer one by name."""
+PLAIN_FORMAT = 1
+"""The layout single peers write: each part holds whole tensors (:attr:`Manifest.parts`)."""
+ISLAND_FORMAT = 2
+"""The layout islands write: each part holds flat shards (:attr:`Manifest.shards`), and the
+hashes are layout hashes (:mod:`isthmus.checkpoint.shards`). A reader of format 1 cannot read
+it, so it is refused there by its number."""
+FORMAT = ISLAND_FORMAT
+"""The newest checkpoint layout this isthmus reads; a reader refuses a newer one by name."""
 
 
 def assign_parts(sizes: dict[str, int], parts: int) -> list[list[str]]:
@@ -33,7 +39,7 @@ def assign_parts(sizes: dict[str, int], parts: int) -> list[list[str]]:
 class Manifest:
     """The index of one complete checkpoint (``manifest.json``)."""
 
-    format: int = FORMAT
+    format: int = PLAIN_FORMAT
     run_id: str
     revision: int
     """Committed rounds in the saved state (the round that produced it is ``revision - 1``)."""
@@ -42,9 +48,18 @@ class Manifest:
     schema: list[list[Any]] = field(default_factory=list)
     """``[name, shape, dtype]`` of every shared tensor, in registration order."""
     hashes: dict[str, str] = field(default_factory=dict)
-    """xxh3-64 of every shared tensor's bytes."""
+    """Every shared tensor's hash: xxh3-64 of its bytes (``hash_kind`` ``"xxh3"``), or its
+    layout-independent hash (``"layout"``, :func:`isthmus.comm.layout.layout_hash`)."""
+    hash_kind: str = "xxh3"
     parts: list[list[str]] = field(default_factory=list)
-    """Which shared tensors part ``k`` (directory ``shared-<k>``) holds."""
+    """Which shared tensors part ``k`` (directory ``shared-<k>``) holds (whole, or a shard of
+    each when ``shards`` is set)."""
+    shards: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    """Islands' checkpoints: part ``k`` (as text) -> tensor -> ``[start, stop, xxh3]``, the flat
+    elements of the full tensor that part holds (saved flat) and the hash of their bytes.
+    Empty for single peers' checkpoints."""
+    islands: list[int] = field(default_factory=list)
+    """The sizes of the islands that wrote it (parts are numbered island by island)."""
     writers: dict[str, str] = field(default_factory=dict)
     """Part number -> the peer that wrote it."""
     local: list[str] = field(default_factory=list)

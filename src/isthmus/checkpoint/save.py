@@ -20,6 +20,9 @@ which waits for that copy, before each of its rounds. Likewise the local tensors
 sampler's position moves at every step) and the rest of the local state (floating buffers: a
 forward pass writes them) are copied on the training thread.
 
+A rank of an island (a peer of several local ranks) writes its own shards instead, with no
+gather: :class:`~isthmus.checkpoint.island.IslandCheckpointer`.
+
 On failure: a part that cannot be written (disk full, permission, an unreachable store) is
 logged and counted (:attr:`Checkpointer.failures`); training goes on and the previous complete
 checkpoint stays the latest. A peer that dies mid-save leaves a directory without a manifest,
@@ -132,11 +135,10 @@ class Checkpointer:
         t0 = time.monotonic()
         self.wait()  # one write at a time: a slow store costs a stall, never unbounded memory
         s = self.session
-        revision, rank, world = s.revision, s.rank, s.world
-        sizes = {n: t.numel() * t.element_size() for n, t in s.state.items()}
-        parts = assign_parts(sizes, world)
-        later = {n: s.state[n] for n in parts[rank] if n in self.background_shared}
-        at_once = {n: s.state[n] for n in parts[rank] if n not in self.background_shared}
+        revision = s.revision
+        rank, parts, names = self._assignment()
+        later = {n: s.state[n] for n in names if n in self.background_shared}
+        at_once = {n: s.state[n] for n in names if n not in self.background_shared}
         snapshot = self._shared_staging.copy(at_once)
         local = self.local_state() if self.local_state is not None else None
         local = self._local_staging.copy(local, self.background_local) if local else None
@@ -147,13 +149,37 @@ class Checkpointer:
         self.last_revision = revision
         self._thread = threading.Thread(
             target=self._copy_and_write,
-            args=(revision, rank, parts, snapshot, later, local, copied),
+            args=(revision, rank, parts, names, snapshot, later, local, copied),
             name="isthmus-checkpoint",
             daemon=True,
         )
         self._thread.start()
         self.stall_s += time.monotonic() - t0  # starting the writer is the training thread's too
         return True
+
+    def _assignment(self) -> tuple[int, list[list[str]], list[str]]:
+        """This writer's part number, every part's tensors, and the tensors it snapshots: the
+        round's members split the shared tensors by bytes, one part each."""
+        s = self.session
+        sizes = {n: t.numel() * t.element_size() for n, t in s.state.items()}
+        parts = assign_parts(sizes, s.world)
+        return s.rank, parts, parts[s.rank]
+
+    def _stored(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What is written for a part's snapshot (here: the tensors as they are)."""
+        return snapshot
+
+    def _part_hashes(self, rank: int, snapshot: dict[str, torch.Tensor]) -> dict[str, str]:
+        """The ``hashes`` of a part's report: the xxh3 of every tensor written."""
+        return {n: tensor_hash(t) for n, t in snapshot.items()}
+
+    def _writer(self) -> str:
+        """Who wrote a part, as the manifest names it (here: the peer's name)."""
+        return str(self.session.name)
+
+    def _local_key(self) -> str:
+        """The name under which this process's local state is saved (``local-<key>``)."""
+        return slot_of(self.session.name)
 
     def settle(self) -> None:
         """Return once the background copies of the snapshot being taken are done (at once when
@@ -175,6 +201,7 @@ class Checkpointer:
         revision: int,
         rank: int,
         parts: list[list[str]],
+        names: list[str],
         snapshot: dict[str, torch.Tensor],
         later: dict[str, torch.Tensor],
         local: dict[str, Any] | None,
@@ -183,7 +210,7 @@ class Checkpointer:
         try:
             if later:
                 later = self._background_staging.copy(later)
-                snapshot = {n: (later[n] if n in later else snapshot[n]) for n in parts[rank]}
+                snapshot = {n: (later[n] if n in later else snapshot[n]) for n in names}
             self._local_staging.finish()
         except Exception as e:  # as a failed write: counted, reported, training goes on
             self.failures += 1
@@ -203,11 +230,11 @@ class Checkpointer:
     ) -> None:
         s, store = self.session, self.store
         d = store.dirname(revision)
-        slot = slot_of(s.name)
+        slot = self._local_key()
         try:
             store.unseal(revision)  # a revision this run wrote before it went back to an older one
             if snapshot:
-                store.save(snapshot, d, f"shared-{rank}")
+                store.save(self._stored(snapshot), d, f"shared-{rank}")
             if local:
                 store.save(local, d, f"local-{slot}")
             faults = getattr(s, "faults", None)
@@ -219,9 +246,9 @@ class Checkpointer:
                     "part": rank,
                     "parts": len(parts),
                     "ok": True,
-                    "hashes": {n: tensor_hash(t) for n, t in snapshot.items()},
+                    "hashes": self._part_hashes(rank, snapshot),
                     "bytes": sum(t.numel() * t.element_size() for t in snapshot.values()),
-                    "writer": s.name,
+                    "writer": self._writer(),
                     "local": slot if local else "",
                 }
             )
@@ -244,7 +271,19 @@ class Checkpointer:
 
     def _finish(self, revision: int, parts: list[list[str]], answer: dict[str, Any]) -> None:
         s, store = self.session, self.store
-        manifest = Manifest(
+        manifest = self._manifest(revision, parts, answer)
+        path = store.path(store.dirname(revision), "manifest.json")
+        store.write_atomic(path, manifest.to_bytes())
+        # the root, so that the coordinator can restart the run from it (RestorePoint)
+        s.report_checkpoint({"revision": revision, "manifest": path, "url": store.url})
+        self.manifests += 1
+        self._prune(revision)
+
+    def _manifest(self, revision: int, parts: list[list[str]], answer: dict[str, Any]) -> Manifest:
+        """The manifest of a checkpoint whose every part was reported (``answer``: the
+        coordinator's merge of the reports)."""
+        s = self.session
+        return Manifest(
             run_id=s.run_id,
             revision=revision,
             strategy=self.strategy,
@@ -258,12 +297,6 @@ class Checkpointer:
             bytes=dict(answer.get("bytes", {})),
             isthmus_version=__version__,
         )
-        path = store.path(store.dirname(revision), "manifest.json")
-        store.write_atomic(path, manifest.to_bytes())
-        # the root, so that the coordinator can restart the run from it (RestorePoint)
-        s.report_checkpoint({"revision": revision, "manifest": path, "url": store.url})
-        self.manifests += 1
-        self._prune(revision)
 
     def _prune(self, latest: int) -> None:
         """Keep the last ``keep`` complete checkpoints; drop incomplete ones older than the new

@@ -37,8 +37,9 @@ coordinator's ``heartbeat_timeout`` the ranks that notice exit with :data:`ISLAN
 the other islands abort and retry the round, and ``--max-restarts`` starts the island again as
 a whole; it rejoins and is resynced shard by shard (:mod:`isthmus.comm.island_transfer`). The
 coordinator's round aborts reach the leader; it relays them to its followers over the same
-channel, so every rank cuts its own cross-island groups at once. Not built yet (refused with an error naming it):
-checkpoints and restores, link probing.
+channel, so every rank cuts its own cross-island groups at once. A coordinator's ``restore``
+reaches the leader; it tells the followers, and every rank loads its part of the checkpoint
+together. Not built yet (refused with an error naming it): link probing.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ for the coordinator's ``heartbeat_timeout``: it ends itself so that its island l
 class IslandSession(Session):
     """The session of one rank of an island (see the module docstring). Built by
     ``Session(config)`` on every rank; the same API as a plain :class:`Session`, plus
-    :attr:`island` and :attr:`island_bytes`. ``config.probe_links``, ``checkpoint_dir`` and
-    ``resume`` are refused with a ValueError (not built for islands yet)."""
+    :attr:`island` and :attr:`island_bytes`. ``config.probe_links`` is refused with a
+    ValueError (not built for islands yet). Checkpoints (``checkpoint_dir``, ``resume``, a
+    coordinator's restore) are written and loaded by every rank
+    (:mod:`isthmus.checkpoint.island`)."""
 
     def __init__(
         self, config: SessionConfig, *, faults: FaultInjector | None = None, island: Any = None
@@ -92,11 +95,6 @@ class IslandSession(Session):
             found = Island(island)
         if config.probe_links:
             raise ValueError("probe_links is not built for islands yet: leave it off")
-        if config.checkpoint_dir or config.resume:
-            raise ValueError(
-                "checkpoints of islands (every rank writing its shards) are not built yet: "
-                "leave checkpoint_dir and resume unset"
-            )
         self.island = found
         self.island_bytes: list[int] = [0] * found.size
         """Bytes each local rank sent across islands, as of the last round's outcome."""
@@ -210,6 +208,9 @@ class IslandSession(Session):
                 if kind == "registered":  # the leader was evicted and registered again
                     self._adopt(payload)
                     continue
+                if kind == "restore":  # the run restarts from a checkpoint: every rank loads
+                    super()._restore(*payload)
+                    continue
                 return payload  # type: ignore[no-any-return]
         self._asking = True
         try:
@@ -221,6 +222,11 @@ class IslandSession(Session):
             self._asking = False
         self._tell("plan", plan)
         return plan
+
+    def _restore(self, point: Any, reason: str) -> None:
+        # the leader heard it; loading a checkpoint is the island's (every rank its part)
+        self._tell("restore", (point, reason))
+        super()._restore(point, reason)
 
     def begin(self) -> Round:
         """As :meth:`Session.begin`, on every rank of the island together: the round is set

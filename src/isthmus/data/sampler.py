@@ -274,7 +274,9 @@ class ElasticSampler:
                 s = end
         return groups
 
-    def indices(self, rank: int, world: int) -> list[int]:
+    def indices(
+        self, rank: int, world: int, *, local_rank: int = 0, local_world: int = 1
+    ) -> list[int]:
         """This peer's share of the next global batch: dataset indices, in order.
 
         Call once per training step, with this peer's rank and world size in the last round it
@@ -283,18 +285,27 @@ class ElasticSampler:
         ``batch_size % world`` ranks one larger); the last block of an epoch may be short, so a
         share may be small or even empty when the block is smaller than ``world``.
 
-        Raises ValueError for ``rank`` outside ``[0, world)`` or a run whose sampler settings
-        differ from this peer's.
+        On a peer that is an island of ``local_world`` ranks (each rank holds the sampler's
+        shared state, and every rank calls this at every step), ``local_rank`` gets its part of
+        the island's share, split the same way: the island's ranks together use the island's
+        share once, whatever the island sizes of the run.
+
+        Raises ValueError for ``rank`` outside ``[0, world)``, ``local_rank`` outside
+        ``[0, local_world)``, or a run whose sampler settings differ from this peer's.
         """
         if not isinstance(world, int) or world < 1 or not isinstance(rank, int):
             raise ValueError(f"world must be an int >= 1 and rank an int, got {rank!r}, {world!r}")
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        if not isinstance(local_world, int) or local_world < 1 or not 0 <= local_rank < local_world:
+            raise ValueError(
+                f"local_rank must be in [0, local_world={local_world}), got {local_rank}"
+            )
         self._check_config()
         pos = self.position
         t = self.drawn if self.attached else 0
         block = draw(pos.ledger, pos.cursor, self.num_samples, self.batch_size, t + 1)[t]
-        mine = share(block, rank, world)
+        mine = share(share(block, rank, world), local_rank, local_world)
         out = [i for _, idx in self._indices_of(pos.epoch, mine) for i in idx]
         if self.attached:
             self._t["drawn"][0] = t + 1

@@ -352,11 +352,14 @@ class ElasticReader:
     def indices(self) -> list[int]:
         """Draw the next global batch and return this peer's share of it (dataset indices).
 
-        With a session, the share is that of this peer's rank in the last round it was in;
-        without one, the whole batch (one process). Raises RuntimeError for an empty share (a
-        short last block with ``drop_last=False``, or more peers than ``global_batch``)."""
+        With a session, the share is that of this peer's rank in the last round it was in (on
+        an island, this rank's part of its island's share); without one, the whole batch (one
+        process). Raises RuntimeError for an empty share (a short last block with
+        ``drop_last=False``, or more peers than ``global_batch``)."""
         rank, world = (0, 1) if self.session is None else (self.session.rank, self.session.world)
-        idx = self.sampler.indices(rank, world)
+        island = getattr(self.session, "island", None)  # a peer of several ranks: its own part
+        local = {} if island is None else {"local_rank": island.rank, "local_world": island.size}
+        idx = self.sampler.indices(rank, world, **local)
         if not idx:
             raise RuntimeError(
                 f"rank {rank} of {world} got no sample of a global batch of {self.global_batch}: "

@@ -5,6 +5,7 @@ A scenario file may name a script::
     [job]
     script = "train.py"              # relative to the scenario file
     args = ["--steps", "30"]         # its arguments (optional)
+    nproc_per_peer = 2               # optional: each peer an island of 2 ranks ([2, 1]: per peer)
 
 and ``isthmus lab run scenario.toml --script train.py -- ARGS`` names one on the command line
 (which wins over the file's). The script is an ordinary peer script, the kind ``isthmus run``
@@ -18,6 +19,9 @@ starts (:func:`check_script_scenario`): a ``slow`` fault paces the built-in job'
 which a script does not run; ``[[byzantine]]`` attacks act on the built-in job's update path;
 and ``[checkpoint]`` configures the built-in job's saves (a script passes ``checkpoint_dir`` to
 its own ``SessionConfig``).
+With ``nproc_per_peer`` each peer is an *island* (what ``isthmus run --nproc-per-peer`` starts:
+torchrun's environment for each rank, FSDP2 inside): all its ranks run in the peer's own
+network namespace, behind its one link, so the WAN shapes only what crosses islands.
 Churn (``[[churn]]``, ``[random_churn]``) works on a script: the launcher applies it from
 outside, a kill or stop at a step once a peer reported that step (``session.report(step=...)``).
 """
@@ -35,7 +39,7 @@ from isthmus.spec import SpecError
 
 __all__ = ["JobSpec", "check_script_scenario", "parse_job", "script_spec"]
 
-_JOB_KEYS = ("script", "args")
+_JOB_KEYS = ("script", "args", "nproc_per_peer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +48,20 @@ class JobSpec:
 
     script: str
     args: tuple[str, ...] = ()
+    nproc_per_peer: tuple[int, ...] = (1,)
+    """Ranks per peer (peer ``i`` has ``nproc_per_peer[i % len]``); above 1 a peer is an
+    island of that many processes in its namespace."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "nproc_per_peer", tuple(self.nproc_per_peer))
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``[job]`` is written (``nproc_per_peer`` only when a peer has several ranks)."""
+        out: dict[str, Any] = {"script": self.script, "args": list(self.args)}
+        if self.nproc_per_peer != (1,):
+            out["nproc_per_peer"] = list(self.nproc_per_peer)
+        return out
 
 
 def script_spec(
@@ -62,9 +77,11 @@ def script_spec(
 
 def parse_job(raw: Any, base_dir: str | Path | None) -> JobSpec:
     """``[job]`` as written: ``script`` (a path relative to ``base_dir``, the scenario file's
-    folder; the working directory when None) and ``args`` (a list of strings). Raises
-    :class:`~isthmus.spec.SpecError` naming ``job.script`` when the file does not exist (with the
-    path it looked at) and ``job.args[i]`` for an argument that is not a string."""
+    folder; the working directory when None), ``args`` (a list of strings) and
+    ``nproc_per_peer`` (an int or a list of ints >= 1). Raises :class:`~isthmus.spec.SpecError`
+    naming ``job.script`` when the file does not exist (with the path it looked at),
+    ``job.args[i]`` for an argument that is not a string, and ``job.nproc_per_peer`` for a
+    count that is not an int >= 1."""
     t = check_keys(raw, "job", _JOB_KEYS, ["script"])
     script = check_str(t["script"], "job.script")
     args = t.get("args", [])
@@ -73,6 +90,13 @@ def parse_job(raw: Any, base_dir: str | Path | None) -> JobSpec:
     for i, a in enumerate(args):
         if not isinstance(a, str):
             raise SpecError(f"must be a string, got {a!r}", key=f"job.args[{i}]")
+    nproc = t.get("nproc_per_peer", 1)
+    counts = nproc if isinstance(nproc, list) else [nproc]
+    if not counts or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
+        raise SpecError(
+            f"must be an int >= 1 or a list of them (ranks per peer), got {nproc!r}",
+            key="job.nproc_per_peer",
+        )
     path = Path(script).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
@@ -82,7 +106,7 @@ def parse_job(raw: Any, base_dir: str | Path | None) -> JobSpec:
             "file's folder)",
             key="job.script",
         )
-    return JobSpec(script=str(path.resolve()), args=tuple(args))
+    return JobSpec(script=str(path.resolve()), args=tuple(args), nproc_per_peer=tuple(counts))
 
 
 def check_script_scenario(

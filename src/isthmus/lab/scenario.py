@@ -274,7 +274,7 @@ class Scenario:
             "byzantine": [asdict(b) for b in self.byzantine],
             "faults": [asdict(f) for f in self.faults],
             "checkpoint": asdict(checkpoint) if checkpoint else None,
-            "job": {"script": self.job.script, "args": list(self.job.args)} if self.job else None,
+            "job": self.job.to_json() if self.job else None,
             "description": self.description,
             "source": self.source,
         }
@@ -300,7 +300,7 @@ def _token_steps(tokens: int, starting: int, batch_size: int, block_size: int) -
 
 # ---------------------------------------------------------------------------- the loader
 
-_RUN_KEYS = ("name", "steps", "tokens", "seed", "model")
+_RUN_KEYS = ("name", "steps", "tokens", "seed", "model", "nproc_per_peer")
 _STRATEGY_KEYS = (
     "name",
     "options",
@@ -422,6 +422,7 @@ def _run_table(
     table: dict[str, Any] = {
         "name": run["name"],
         "peers": network.peers,
+        "nproc_per_peer": run.get("nproc_per_peer", 1),  # the built-in job's islands
         "model": {"preset": run.get("model", "tiny"), "seed": run.get("seed", 0)},
         "strategy": {
             **st,

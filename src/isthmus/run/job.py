@@ -164,6 +164,32 @@ def build_model(run: RunConfig) -> GPT:
     return model
 
 
+def island_shard(run: RunConfig, model: GPT) -> tuple[int, int]:
+    """``(local rank, ranks)`` of this process in its peer: ``(0, 1)`` for a peer of one
+    process; on a rank of an island (``run.nproc_per_peer`` > 1, started by
+    :mod:`isthmus.run.island` with torchrun's environment) the island's process group is
+    initialized (Gloo) and the model sharded with FSDP2 (each block, then the whole), so the
+    session built next finds the island. Raises RuntimeError when the launcher did not start
+    this process as a rank of an island of that size."""
+    if run.nproc_per_peer == 1:
+        return 0, 1
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size != run.nproc_per_peer:
+        raise RuntimeError(
+            f"run.nproc_per_peer is {run.nproc_per_peer} but this process is one of {size}: "
+            "start islands through isthmus demo or the lab (isthmus.run.island)"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return dist.get_rank(), size
+
+
 def model_digest(model: torch.nn.Module) -> str:
     """Hash of the model's parameters (names and bytes): equal on peers that hold the same model,
     also for strategies whose shared state does not include the parameters (gossip)."""
@@ -219,6 +245,7 @@ def run_job(job: PeerJob) -> PeerResult:
     corpus = build_corpus(run)
     model = build_model(run)
     block_size = model.config.block_size
+    local, ranks = island_shard(run, model)  # an island's rank: the model sharded with FSDP2
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=run.optim.lr, weight_decay=run.optim.weight_decay, betas=(0.9, 0.95)
     )
@@ -269,7 +296,9 @@ def run_job(job: PeerJob) -> PeerResult:
     # with a fixed global batch: global-stream position -> training window start
     order = GlobalOrder(len(corpus.train_data) - block_size, seed=run.data.seed)
     checkpointer = strategy.checkpointer
-    metrics = out.records_path(me.name).open("w", buffering=1)
+    # the peer's records are written once: by its only process, or its island's rank 0
+    records = out.records_path(me.name) if local == 0 else Path(os.devnull)
+    metrics = records.open("w", buffering=1)
     t0 = time.monotonic()
     ev = run.eval
     try:
@@ -277,8 +306,8 @@ def run_job(job: PeerJob) -> PeerResult:
             step = strategy.step_count
             x, y = corpus.batch(
                 step=step,
-                rank=session.rank,
-                world=session.world,
+                rank=session.rank * ranks + local,  # an island's ranks: each its own batch
+                world=session.world * ranks,
                 batch_size=run.data.batch_size,
                 block_size=block_size,
                 seed=run.data.seed,
@@ -368,11 +397,12 @@ def run_job(job: PeerJob) -> PeerResult:
             step=strategy.step_count,
             revision=session.revision,
             digest=session.state.digest(),
-            model_digest=model_digest(model),
+            model_digest=model_digest(model) if ranks == 1 else session.state.digest(),
             eval_loss=evaluate(
                 model, corpus, batch_size=run.data.batch_size, n_batches=ev.eval_batches
             ),
-            bytes_sent=session.stats.bytes_sent,
+            # an island's figure is its ranks' sum (each sends its own shards)
+            bytes_sent=sum(getattr(session, "island_bytes", [session.stats.bytes_sent])),
             bytes_by_op=session.stats.by_op,
             evictions=session.evictions,
             restores=session.restores,
@@ -389,9 +419,10 @@ def run_job(job: PeerJob) -> PeerResult:
             },
             resumed_from=strategy.resumed_from,
         )
-        if me.save_state:
-            torch.save(session.state.snapshot(), out.state_path(me.name))
-        out.final_path(me.name).write_text(json.dumps(dataclasses.asdict(result), indent=1))
+        if local == 0:  # an island's other ranks hold shards of the same state
+            if me.save_state:
+                torch.save(session.state.snapshot(), out.state_path(me.name))
+            out.final_path(me.name).write_text(json.dumps(dataclasses.asdict(result), indent=1))
         return result
     finally:
         metrics.close()

@@ -217,7 +217,8 @@ def lab_script(
         spec = scenario.with_job(job).job if job is not None else scenario.job
         if spec is None:
             return None
-        program = Script(spec.script, list(spec.args))
+        # an island's ranks are the agent's children: all in the peer's namespace
+        program = Script(spec.script, list(spec.args), nproc_per_peer=spec.nproc_per_peer)
     s = run.strategy
     program.settings = {
         "ISTHMUS_CONNECTIONS": str(s.connections),

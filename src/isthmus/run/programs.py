@@ -77,6 +77,11 @@ class BuiltinJob(Program):
         )
         path = peer.run_dir.job(peer.name)
         path.write_text(job.to_json())
+        if self.run.nproc_per_peer > 1:  # an island: the agent starts the job's ranks
+            from isthmus.run import job as job_module
+
+            n = str(self.run.nproc_per_peer)
+            return [sys.executable, "-m", "isthmus.run.island", n, job_module.__file__, str(path)]
         return [sys.executable, "-m", "isthmus.run.job", str(path)]
 
 

@@ -381,6 +381,12 @@ class RunConfig(Checked):
         demo's default is 150 for ddp and 200 for the others.""",
     )
     threads: int = setting(1, ge=1, help="torch threads per peer process.")
+    nproc_per_peer: int = setting(
+        1,
+        ge=1,
+        help="""Processes per peer: above 1 each peer is an island of that many ranks, the model
+        sharded among them with FSDP2, one membership slot (diloco and ddp run on islands).""",
+    )
     step_delay: float = setting(
         0.0,
         ge=0,
