@@ -14,6 +14,7 @@ import isthmus
 ROOT = Path(isthmus.__file__).parent / "coordinator"
 PACKAGE = "isthmus.coordinator"
 
+
 def modules() -> dict[str, Path]:
     out = {}
     for path in sorted(ROOT.rglob("*.py")):
