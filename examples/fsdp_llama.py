@@ -126,6 +126,8 @@ def main() -> None:
     strategy = isthmus.DiLoCo(
         session, model, inner, isthmus.DiLoCoConfig(sync_every=args.sync_every)
     )
+    if strategy.resumed_from is not None:
+        print(f"rank {rank}: resumed from revision {strategy.resumed_from}", flush=True)
     tokens, t0 = 0, time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     while strategy.step_count < args.steps:

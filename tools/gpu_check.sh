@@ -6,6 +6,7 @@
 #   3. a small CUDA run: examples/fsdp_llama.py as 2 islands of 1 rank on CUDA, DiLoCo across them
 #      (Gloo between them, since NCCL refuses two ranks of one group on one device), which must end
 #      with one digest on both,
+#   3b. the same islands' checkpoint (every rank its shards, on CUDA) resumed by 1 island of 1,
 #   4. with 4 or more GPUs, the same example as 2 islands x 2 ranks over NCCL inside (FSDP2);
 #      with fewer it says that it was skipped and why.
 # and prints a summary; the exit status is non-zero when any step failed.
@@ -13,6 +14,7 @@
 #   tools/gpu_check.sh                     # with the python3 that holds a CUDA torch
 #   PYTHON=.venv/bin/python tools/gpu_check.sh
 #   OUT=/some/dir tools/gpu_check.sh       # keep every step's log there
+#   tools/gpu_check.sh --islands           # only the island runs (3, 3b, 4): a short device call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -52,12 +54,15 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 
 # -o addopts= drops the repository's -ra/strict defaults only to add them back explicitly; -rs
 # lists every skip with its reason, so a CUDA test that did not run is seen.
-step cuda-tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --strict-markers \
+only_islands=0
+[ "${1:-}" = "--islands" ] && only_islands=1
+[ $only_islands -eq 1 ] && summary+=("SKIP  cuda-tests: --islands") || step cuda-tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --strict-markers \
   tests/unit/test_cuda.py tests/unit/test_zo.py tests/integration/test_cuda_gloo.py
 
 run_dir="$OUT/island-run"
 step island-1gpu 240 "$PY" -m isthmus.cli run --peers 2 --nproc-per-peer 1 --no-progress \
-  --run-dir "$run_dir" examples/fsdp_llama.py -- --backend gloo --steps 40 --sync-every 10
+  --run-dir "$run_dir" examples/fsdp_llama.py -- --backend gloo --steps 40 --sync-every 10 \
+  --checkpoint-dir "$OUT/island-ck" --checkpoint-every 2
 # both islands print the digest of their full state at the end: one digest, twice
 if [ -d "$run_dir" ]; then
   digests=$(grep -rhoE "state [0-9a-f]{8,}" "$run_dir" 2>/dev/null | sort | uniq -c)
@@ -66,6 +71,15 @@ if [ -d "$run_dir" ]; then
     summary+=("FAIL  island-1gpu digests: expected one digest on both islands, got: $digests")
     failed=1
   fi
+fi
+
+# the checkpoint those islands wrote on CUDA (each rank its shards), resumed by one island of 1
+step island-resume 180 "$PY" -m isthmus.cli run --peers 1 --nproc-per-peer 1 --no-progress \
+  --run-dir "$OUT/island-resume" examples/fsdp_llama.py -- --backend gloo --steps 60 \
+  --sync-every 10 --resume "$OUT/island-ck"
+if ! grep -q "resumed from revision" "$OUT/island-resume.log" 2>/dev/null; then
+  summary+=("FAIL  island-resume: did not say it resumed from the islands' checkpoint")
+  failed=1
 fi
 
 if [ "$gpus" -ge 4 ]; then
