@@ -235,7 +235,7 @@ class DiLoCo(PhasedStrategy):
                 # the round may write the shared state (a repair as it begins, its result):
                 # the copy a checkpoint is making of it on its writer thread must be done first
                 self.checkpointer.settle()
-            result = self.session.run_round(reduce)
+            result = self.session.run_round(reduce, pipelined=self.pipelines_rounds())
             if gathered:
                 table = gathered[0].view(-1, 2)
                 self._fastest = float(table[:, 0].max())
@@ -244,6 +244,12 @@ class DiLoCo(PhasedStrategy):
                     result.exact[0] = table[:, 1].max()
         self.phase_tokens = 0.0
         self.apply_outer(result)
+
+    def pipelines_rounds(self) -> bool:
+        """Whether an outer round may be applied before its verdict (``pipeline_commit``):
+        inner steps write only local copies, so only rounds write the shared state, unless the
+        model has integer buffers (shared as they are, moved by every forward pass)."""
+        return not self.model_state.other_buffers
 
     def round_written_shared(self) -> set[str]:
         """The shared tensors only rounds write (the outer round's result, a repair, a
