@@ -4,13 +4,14 @@ coordinator (no sockets: the client is a fake that answers from a list)."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from isthmus.comm.state import SharedState, tensor_bytes
-from isthmus.comm.vote import PendingVote, UndoCopy
+from isthmus.comm.vote import PendingVote, UndoCopy, VoteAhead
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.protocol import RoundPlan
 
@@ -140,3 +141,77 @@ def test_the_begin_waits_until_the_training_thread_prepared_it() -> None:
     assert not v.done.wait(0.2)  # committed, but no begin before the state is applied
     threading.Timer(0.05, v.prepare, args=(_begin(None),)).start()
     assert v.done.wait(5.0) and isinstance(v.answer, msgs.Go)
+
+
+class _Session(VoteAhead):
+    """The attributes of a session that the background vote reads, with a scripted client."""
+
+    def __init__(self, client: _Coordinator) -> None:
+        self.config = SimpleNamespace(pipeline_commit=True, round_timeout=5.0)
+        self.state = _state()
+        self.stats = SimpleNamespace(by_op={}, bytes_sent=0)
+        self.rounds: list[dict[str, Any]] = []
+        self.revision, self.parity_every, self.peer_id, self.run_id = 7, 1, 1, "r"
+        self.name = "p"
+        self._client = client  # type: ignore[assignment]
+        self._fresh, self._group, self._push_lock = False, None, threading.Lock()
+        self._aborted_epochs: set[int] = set()
+        self._last_by_op: dict[str, int] = {}
+        self.hooked: list[int] = []
+        self._commit_hooks = [lambda plan: self.hooked.append(plan.round)]
+        self._deferrable_hooks = True
+        self._vote, self._undo, self._void, self._in_round = None, UndoCopy(), False, None
+
+
+class _Round:
+    plan, epoch, number, started, _done = PLAN, 3, 7, 0.0, False
+
+    def check_faults(self, point: str) -> None:
+        pass
+
+
+def _apply(s: _Session) -> dict[str, bytes]:
+    """What a strategy does after a pipelined round: apply the result, then say so."""
+    with torch.no_grad():
+        for _, t in s.state.items():
+            t.add_(1)
+    s.applied()
+    return _bits(s.state)
+
+
+def test_a_committed_vote_raises_the_revision_and_hands_its_begin_to_the_next_round() -> None:
+    go = msgs.Go(plan=PLAN)
+    s = _Session(_Coordinator({"/v1/commit": [msgs.Committed()], "/v1/begin": [go]}))
+    assert s._vote_ahead(_Round())
+    applied = _apply(s)
+    assert s.revision == 7 and s.pending_revision == 8 and s.hooked == []  # not known yet
+    carried = s.settle(begin=True)
+    assert s.revision == 8 and s.pending_revision is None and s.hooked == [7]
+    assert carried is not None and carried[1] == go and carried[0].revision == 8
+    assert _bits(s.state) == applied and not s._void
+    assert [r["outcome"] for r in s.rounds] == ["committed"]
+
+
+def test_an_aborted_vote_restores_the_state_bit_for_bit_and_voids_the_work_since() -> None:
+    s = _Session(_Coordinator({"/v1/commit": [msgs.Aborted()], "/v1/begin": []}))
+    before = _bits(s.state)
+    assert s._vote_ahead(_Round())
+    _apply(s)
+    s.settle()  # a checkpoint's settle: the verdict only
+    assert _bits(s.state) == before and s.revision == 7 and s._void and s.hooked == []
+    assert s.settle(begin=True) is None  # no begin went: the round begins again
+    assert 3 in s._aborted_epochs and [r["outcome"] for r in s.rounds] == ["aborted"]
+
+
+def test_a_vote_whose_verdict_is_unknown_is_undone_before_the_error_is_raised() -> None:
+    class Down:
+        def call(self, *a: Any, **k: Any) -> msgs.Decision:
+            raise ConnectionError("coordinator restarted")
+
+    s = _Session(Down())  # type: ignore[arg-type]
+    before = _bits(s.state)
+    assert s._vote_ahead(_Round())
+    _apply(s)
+    with pytest.raises(ConnectionError):
+        s.settle(begin=True)
+    assert _bits(s.state) == before and s.revision == 7 and s._vote is None

@@ -22,6 +22,7 @@ coordinator said it committed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -104,6 +105,8 @@ class PendingVote:
     answer: msgs.Decision | None = None
     """The last answer to :attr:`next_begin` (a go, or what the training thread must handle)."""
     error: BaseException | None = None
+    """What reporting the vote met (a coordinator that cannot be reached): the verdict is
+    unknown. A failure of the begin after it only leaves :attr:`answer` None."""
     settled: bool = False
     """The training thread has taken the outcome (revision raised, or the undo restored)."""
     decided: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -143,19 +146,22 @@ class PendingVote:
 
     def _run(self, client: CoordinatorClient, vote: msgs.Commit) -> None:
         try:
-            self.outcome = self._poll(client, "/v1/commit", vote)
-            self.decided_at = time.monotonic()
-            self.decided.set()
+            try:
+                self.outcome = self._poll(client, "/v1/commit", vote)
+            except BaseException as e:  # the verdict is unknown: kept for the training thread
+                self.error = e
+                return
+            finally:
+                self.decided_at = time.monotonic()
+                self.decided.set()
             if not self.committed:
                 return
             self.prepared.wait(self.timeout)
             if self.next_begin is not None:
-                self.answer = self._poll(client, "/v1/begin", self.next_begin)
-        except BaseException as e:  # kept for the training thread, which raises it
-            self.error = e
+                # a failure here leaves answer None: the training thread asks again itself
+                with contextlib.suppress(Exception):
+                    self.answer = self._poll(client, "/v1/begin", self.next_begin)
         finally:
-            self.decided_at = self.decided_at or time.monotonic()
-            self.decided.set()
             self.done.set()
 
 
@@ -287,7 +293,7 @@ class VoteAhead:
             self.applied()
             v.decided.wait()
             v.settled = True
-            committed = v.committed and v.error is None
+            committed = v.committed
             if committed:
                 self.revision = v.plan.round + 1
                 for hook in self._commit_hooks:
@@ -304,12 +310,14 @@ class VoteAhead:
         if not begin:
             return None
         self._vote = None
+        if not v.committed:
+            return None  # no begin went: this peer begins its round again
         v.done.wait()
-        if v.error is not None:
-            raise v.error
-        if v.next_begin is None or v.answer is None:
+        if v.next_begin is None:
             return None
-        return v.next_begin, v.answer
+        # without an answer (the begin failed, or the coordinator kept it waiting), go on
+        # asking with the same begin: a new nonce would abandon a round formed with this one
+        return v.next_begin, v.answer or msgs.Wait()
 
     def _record(
         self, plan: RoundPlan, committed: bool, stage: str, reason: str, t0: float, t1: float
