@@ -411,6 +411,20 @@ class Strategy(ABC):
             nbytes = sum(t.numel() * t.element_size() for _, t in s.state.items())
             self.checkpointer.wait(final_checkpoint_wait_s(nbytes, s.config.collective_timeout))
 
+    def pipelines_rounds(self) -> bool:
+        """Whether a round's result may be applied before its verdict (the session's
+        ``pipeline_commit``): only where nothing but rounds writes the shared state between
+        steps. False here; DDP and DiLoCo say when they can."""
+        return False
+
+    def round_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``session.run_round``: ``pipelined=True`` when the session
+        pipelines commits and :meth:`pipelines_rounds`; else none (any session takes that)."""
+        cfg = getattr(self.session, "config", None)
+        if getattr(cfg, "pipeline_commit", False) and self.pipelines_rounds():
+            return {"pipelined": True}
+        return {}
+
     @abstractmethod
     def _step(self, *args: Any, **kwargs: Any) -> None:
         """The strategy's own training step."""

@@ -235,7 +235,7 @@ class DiLoCo(PhasedStrategy):
                 # the round may write the shared state (a repair as it begins, its result):
                 # the copy a checkpoint is making of it on its writer thread must be done first
                 self.checkpointer.settle()
-            result = self.session.run_round(reduce, pipelined=self.pipelines_rounds())
+            result = self.session.run_round(reduce, **self.round_options())
             if gathered:
                 table = gathered[0].view(-1, 2)
                 self._fastest = float(table[:, 0].max())
