@@ -146,7 +146,7 @@ def test_the_begin_waits_until_the_training_thread_prepared_it() -> None:
 class _Session(VoteAhead):
     """The attributes of a session that the background vote reads, with a scripted client."""
 
-    def __init__(self, client: _Coordinator) -> None:
+    def __init__(self, client: _Coordinator, carry: bool = False) -> None:
         self.config = SimpleNamespace(pipeline_commit=True, round_timeout=5.0)
         self.state = _state()
         self.stats = SimpleNamespace(by_op={}, bytes_sent=0)
@@ -161,6 +161,7 @@ class _Session(VoteAhead):
         self._commit_hooks = [lambda plan: self.hooked.append(plan.round)]
         self._deferrable_hooks = True
         self._vote, self._undo, self._void, self._in_round = None, UndoCopy(), False, None
+        self._carry_votes = carry
 
 
 class _Round:
@@ -215,3 +216,29 @@ def test_a_vote_whose_verdict_is_unknown_is_undone_before_the_error_is_raised() 
     with pytest.raises(ConnectionError):
         s.settle(begin=True)
     assert _bits(s.state) == before and s.revision == 7 and s._vote is None
+
+
+def test_a_vote_carried_in_the_begin_costs_one_request_per_round() -> None:
+    go = msgs.Go(plan=PLAN, prev="committed")
+    begin = [msgs.Wait(), msgs.Wait(prev="committed"), go]  # undecided, then held, then go
+    fake = _Coordinator({"/v1/commit": [], "/v1/begin": begin})
+    s = _Session(fake, carry=True)
+    assert s._vote_ahead(_Round())
+    applied = _apply(s)
+    carried = s.settle(begin=True)
+    assert s.revision == 8 and s.hooked == [7] and _bits(s.state) == applied
+    assert carried is not None and carried[1] == go and carried[0].prev is None
+    sent = [m for _, m in fake.got]
+    assert [p for p, _ in fake.got] == ["/v1/begin"] * 3  # no commit request at all
+    assert [m.prev for m in sent] == [msgs.Vote(epoch=3, round=7)] * 2 + [None]
+    assert {m.nonce for m in sent} == {sent[0].nonce}
+
+
+def test_a_carried_vote_answered_aborted_is_undone_and_begins_nothing() -> None:
+    fake = _Coordinator({"/v1/commit": [], "/v1/begin": [msgs.Aborted()]})
+    s = _Session(fake, carry=True)
+    before = _bits(s.state)
+    assert s._vote_ahead(_Round())
+    _apply(s)
+    assert s.settle(begin=True) is None
+    assert _bits(s.state) == before and s.revision == 7 and s._void

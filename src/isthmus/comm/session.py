@@ -216,6 +216,7 @@ class Session(VoteAhead, IslandDispatch):
         self.run_id = reply.run_id
         self.parity_every = reply.parity_every
         self.restore_point = reply.restore
+        self._carry_votes = msgs.VOTE_IN_BEGIN in reply.features  # one request per round
         self._fresh = True
         self._set_group(None)
         # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
@@ -505,11 +506,11 @@ class Session(VoteAhead, IslandDispatch):
         round. Any other exception from ``fn`` is reported as a failure and re-raised.
 
         ``pipelined=True`` (honoured with ``SessionConfig.pipeline_commit``, outside islands,
-        when every commit hook is undoable): once ``fn`` succeeded, this returns without waiting
-        for the coordinator's verdict (:mod:`isthmus.comm.vote`). The caller applies the result
-        tentatively and calls :meth:`applied`; the verdict is settled by the next
-        :meth:`begin` (or :meth:`settle`), which undoes the result if the round aborted. The
-        caller promises that nothing but its rounds writes the shared state between rounds.
+        when every commit hook is deferrable): once ``fn`` succeeded, this returns without
+        waiting for the verdict (:mod:`isthmus.comm.vote`). The caller applies the result
+        tentatively and calls :meth:`applied`; the next :meth:`begin` (or :meth:`settle`)
+        settles the verdict and undoes the result unless the round committed. The caller
+        promises that nothing but its rounds writes the shared state between rounds.
         """
         for _ in range(self.config.max_attempts):
             rnd = self.begin()

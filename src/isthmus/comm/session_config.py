@@ -120,9 +120,9 @@ class SessionConfig:
     max_attempts: int = 100
     """How many times one round may abort and retry before :class:`RoundFailed`."""
     pipeline_commit: bool = False
-    """Send a round's commit vote, and the next round's begin after it, from a background
-    thread while the next step computes, instead of waiting for them between steps
-    (:mod:`isthmus.comm.vote`). A strategy that can (DDP, DiLoCo: the shared state changes only
+    """Send a round's commit vote and the next round's begin from a background thread while
+    the next step computes, instead of waiting for them between steps (one request carrying
+    both where the coordinator offers it, else two: :mod:`isthmus.comm.vote`). A strategy that can (DDP, DiLoCo: the shared state changes only
     in rounds) applies the result tentatively, with an undo copy of the shared state, and
     learns the verdict at its next round: committed, it goes on; aborted, its shared state is
     restored bit for bit and its local work since counts in no round. Costs one copy of the

@@ -4,9 +4,10 @@ With ``SessionConfig.pipeline_commit`` a round whose collectives succeeded does 
 coordinator's verdict on the training thread. The session instead:
 
 1. copies every shared tensor into an :class:`UndoCopy` (buffers reused from round to round);
-2. starts a :class:`PendingVote`: a thread that reports ``commit(ok)`` for round *r* and, once
-   the coordinator answers ``committed``, sends ``begin`` for round *r + 1* (the same messages
-   as without pipelining, only sent from another thread);
+2. starts a :class:`PendingVote`: a thread that, once the strategy applied the result, sends
+   the ``begin`` of round *r + 1* carrying this peer's ``ok`` for *r* (``Begin.prev``: one
+   request, to a coordinator that lists ``vote-in-begin``), or else reports ``commit(ok)`` and,
+   once the coordinator answers ``committed``, sends that ``begin``;
 3. returns the round's result, which the strategy applies *tentatively* while the next step
    computes.
 
@@ -16,8 +17,8 @@ else (``aborted``, ``evicted``, a coordinator that cannot be reached or restarte
 undo copy, so the shared state is revision *r* again bit for bit, and marks this peer's local
 work since then as void (it started from a state that never became final). A peer therefore
 never reports, checkpoints or hands out a revision it has not been told is committed; the hashes
-sent with the next ``begin`` are taken from the tentative state but sent only after the
-coordinator said it committed.
+sent with the next ``begin`` are taken from the tentative state, and the coordinator looks at
+them only once that state's round committed.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class UndoCopy:
 @dataclasses.dataclass(eq=False)
 class PendingVote:
     """Round ``plan.round``'s ``ok``, being reported by a background thread, and the ``begin``
-    of the next round that follows it once committed (see the module docstring).
+    of the next round that carries it or follows it (see the module docstring).
 
     Every wait of the thread is bounded: each request by the client's own bounds, the waits for
     an answer other than ``wait`` by ``timeout`` seconds each. An exception it meets is kept in
@@ -97,6 +98,9 @@ class PendingVote:
     started: float
     """When the round's go arrived (monotonic), for its record."""
     timeout: float
+    carry: bool = False
+    """Carry the vote in the next begin (a coordinator listing
+    :data:`~isthmus.coordinator.protocol.VOTE_IN_BEGIN`): one request instead of two."""
     outcome: msgs.Decision | None = None
     """The coordinator's answer to the vote: committed, aborted, evicted ... (None: unknown)."""
     decided_at: float = 0.0
@@ -144,17 +148,45 @@ class PendingVote:
             if not isinstance(d, msgs.Wait) or time.monotonic() > deadline:
                 return d
 
+    def _carried(self, client: CoordinatorClient, vote: msgs.Commit) -> None:
+        """The vote inside the next begin: held until the round voted on is decided; once it
+        committed, the answer is the begin's (:attr:`answer`, or None where the begin must
+        still be asked: a wait, or hashes wanted)."""
+        assert self.next_begin is not None
+        prev = msgs.Vote(epoch=vote.epoch, round=vote.round)
+        msg = dataclasses.replace(self.next_begin, prev=prev)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            d = client.call("/v1/begin", msg, msgs.Decision, read_timeout=READ_TIMEOUT)
+            if d.prev == "committed":
+                self.outcome = msgs.Committed()
+                asked = isinstance(d, msgs.SendHashes)  # then it goes on with the hashes
+                self.next_begin = dataclasses.replace(
+                    msg, prev=None, hashes=msg.hashes if asked else None
+                )
+                if not isinstance(d, (msgs.Wait, msgs.SendHashes)):
+                    self.answer = d
+                return
+            if not isinstance(d, msgs.Wait) or time.monotonic() > deadline:
+                self.outcome = d  # aborted, evicted, ...: the vote's outcome; no begin went
+                return
+
     def _run(self, client: CoordinatorClient, vote: msgs.Commit) -> None:
         try:
             try:
-                self.outcome = self._poll(client, "/v1/commit", vote)
+                if self.carry:
+                    self.prepared.wait(self.timeout)
+                if self.carry and self.next_begin is not None:
+                    self._carried(client, vote)
+                else:
+                    self.outcome = self._poll(client, "/v1/commit", vote)
             except BaseException as e:  # the verdict is unknown: kept for the training thread
                 self.error = e
                 return
             finally:
                 self.decided_at = time.monotonic()
                 self.decided.set()
-            if not self.committed:
+            if not self.committed or self.answer is not None:
                 return
             self.prepared.wait(self.timeout)
             if self.next_begin is not None:
@@ -221,6 +253,7 @@ class VoteAhead:
         _undo: UndoCopy
         _void: bool
         _in_round: Any
+        _carry_votes: bool
 
     def _next_begin(self, revision: int) -> msgs.Begin:
         """The begin of round ``revision`` (a new attempt: a new nonce), with the schema when
@@ -259,7 +292,9 @@ class VoteAhead:
         vote = msgs.Commit(
             peer=self.peer_id or 0, run=self.run_id, epoch=rnd.epoch, round=rnd.number, ok=True
         )
-        self._vote = PendingVote(rnd.plan, rnd.started, self.config.round_timeout)
+        self._vote = PendingVote(
+            rnd.plan, rnd.started, self.config.round_timeout, carry=self._carry_votes
+        )
         self._vote.start(self._client, vote)
         return True
 
