@@ -141,7 +141,7 @@ def _default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Session(VoteAhead, IslandDispatch):
+class Session(IslandDispatch, VoteAhead):
     """A peer's membership in one run. Create it, register shared state, run rounds, close.
 
     ``Session(config)`` connects and registers at once, so a wrong address or token fails here
