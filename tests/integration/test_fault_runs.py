@@ -143,3 +143,29 @@ def test_coordinator_restart_mid_run_resumes_at_the_highest_revision(cluster):
     st = c.coord.status(events=500)
     assert st["revision"] == 60 and st["counters"]["rounds_committed"] < 60
     assert_bitwise_equal(c.state("a"), c.state("b"))
+
+
+def test_pipelined_commit_a_kill_after_the_vote_and_an_abort_after_others_voted(cluster):
+    # pipeline_commit: each peer votes in the background and applies its result tentatively.
+    # b dies at the start of step 10, after its vote on round 9 went out; c fails round 20 at
+    # its commit, after a and c's partner had voted ok and applied it: they undo, and round 20
+    # is retried from the restored state.
+    c = cluster(start_peers=3)
+    job = {"steps": 30, "pipeline_commit": True}
+    c.spawn("a", **job)
+    c.spawn("b", faults=["kill@step:step=10"], **job)
+    c.spawn("c", faults=["fail@commit:round=20"], **job)
+    codes = c.wait()
+    assert codes == {"a": 0, "b": -signal.SIGKILL, "c": 0}, c.log("a")
+    st = c.coord.status(events=500)
+    assert st["counters"]["rounds_committed"] == 30
+    aborts = [e["round"] for e in st["events"] if e["kind"] == "abort"]
+    assert 20 in aborts, aborts
+    fa, fc = c.final("a"), c.final("c")
+    assert fa["revision"] == fc["revision"] == 30 and fa["step"] == fc["step"] == 30
+    assert fa["digest"] == fc["digest"]
+    assert_bitwise_equal(c.state("a"), c.state("c"))
+    # a learned round 20's abort after it had applied it: one aborted attempt, then a commit
+    r20 = [r for r in fa["rounds"] if r["round"] == 20]
+    assert [r["outcome"] for r in r20] == ["aborted", "committed"], r20
+    assert "undone" in c.log("a")

@@ -138,3 +138,63 @@ def test_a_coordinator_that_sends_no_version_is_refused_naming_both() -> None:
     msg = asyncio.run(main())
     assert f"coordinator speaks isthmus protocol {UNVERSIONED} (it sends no version" in msg
     assert msg.endswith(f"peer speaks {PROTOCOL_VERSION}; upgrade one of them")
+
+
+def test_a_vote_carried_in_a_begin_is_recorded_as_a_commit_and_answered_with_its_outcome() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from isthmus.coordinator import protocol as msgs
+    from isthmus.coordinator.client import CoordinatorClient
+    from isthmus.coordinator.membership import MembershipConfig
+
+    config = CoordinatorConfig(
+        token=TOKEN, port=0, poll_s=0.2, membership=MembershipConfig(start_peers=2)
+    )
+    coord = Coordinator(config).start()
+    clients = [CoordinatorClient(coord.address, TOKEN) for _ in range(2)]
+    try:
+        regs = [c.register(f"p{i}") for i, c in enumerate(clients)]
+        assert all(msgs.VOTE_IN_BEGIN in r.features for r in regs)
+        schema = (msgs.TensorSpec("w", (2,), "torch.float32"),)
+
+        def ask(i: int, msg: msgs.Begin) -> msgs.Decision:
+            while True:  # a held request is asked again with the same message, as peers do
+                d = clients[i].call("/v1/begin", msg, msgs.Decision)
+                if not isinstance(d, msgs.Wait):
+                    return d
+
+        def begin(i: int, revision: int, prev: msgs.Vote | None) -> msgs.Begin:
+            first = prev is None
+            return msgs.Begin(
+                peer=regs[i].peer_id, run=regs[i].run_id, nonce=f"{i}-{revision}",
+                revision=revision, schema=schema if first else None,
+                hashes={"w": "00"}, prev=prev,
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(2) as pool:
+            go = list(pool.map(lambda i: ask(i, begin(i, 0, None)), range(2)))
+            plan = go[0].plan
+            assert plan is not None and all(isinstance(d, msgs.Go) for d in go)
+            assert go[0].prev == ""  # no vote was carried
+            # both carry their ok for round 0 in the begin of round 1: one request each
+            vote = msgs.Vote(epoch=plan.epoch, round=0)
+            go = list(pool.map(lambda i: ask(i, begin(i, 1, vote)), range(2)))
+            assert all(isinstance(d, msgs.Go) and d.prev == "committed" for d in go), go
+            nxt = go[0].plan
+            assert nxt is not None and nxt.round == 1 and coord.status()["revision"] == 1
+            # p1 fails round 1 while p0's vote rides in its begin of round 2: p0 is told
+            # aborted, and no begin of round 2 was taken from it
+            held = pool.submit(ask, 0, begin(0, 2, msgs.Vote(epoch=nxt.epoch, round=1)))
+            failed = msgs.Commit(
+                peer=regs[1].peer_id, run=regs[1].run_id, epoch=nxt.epoch, round=1, ok=False
+            )
+            assert isinstance(clients[1].call("/v1/commit", failed, msgs.Decision), msgs.Aborted)
+            d = held.result(timeout=30)
+        assert isinstance(d, msgs.Aborted) and d.prev == "", d
+        st = coord.status()
+        assert st["revision"] == 1 and st["counters"]["rounds_committed"] == 1
+        assert st["counters"]["rounds_aborted"] == 1
+    finally:
+        for c in clients:
+            c.close()
+        coord.stop()

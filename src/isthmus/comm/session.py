@@ -37,7 +37,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -60,6 +59,7 @@ from isthmus.comm.session_config import (
 )
 from isthmus.comm.state import SharedState
 from isthmus.comm.transfer import TransferError, apply_transfers
+from isthmus.comm.vote import PendingVote, UndoCopy, VoteAhead
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.client import CoordinatorClient, CoordinatorError
 from isthmus.coordinator.protocol import RestorePoint, RoundPlan
@@ -110,8 +110,10 @@ class Round:
     @property
     def resynced(self) -> bool:
         """True if this peer's state was repaired at the start of this round: anything it computed
-        before the round (gradients, local progress) came from a stale state and must not count."""
-        return self.session.peer_id in self.plan.resynced
+        before the round (gradients, local progress) came from a stale state and must not count.
+        Also True after this peer undid a tentatively applied round (``pipeline_commit``) until
+        a round commits: its work since started from a revision that never became final."""
+        return self.session.peer_id in self.plan.resynced or self.session._void
 
     @property
     def contributors(self) -> int:
@@ -139,7 +141,7 @@ def _default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Session(IslandDispatch):
+class Session(IslandDispatch, VoteAhead):
     """A peer's membership in one run. Create it, register shared state, run rounds, close.
 
     ``Session(config)`` connects and registers at once, so a wrong address or token fails here
@@ -172,6 +174,10 @@ class Session(IslandDispatch):
         self.rank = 0  # this peer's rank and the world size in the latest round (for data sharding)
         self.world = 1
         self._commit_hooks: list[Callable[[RoundPlan], None]] = []
+        self._deferrable_hooks = True  # every commit hook may run once a vote settles
+        self._vote: PendingVote | None = None  # a round applied tentatively (pipeline_commit)
+        self._undo = UndoCopy()
+        self._void = False  # undid a tentative round: local work since then does not count
         self.prober = LinkProber(
             enabled=config.probe_links, cap=config.probe_bytes, owner=self.name
         )
@@ -210,6 +216,7 @@ class Session(IslandDispatch):
         self.run_id = reply.run_id
         self.parity_every = reply.parity_every
         self.restore_point = reply.restore
+        self._carry_votes = msgs.VOTE_IN_BEGIN in reply.features  # one request per round
         self._fresh = True
         self._set_group(None)
         # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
@@ -333,9 +340,11 @@ class Session(IslandDispatch):
             raise RuntimeError("session is closed")
         self._graveyard.reap()  # groups retired earlier that went idle: let them go now
         cfg = self.config
+        carried = self.settle(begin=True)  # the begin a committed vote already sent, if any
         deadline = time.monotonic() + cfg.round_timeout
         for _attempt in range(cfg.max_attempts):
-            plan = self._ask_for_round(deadline)
+            plan = self._ask_for_round(deadline, carried)
+            carried = None
             if plan is None:
                 continue  # evicted and registered again
             t0, self._in_round = time.monotonic(), plan
@@ -362,19 +371,16 @@ class Session(IslandDispatch):
     def _probe_fault(self, round: int, pair: int) -> None:
         self.faults.check("probe", step=pair, round=round)
 
-    def _ask_for_round(self, deadline: float) -> RoundPlan | None:
-        parity = self._fresh or self.revision % self.parity_every == 0
-        msg = msgs.Begin(
-            peer=self.peer_id or 0,
-            run=self.run_id,
-            nonce=uuid.uuid4().hex,
-            revision=self.revision,
-            schema=tuple(self.state.schema()) if self._fresh else None,
-            hashes=self.state.hashes() if parity else None,
-        )
-        d: msgs.Decision = msgs.Wait()
+    def _ask_for_round(
+        self, deadline: float, carried: tuple[msgs.Begin, msgs.Decision] | None = None
+    ) -> RoundPlan | None:
+        """Begin (or, with ``carried``, go on with a begin already sent and its last answer)."""
+        msg, d = carried or (self._next_begin(self.revision), msgs.Wait())
+        if isinstance(d, msgs.SendHashes):
+            msg = dataclasses.replace(msg, hashes=self.state.hashes())
         last_log = time.monotonic()
-        while True:
+        asking = carried is None or isinstance(d, (msgs.Wait, msgs.SendHashes))
+        while asking:
             if time.monotonic() - last_log > 10:
                 log.info("%s waiting for round %d: %s", self.name, self.revision, d.reason)
                 last_log = time.monotonic()
@@ -480,29 +486,7 @@ class Session(IslandDispatch):
             self.revision = plan.round + 1
             for hook in self._commit_hooks:
                 hook(plan)
-        else:
-            with self._push_lock:
-                self._aborted_epochs.add(plan.epoch)
-            if self._group is not None and self._group.name == f"epoch{plan.epoch}":
-                self._group.abort(f"round {plan.round} aborted: {d.reason}")
-        by_op = {k: v - self._last_by_op.get(k, 0) for k, v in self.stats.by_op.items()}
-        self._last_by_op = dict(self.stats.by_op)
-        self.rounds.append(
-            {
-                "round": plan.round,
-                "epoch": plan.epoch,
-                "world": len(plan.members),
-                "outcome": "committed" if committed else "aborted",
-                "stage": stage,
-                "reason": "" if committed else (error or d.reason),
-                "resynced": self.peer_id in plan.resynced,
-                "t_start": t0,
-                "t_end": time.monotonic(),
-                "bytes": sum(by_op.values()),  # this attempt's bytes on the wire (this peer)
-                "bytes_by_op": {k: v for k, v in by_op.items() if v},
-                "bytes_sent": self.stats.bytes_sent,  # running total
-            }
-        )
+        self._record(plan, committed, stage, error or d.reason, t0, time.monotonic())
         return committed
 
     def _commit(self, rnd: Round, ok: bool, error: str, cause: BaseException | None = None) -> bool:
@@ -513,13 +497,20 @@ class Session(IslandDispatch):
                 ok, error = False, str(e)
         return self._report_outcome(rnd.plan, ok=ok, error=error, t0=rnd.started, cause=cause)
 
-    def run_round(self, fn: Callable[[Round], T]) -> T:
+    def run_round(self, fn: Callable[[Round], T], *, pipelined: bool = False) -> T:
         """Run ``fn(round)`` until a round commits with it, and return its result.
 
         ``fn`` runs the round's collectives and returns a *tentative* result; it must not change
         shared state (that happens after this returns). If a collective fails (a peer died), the
         round is reported as failed, the survivors re-form, and ``fn`` runs again on the new
         round. Any other exception from ``fn`` is reported as a failure and re-raised.
+
+        ``pipelined=True`` (honoured with ``SessionConfig.pipeline_commit``, outside islands,
+        when every commit hook is deferrable): once ``fn`` succeeded, this returns without
+        waiting for the verdict (:mod:`isthmus.comm.vote`). The caller applies the result
+        tentatively and calls :meth:`applied`; the next :meth:`begin` (or :meth:`settle`)
+        settles the verdict and undoes the result unless the round committed. The caller
+        promises that nothing but its rounds writes the shared state between rounds.
         """
         for _ in range(self.config.max_attempts):
             rnd = self.begin()
@@ -532,6 +523,10 @@ class Session(IslandDispatch):
                 with contextlib.suppress(Exception):
                     rnd.commit(ok=False, error=f"{type(e).__name__}: {e}")
                 raise
+            if pipelined and self._pipelines():
+                if self._vote_ahead(rnd):
+                    return result
+                continue
             if rnd.commit():
                 return result
         raise RoundFailed(
@@ -551,8 +546,13 @@ class Session(IslandDispatch):
     def add_commit_hook(self, fn: Callable[[RoundPlan], None]) -> None:
         """Call ``fn(plan)`` after every round this peer commits, right after the coordinator's
         answer and before the round's result is returned (an elastic sampler advances its
-        shared position there). Every member of the round calls its hooks with the same plan."""
+        shared position there). Every member of the round calls its hooks with the same plan.
+        A function with the attribute ``deferrable = True`` may run later, once the verdict on
+        a pipelined round is known (``pipeline_commit``: at the next round's begin, after the
+        caller applied the result), because nothing reads what it changes before the next
+        round; one hook without it keeps every round on the waiting path."""
         self._commit_hooks.append(fn)
+        self._deferrable_hooks = self._deferrable_hooks and bool(getattr(fn, "deferrable", False))
 
     def close(self, *, leave: bool = True) -> None:
         """Leave the run (between rounds) and release every resource. Idempotent.
@@ -561,6 +561,8 @@ class Session(IslandDispatch):
         event carries them), so a launcher can check that every peer ended bit-identical."""
         if self._closed:
             return
+        with contextlib.suppress(Exception):
+            self.settle()  # leave with a final revision: the verdict, or the undo
         self._closed = True
         if leave and self.peer_id is not None:
             with contextlib.suppress(Exception):

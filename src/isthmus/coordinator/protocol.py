@@ -26,6 +26,7 @@ from isthmus.coordinator.shapes import decode_shape
 from isthmus.coordinator.wire import UNVERSIONED, WireError, decode, encode
 
 __all__ = [
+    "VOTE_IN_BEGIN",
     "AbortPush",
     "Aborted",
     "Begin",
@@ -55,6 +56,7 @@ __all__ = [
     "TensorSpec",
     "Transfer",
     "Unreached",
+    "Vote",
     "Wait",
     "checkpoint_report",
     "schema_mismatch",
@@ -249,6 +251,10 @@ class Decision:
     reason: str = ""
     plan: RoundPlan | None = None
     restore: RestorePoint | None = None
+    prev: str = ""
+    """Answering a begin that carried a vote (:attr:`Begin.prev`): ``"committed"`` once the
+    round voted on committed (the rest is the begin's answer); empty otherwise, where an
+    ``aborted`` or ``evicted`` answer is the vote's outcome."""
 
     __wire_tag__: ClassVar[str] = "kind"
     __wire_tags__: ClassVar[dict[str, type[Decision]]] = {}
@@ -396,6 +402,21 @@ class Registered:
     min_peers: int | None = None
     restore: RestorePoint | None = None
     protocol: int = UNVERSIONED
+    features: tuple[str, ...] = ()
+    """Optional requests this coordinator understands (:data:`VOTE_IN_BEGIN`); a peer uses
+    one only when it is listed (an older coordinator lists none)."""
+
+
+VOTE_IN_BEGIN = "vote-in-begin"
+"""The feature of a coordinator that records :attr:`Begin.prev` as a ``commit(ok)``."""
+
+
+@dataclass(frozen=True)
+class Vote:
+    """A member's ``ok`` for round ``round`` of epoch ``epoch``, carried by its next begin."""
+
+    epoch: int
+    round: int
 
 
 @dataclass(frozen=True)
@@ -411,6 +432,9 @@ class Begin:
     run: str | None = None
     hashes: dict[str, str] | None = None
     schema: tuple[TensorSpec, ...] | None = None
+    prev: Vote | None = None
+    """This peer's ``ok`` for the round it just finished, recorded as a ``commit`` would be
+    before the begin is looked at (only to a coordinator listing :data:`VOTE_IN_BEGIN`)."""
 
 
 @dataclass(frozen=True)

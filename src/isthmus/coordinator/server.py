@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -115,7 +116,9 @@ class Coordinator:
             poll_s=config.poll_s,
         )
         self.stragglers = StragglerDetector(config.stragglers)
-        self._go_json: tuple[msgs.RoundPlan, str, str] | None = None  # the last go, encoded
+        self._go_json: tuple[msgs.RoundPlan, tuple[str, str], str] | None = (
+            None  # the last go, encoded
+        )
         self._departures = -1  # peers dropped so far, when the detector last forgot the gone
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -283,8 +286,9 @@ class Coordinator:
             # every member is sent the same plan, which names every member: encode it once
             # per round rather than once per member
             cached = self._go_json
-            if cached is None or cached[0] is not msg.plan or cached[1] != msg.reason:
-                cached = self._go_json = (msg.plan, msg.reason, json.dumps(wire.encode(msg)))
+            key = (msg.reason, msg.prev)
+            if cached is None or cached[0] is not msg.plan or cached[1] != key:
+                cached = self._go_json = (msg.plan, key, json.dumps(wire.encode(msg)))
             return web.Response(text=cached[2], content_type="application/json")
         return web.json_response(wire.encode(msg))
 
@@ -324,6 +328,7 @@ class Coordinator:
                 min_peers=m.min_peers,
                 restore=restore,
                 protocol=wire.PROTOCOL_VERSION,
+                features=(msgs.VOTE_IN_BEGIN,),
             )
         )
 
@@ -390,6 +395,13 @@ class Coordinator:
         if (stale := self._stale_run(msg.run)) is not None:
             return self._reply(msgs.Evicted(reason=stale))
         pid, nonce = msg.peer, msg.nonce
+        if msg.prev is not None:  # the vote on the last round, exactly as a commit(ok) is
+            vote = msgs.Commit(
+                peer=pid, epoch=msg.prev.epoch, round=msg.prev.round, ok=True, run=msg.run
+            )
+            v = await self._vote(vote)
+            if not isinstance(v, msgs.Committed):
+                return self._reply(v)  # aborted, evicted, or still undecided (wait): no begin
         with self._lock:
             d = self.membership.begin(
                 pid,
@@ -407,12 +419,17 @@ class Coordinator:
                 lambda: m.poll_begin(pid, nonce, explain=False),
                 lambda: m.poll_begin(pid, nonce, now=self._now()),
             )
-        return self._reply(d)
+        return self._reply(d if msg.prev is None else dataclasses.replace(d, prev="committed"))
 
     async def _commit(self, request: web.Request) -> web.Response:
         msg: msgs.Commit = await self._read(request, msgs.Commit)
         if (stale := self._stale_run(msg.run)) is not None:
             return self._reply(msgs.Evicted(reason=stale))
+        return self._reply(await self._vote(msg))
+
+    async def _vote(self, msg: msgs.Commit) -> msgs.Decision:
+        """Record a member's report of a round and hold until the round is decided (or the
+        long poll ends: a wait)."""
         epoch, rnd = msg.epoch, msg.round
         with self._lock:
             d = self.membership.commit(
@@ -432,7 +449,7 @@ class Coordinator:
                 lambda: m.poll_commit(epoch, rnd, explain=False),
                 lambda: m.poll_commit(epoch, rnd),
             )
-        return self._reply(d)
+        return d
 
     async def _leave(self, request: web.Request) -> web.Response:
         msg: msgs.Leave = await self._read(request, msgs.Leave)

@@ -443,6 +443,10 @@ class Reducer:
         if self._served:
             self.commit()
 
+    # what it keeps is read at the next reduction only: it may run once a pipelined round's
+    # verdict is known (Session.add_commit_hook)
+    _on_commit.deferrable = True  # type: ignore[attr-defined]
+
     def commit(self) -> None:
         """The round committed: keep the state its reduction staged."""
         self._served = False

@@ -265,6 +265,7 @@ def run_job(job: PeerJob) -> PeerResult:
             late_s=t.late_s,
             connections=run.strategy.connections,
             probe_links=run.strategy.probe_links,
+            pipeline_commit=run.strategy.pipeline_commit,
             mesh=run.strategy.mesh,
             mesh_relay=run.strategy.mesh,  # a reachable peer relays between NATed ones
             checkpoint_dir=run.checkpoint.checkpoint_dir,

@@ -178,6 +178,12 @@ class StrategyConfig(Checked):
         (4 or more peers) and the coordinator orders the ring by them (docs/LAB.md, ring
         order).""",
     )
+    pipeline_commit: bool = setting(
+        False,
+        help="""Peers send a round's commit vote and the next begin in the background while the
+        next step computes, applying the result tentatively with an undo copy (ddp, diloco;
+        docs/PROTOCOL.md).""",
+    )
     mesh: bool = setting(
         False,
         help="""Peers carry their tensors inside a WireGuard mesh the run sets up (encrypted and

@@ -377,10 +377,24 @@ class Strategy(ABC):
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """One training step (call it after ``loss.backward()``, instead of ``optimizer.step()``),
-        then a checkpoint if one is due (the snapshot only: writing runs in the background)."""
+        then a checkpoint if one is due (the snapshot only: writing runs in the background).
+
+        A round run with the session's ``pipeline_commit`` is applied tentatively here and
+        settled by the next round (:meth:`Session.settle`); a checkpoint is only taken of a
+        settled revision, so a step whose tentative revision is due for one waits for the
+        verdict first."""
         self._step(*args, **kwargs)
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_save()
+        s = self.session
+        pending = getattr(s, "pending_revision", None)  # None too for sessions without it
+        if pending is not None:
+            s.applied()  # the result is in place: the next begin may go once it commits
+        ck = self.checkpointer
+        if ck is not None:
+            if pending is not None and pending % max(1, ck.every) == 0:
+                s.settle()
+                pending = None
+            if pending is None:
+                ck.maybe_save()
 
     def finish(self) -> None:
         """Call once after the last step: the strategy's final round (the DiLoCo family syncs
@@ -388,11 +402,27 @@ class Strategy(ABC):
         :func:`final_checkpoint_wait_s` of the shared state's size; when a write still runs then,
         this returns anyway and the checkpoint before it stays the last complete one)."""
         self._finish()
+        if getattr(self.session, "pending_revision", None) is not None:
+            self.session.settle()  # the run ends on a final revision
         if self.checkpointer is not None and self.session is not None:
             self.checkpointer.maybe_save(force=True)
             s = self.session
             nbytes = sum(t.numel() * t.element_size() for _, t in s.state.items())
             self.checkpointer.wait(final_checkpoint_wait_s(nbytes, s.config.collective_timeout))
+
+    def pipelines_rounds(self) -> bool:
+        """Whether a round's result may be applied before its verdict (the session's
+        ``pipeline_commit``): only where nothing but rounds writes the shared state between
+        steps. False here; DDP and DiLoCo say when they can."""
+        return False
+
+    def round_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``session.run_round``: ``pipelined=True`` when the session
+        pipelines commits and :meth:`pipelines_rounds`; else none (any session takes that)."""
+        cfg = getattr(self.session, "config", None)
+        if getattr(cfg, "pipeline_commit", False) and self.pipelines_rounds():
+            return {"pipelined": True}
+        return {}
 
     @abstractmethod
     def _step(self, *args: Any, **kwargs: Any) -> None:

@@ -128,6 +128,13 @@ class DDP(Strategy):
                 "island's ranks would need to split theirs): set global_batch=0"
             )
 
+    def pipelines_rounds(self) -> bool:
+        """Whether a round may be applied before its verdict (``pipeline_commit``): only when
+        nothing writes the shared state between steps. An integer buffer (a batch counter)
+        moves in every forward pass, and with ``global_batch`` the work runs inside the round
+        (nothing to overlap), so those keep the waiting path."""
+        return not self.model_state.other_buffers and not self.config.global_batch
+
     def _grads(self) -> list[torch.Tensor]:
         """Every trainable parameter's gradient as a plain tensor, zeros where there is none
         (on a rank of an island: the local shard of the DTensor gradient, sharing its storage,
@@ -191,8 +198,8 @@ class DDP(Strategy):
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
-            result = self.session.run_round(reduce)
-            # Committed on every peer; every peer holds the same result, so takes the same branch.
+            result = self.session.run_round(reduce, **self.round_options())
+            # Committed on every peer (or, pipelined, applied until the verdict settles); every peer holds the same result, so takes the same branch.
             if result is not None:
                 for grad, g in zip(grads, result.tensors, strict=True):
                     grad.copy_(g)

@@ -233,7 +233,7 @@ class DiLoCo(PhasedStrategy):
                 # the round may write the shared state (a repair as it begins, its result):
                 # the copy a checkpoint is making of it on its writer thread must be done first
                 self.checkpointer.settle()
-            result = self.session.run_round(reduce)
+            result = self.session.run_round(reduce, **self.round_options())
             if gathered:
                 table = gathered[0].view(-1, 2)
                 self._fastest = float(table[:, 0].max())
@@ -254,6 +254,12 @@ class DiLoCo(PhasedStrategy):
             return rnd.group.all_gather_flat(mine.to(device)).cpu()
         table = rnd.group.all_gather_flat(mine.to(device)).cpu() if island.leader else None
         return island.broadcast(table)  # type: ignore[no-any-return]
+
+    def pipelines_rounds(self) -> bool:
+        """Whether an outer round may be applied before its verdict (``pipeline_commit``):
+        inner steps write only local copies, so only rounds write the shared state, unless the
+        model has integer buffers (shared as they are, moved by every forward pass)."""
+        return not self.model_state.other_buffers
 
     def round_written_shared(self) -> set[str]:
         """The shared tensors only rounds write (the outer round's result, a repair, a
