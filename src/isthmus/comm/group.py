@@ -66,8 +66,9 @@ __all__ = [
 SAMPLE_PERIOD_S = 0.25
 
 #: A transfer counts as moving (:meth:`Group.moving`) while some connection advanced within
-#: this many seconds: well inside a heartbeat bound, so that the partners of a member that
-#: stopped reading stop vouching for it before that bound passes.
+#: this many seconds (or its retransmission timeout, where longer): well inside a heartbeat
+#: bound, so that on a short round trip the partners of a member that stopped stop vouching
+#: for it before that bound passes.
 MOVING_WINDOW_S = 2.0
 
 
@@ -244,21 +245,26 @@ class Group:
                 self._watch.sample()
 
     def moving(self) -> bool:
-        """True while an operation on this group is in flight and some connection of the group
-        moved bytes within :data:`MOVING_WINDOW_S`, or holds sent data awaiting its
-        acknowledgement (a live path in loss recovery behind a slow link's deep queue) and is
-        not silent. What a heartbeat reports: the coordinator tolerates heartbeats that queue
-        behind this transfer's data, and stops doing so for a partner of this member's once
-        this says nothing moves (a stopped member takes no data: this member's data to it is
-        acknowledged by its kernel or waits behind its closed window). False for a group whose
-        connections are not watched, and when nothing is in flight. Safe from any thread."""
+        """True while an operation on this group is in flight and its transfer is not judged
+        stopped: some connection of the group advanced (bytes acknowledged or received, or a
+        data segment arrived, in order or not) within :data:`MOVING_WINDOW_S`, or within its
+        retransmission timeout where that is longer (a round trip behind a slow link's deep
+        queue), or a connection holds sent data awaiting its acknowledgement (a live path in
+        loss recovery) and is not silent. What a heartbeat reports: the coordinator tolerates
+        heartbeats that queue behind this transfer's data, and stops doing so for a partner of
+        this member's once this says nothing moves (a stopped member takes no data and sends
+        none: this member's data to it is acknowledged by its kernel or waits behind its closed
+        window, and nothing more arrives from it). A member that has sent everything and waits
+        for the rest still sees the partner's segments arrive, also while one lost segment
+        holds back the bytes counted as received. False for a group whose connections are not
+        watched, and when nothing is in flight. Safe from any thread."""
         if self._watch is None or self.aborted or not self.busy():
             return False
         self._sample(time.monotonic())
         v = self._watch.verdict()
         if v.state is State.SILENT:
             return False
-        if v.state is State.PROGRESSING and v.for_s < MOVING_WINDOW_S:
+        if self._watch.moved_within(MOVING_WINDOW_S):
             return True
         return self._watch.in_flight()
 
