@@ -289,19 +289,20 @@ def test_a_stopped_remote_sends_no_segment_and_stops_counting_as_moving() -> Non
         assert w.moved_within(2.0) == (i < 5)  # the last advance at 3 s; no segment arrives
 
 
-def test_the_window_grows_to_the_connections_round_trip_and_at_most_stall_s() -> None:
+def test_the_window_grows_to_the_connections_retransmission_timeout_at_most_late_s() -> None:
     def watch(rto_s: float | None) -> ProgressWatch:
         w = ProgressWatch(CFG, started=0.0)
         w.sample(0.0, [conn(0, 0, rto_s=rto_s)])
         w.sample(1.0, [conn(1000, 0, rto_s=rto_s)])  # the last movement
         return w
 
-    short, deep, absurd = watch(0.2), watch(7.2), watch(120.0)
+    short, deep, absurd = watch(0.2), watch(19.0), watch(900.0)
     assert not short.moved_within(2.0, now=3.5)  # a fast path: 2 s without a byte says stop
-    assert deep.moved_within(2.0, now=7.5)  # a 7 s queue: less than a round trip of quiet
-    assert not deep.moved_within(2.0, now=8.5)
-    assert absurd.moved_within(2.0, now=10.5)
-    assert not absurd.moved_within(2.0, now=11.5)  # capped at stall_s (10 s)
+    # 90 kbit/s behind a 7 s queue, in loss recovery: the sender's timer is at 19 s
+    assert deep.moved_within(2.0, now=19.5)
+    assert not deep.moved_within(2.0, now=20.5)
+    assert absurd.moved_within(2.0, now=60.5)
+    assert not absurd.moved_within(2.0, now=61.5)  # capped at late_s (60 s here)
     assert not watch(None).moved_within(2.0, now=3.5)  # a source that does not say
 
 

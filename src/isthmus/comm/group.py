@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +62,8 @@ __all__ = [
     "wire_bytes",
 ]
 
+
+log = logging.getLogger("isthmus.group")
 
 #: How often a waiting handle samples the group's connections (seconds).
 SAMPLE_PERIOD_S = 0.25
@@ -200,6 +203,7 @@ class Group:
         self._watch = watch
         self._sample_lock = threading.Lock()
         self._sampled_at = -SAMPLE_PERIOD_S
+        self._said_moving = True  # the last answer of moving(): a change to False is logged
         if wires is not None:
             for g in self.pgs:
                 _set_backstop(g, late_s)
@@ -262,11 +266,19 @@ class Group:
             return False
         self._sample(time.monotonic())
         v = self._watch.verdict()
-        if v.state is State.SILENT:
-            return False
-        if self._watch.moved_within(MOVING_WINDOW_S):
-            return True
-        return self._watch.in_flight()
+        moving = v.state is not State.SILENT and (
+            self._watch.moved_within(MOVING_WINDOW_S) or self._watch.in_flight()
+        )
+        if not moving and self._said_moving:
+            # what lets the coordinator hold a partner of this member's to the short bound
+            describe = getattr(self._watch, "describe", None)
+            log.info(
+                "%s: nothing moves on the transfer (%s)",
+                self.name or "group",
+                describe() if describe is not None else v.why,
+            )
+        self._said_moving = moving
+        return moving
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:

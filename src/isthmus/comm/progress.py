@@ -207,19 +207,36 @@ class ProgressWatch:
         """Whether the transfer moved recently at ``now`` (default: the last sample's time):
         some connection advanced (bytes acknowledged or received, or a data segment arrived)
         within its own window, ``floor_s`` or, where longer, its retransmission timeout (at
-        most ``stall_s``), or watching began within ``floor_s``. Why the timeout: a path whose
+        most ``late_s``), or watching began within ``floor_s``. Why the timeout: a path whose
         round trip is seconds (a slow link's deep queue) goes that long without a byte while
-        both ends live, so a pause shorter than one round trip says nothing about the remote.
+        both ends live, and after a loss nothing more arrives until the sender's timer fires
+        (seconds to tens of seconds on such a path, doubling each time), so a pause shorter
+        than that says nothing about the remote.
         """
         t = self.at if now is None else max(now, self.at)
         if t - self.started < floor_s:
             return True
-        cap = self.config.stall_s
+        cap = self.config.late_s
         for c in self._conns.values():
             window = max(floor_s, min(c.rto_s or 0.0, cap))
             if t - c.moved_at < window:
                 return True
         return False
+
+    def describe(self, now: float | None = None) -> str:
+        """One line on every connection at ``now`` (default: the last sample's time): whom it
+        leads to, how long it has not moved, and what it holds; for logs."""
+        t = self.at if now is None else max(now, self.at)
+        if not self._conns:
+            return "no connection watched"
+        parts = []
+        for c in sorted(self._conns.values(), key=lambda c: c.remote):
+            flags = "".join(
+                f for f, on in ((" in flight", c.in_flight), (" queued", c.queued)) if on
+            )
+            rto = f" rto {c.rto_s:.1f}s" if c.rto_s is not None else ""
+            parts.append(f"{c.remote}: quiet {t - c.moved_at:.1f}s{flags}{rto}")
+        return "; ".join(parts)
 
     def verdict(self, now: float | None = None, *, since: float | None = None) -> Verdict:
         """Classify at ``now`` (default: the last sample's time) the transfer that began at

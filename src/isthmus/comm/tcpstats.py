@@ -241,6 +241,11 @@ class TcpWatch:
         with self._lock:
             return self._watch.in_flight()
 
+    def describe(self) -> str:
+        """:meth:`ProgressWatch.describe` now."""
+        with self._lock:
+            return self._watch.describe(time.monotonic())
+
     def moved_within(self, floor_s: float) -> bool:
         """:meth:`ProgressWatch.moved_within` now."""
         with self._lock:
