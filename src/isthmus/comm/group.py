@@ -261,7 +261,8 @@ class Group:
         window, and nothing more arrives from it). A member that has sent everything and waits
         for the rest still sees the partner's segments arrive, also while one lost segment
         holds back the bytes counted as received. False for a group whose connections are not
-        watched, and when nothing is in flight. Safe from any thread."""
+        watched, and when nothing is in flight. An answer False after True is logged (INFO,
+        each connection's quiet time and retransmission timeout). Safe from any thread."""
         if self._watch is None or self.aborted or not self.busy():
             return False
         self._sample(time.monotonic())
