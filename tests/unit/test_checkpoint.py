@@ -357,3 +357,55 @@ def test_local_tensors_picked_are_copied_in_the_background_and_settled_before_a_
         assert torch.equal(local["model"]["w"], torch.full((64,), float(revision)))
         assert torch.equal(local["model"]["buf"], torch.full((4,), float(revision)))
     assert ck.failures == 0
+
+
+def _hanging_writer(ck: Checkpointer, chunks: int, release: threading.Event) -> list[int]:
+    """Make ``ck``'s store write a part in ``chunks`` appends (a few ms apart), then hang until
+    ``release``; returns the count of chunks written so far (one item, updated)."""
+    written = [0]
+    store = ck.store
+
+    def save(state: dict[str, Any], *parts: str) -> None:
+        path = store.path(*parts)
+        store.fs.makedirs(path, exist_ok=True)
+        for _ in range(chunks):
+            with store.fs.open(f"{path}/data", "ab") as f:
+                f.write(b"x" * 4096)
+            written[0] += 1
+            release.wait(0.02)
+        release.wait(60)
+
+    store.save = save  # type: ignore[method-assign]
+    return written
+
+
+def test_the_final_wait_lasts_while_the_write_progresses_and_ends_once_it_stops(
+    tmp_path: Path,
+) -> None:
+    (ck,) = _peers(str(tmp_path / "ck"), 1, _state(0))
+    release = threading.Event()
+    written = _hanging_writer(ck, 100, release)
+    ck.session.revision = 2  # type: ignore[attr-defined]
+    assert ck.maybe_save()
+    # the write adds bytes for longer than idle_s, then hangs: waited through, then given up
+    assert not ck.wait_progressing(idle_s=1.0, limit_s=600.0, poll_s=0.05)
+    assert written[0] == 100
+    release.set()  # the store answers again: the write completes, and a wait sees it end
+    assert ck.wait_progressing(idle_s=1.0, limit_s=600.0, poll_s=0.05)
+    assert ck.store.revisions() == [2]
+    assert ck.wait_progressing(idle_s=1.0, limit_s=600.0)  # no write running
+
+
+def test_a_store_that_shows_no_bytes_before_a_file_completes_gets_its_size_bound() -> None:
+    import time
+
+    (ck,) = _peers(f"memory://isthmus-ck-{uuid.uuid4().hex}", 1, _state(0))
+    release = threading.Event()
+    _hanging_writer(ck, 0, release)  # hangs at once: the mark never moves
+    ck.session.revision = 2  # type: ignore[attr-defined]
+    assert ck.maybe_save()
+    t0 = time.monotonic()
+    assert not ck.wait_progressing(idle_s=0.2, limit_s=600.0, unseen_min_s=1.5, poll_s=0.05)
+    assert time.monotonic() - t0 >= 1.5  # not before the bound for its size
+    release.set()
+    ck.wait(30)

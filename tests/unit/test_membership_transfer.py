@@ -1,7 +1,8 @@
 """The coordinator's bounds during a long transfer, on a fake clock: a member whose heartbeats
 say its transfer moves may go ``transfer_heartbeat_timeout`` without one (its heartbeats queue
 behind the data on a thin link) while a partner in its round says the same, one that is not
-transferring, or whose partners see nothing move, keeps ``heartbeat_timeout``, and the commit
+transferring, or whose partners see nothing move, keeps ``heartbeat_timeout`` (one that
+reported its round keeps the longer bound until the round ends), and the commit
 bound counts from a member's last progress, not from the round's start."""
 
 from __future__ import annotations
@@ -72,12 +73,31 @@ def test_a_member_whose_partners_see_nothing_move_keeps_the_short_bound() -> Non
     assert m.poll_commit(plan.epoch, plan.round).kind == "aborted"
 
 
-def test_a_member_that_reported_its_round_keeps_the_short_bound() -> None:
+def test_a_member_that_reported_keeps_the_longer_bound_until_the_round_ends() -> None:
+    # b's collective completed once its last data was handed to its kernel, and it reported;
+    # that data still drains over the thin link ahead of b's heartbeats, while a receives it
     m, a, b, plan = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
     assert m.commit(b, 1.0, epoch=plan.epoch, round=plan.round, ok=True).kind == "wait"
+    m.heartbeat(b, 1.0, {"transfer": None})  # out of the round, from b's side
+    t = 1.0
+    while t < 9.0:
+        t += 0.5
+        m.heartbeat(a, t, _mv(plan, True))
+        m.tick(t)
+    assert m.peers[b].state.value == "active"  # 8 s without a heartbeat, inside the round
+    # a got the rest and reports: the round commits, b is outside a round and speaks again
+    assert m.commit(a, t, epoch=plan.epoch, round=plan.round, ok=True).kind == "committed"
+    m.heartbeat(b, t, {"transfer": None})
+    m.tick(t + 3.5)  # now the short bound holds for b
+    assert m.peers[b].state.value == "dead" and "no heartbeat for 3.5s" in m.peers[b].reason
+
+
+def test_a_member_that_reported_is_held_to_the_short_bound_when_partners_see_nothing() -> None:
+    m, a, b, plan = _two(heartbeat_timeout=3.0, transfer_heartbeat_timeout=10.0)
+    assert m.commit(b, 1.0, epoch=plan.epoch, round=plan.round, ok=True).kind == "wait"
+    m.heartbeat(b, 1.0, {"transfer": None})
     m.heartbeat(a, 1.0, _mv(plan, True))
-    m.heartbeat(b, 1.0, _mv(plan, False))
-    m.heartbeat(a, 3.5, _mv(plan, True))
+    m.heartbeat(a, 3.5, _mv(plan, False))  # nothing arrives from b any more
     m.tick(4.5)
     assert m.peers[b].state.value == "dead"
     assert m.peers[a].state.value == "active"

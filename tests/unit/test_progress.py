@@ -157,12 +157,14 @@ def _tcp_info(**fields: int) -> bytes:
         fields.get("backoff", 0),
     )
     for off, name in (
+        (8, "rto"),
         (24, "unacked"),
         (52, "last_data"),
         (56, "last_ack"),
         (68, "rtt"),
         (100, "total_retrans"),
         (144, "notsent"),
+        (152, "data_segs_in"),
         (228, "snd_wnd"),
     ):
         struct.pack_into("=I", buf, off, fields.get(name, 0))
@@ -181,6 +183,8 @@ def test_parse_tcp_info_reads_the_fields_at_the_kernels_offsets() -> None:
         notsent=990800,
         snd_wnd=413696,
         rtt=1234,
+        rto=7_204_000,
+        data_segs_in=3911,
     )
     info = parse_tcp_info(raw)
     assert info == TcpInfo(
@@ -196,8 +200,11 @@ def test_parse_tcp_info_reads_the_fields_at_the_kernels_offsets() -> None:
         total_retrans=0,
         rtt_us=1234,
         snd_wnd=413696,
+        rto_us=7_204_000,
+        data_segs_in=3911,
     )
     assert parse_tcp_info(raw[:200]) is not None and parse_tcp_info(raw[:200]).snd_wnd is None  # type: ignore[union-attr]
+    assert parse_tcp_info(raw[:150]).data_segs_in is None  # type: ignore[union-attr]
     assert parse_tcp_info(raw[:100]) is None  # a kernel without byte counters
 
 
@@ -209,6 +216,10 @@ def test_conn_sample_maps_the_kernel_states() -> None:
     assert (s.in_flight, s.queued, s.acked) == (True, False, 1)
     s = conn_sample(7, "a:1", closed_window)
     assert (s.in_flight, s.queued) == (False, True)
+    receiving = parse_tcp_info(_tcp_info(received=9, data_segs_in=12, rto=7_204_000))
+    assert receiving is not None
+    s = conn_sample(7, "a:1", receiving)
+    assert (s.segs_in, s.rto_s) == (12, 7.204)
 
 
 def test_a_connection_idle_between_collectives_is_not_silent_when_it_sends_again() -> None:
@@ -243,3 +254,62 @@ def test_the_bounds_of_a_transfer_count_from_when_it_began() -> None:
     v = w.verdict(now=235.0, since=195.0)
     assert v.state is State.NOT_READING and v.for_s == 40.0 and not v.stuck
     assert w.verdict(now=795.0, since=195.0).stuck
+
+
+# -- moved_within: what a heartbeat's "moving" is made of (Group.moving) ------------------------
+
+
+def test_segments_arriving_behind_a_lost_one_count_as_the_remote_sending() -> None:
+    # the tail of a sync at 90 kbit/s: this member has sent everything (nothing in flight) and
+    # waits for the partner's last bytes; one segment was lost, so the later ones arrive out of
+    # order for seconds (the queue in front of the retransmission) and "received" stands still
+    w = ProgressWatch(CFG, started=0.0)
+    segs = 100
+    for i in range(41):  # 10 s at 0.25 s
+        w.sample(i * 0.25, [conn(5000, 8000, segs_in=segs)])
+        segs += 1
+    assert w.moved_within(2.0)
+    assert w.verdict().state is State.PROGRESSING
+    # the partner stops sending (it stopped, or it is done): nothing arrives any more
+    for i in range(41, 50):
+        w.sample(i * 0.25, [conn(5000, 8000, segs_in=segs)])
+    assert not w.moved_within(2.0, now=12.5)
+    # without the segment count the same wait looked like a stopped partner at once
+    w = ProgressWatch(CFG, started=0.0)
+    for i in range(41):
+        w.sample(i * 0.25, [conn(5000, 8000)])
+    assert not w.moved_within(2.0)
+
+
+def test_a_stopped_remote_sends_no_segment_and_stops_counting_as_moving() -> None:
+    # its kernel acknowledges into the receive buffer until the window closes, then nothing
+    w = ProgressWatch(CFG, started=0.0)
+    for i in range(10):
+        w.sample(float(i), [conn(1000 * min(i, 3), 0, queued=i >= 3, segs_in=0, rto_s=0.2)])
+        assert w.moved_within(2.0) == (i < 5)  # the last advance at 3 s; no segment arrives
+
+
+def test_the_window_grows_to_the_connections_retransmission_timeout_at_most_late_s() -> None:
+    def watch(rto_s: float | None) -> ProgressWatch:
+        w = ProgressWatch(CFG, started=0.0)
+        w.sample(0.0, [conn(0, 0, rto_s=rto_s)])
+        w.sample(1.0, [conn(1000, 0, rto_s=rto_s)])  # the last movement
+        return w
+
+    short, deep, absurd = watch(0.2), watch(19.0), watch(900.0)
+    assert not short.moved_within(2.0, now=3.5)  # a fast path: 2 s without a byte says stop
+    # 90 kbit/s behind a 7 s queue, in loss recovery: the sender's timer is at 19 s
+    assert deep.moved_within(2.0, now=19.5)
+    assert not deep.moved_within(2.0, now=20.5)
+    assert absurd.moved_within(2.0, now=60.5)
+    assert not absurd.moved_within(2.0, now=61.5)  # capped at late_s (60 s here)
+    assert not watch(None).moved_within(2.0, now=3.5)  # a source that does not say
+
+
+def test_a_segment_count_that_goes_back_is_a_new_connection() -> None:
+    w = ProgressWatch(CFG, started=0.0)
+    w.sample(0.0, [conn(10, 10, segs_in=500)])
+    w.sample(5.0, [conn(10, 10, segs_in=500)])
+    assert not w.moved_within(2.0)
+    w.sample(6.0, [conn(10, 10, segs_in=3)])  # the key names another socket now
+    assert w.moved_within(2.0)

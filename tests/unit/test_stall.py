@@ -61,6 +61,9 @@ class FakeWatch:
     def in_flight(self) -> bool:
         return self.watch.in_flight()
 
+    def moved_within(self, floor_s: float) -> bool:
+        return self.watch.moved_within(floor_s, self.now)
+
 
 @pytest.fixture(autouse=True)
 def _sample_every_poll(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,3 +246,24 @@ def test_moving_is_what_a_heartbeat_says_of_the_transfer() -> None:
     assert g.moving()  # data awaits its acknowledgement: a live path in loss recovery
     h._work.future.set_result(None)  # type: ignore[union-attr]
     assert not g.moving()  # the operation ended
+
+
+def test_a_member_that_only_receives_is_moving_while_segments_arrive() -> None:
+    # the tail of a long sync on a thin link: this member sent everything (nothing in flight)
+    # and waits for its partner's last bytes behind a lost segment; the later segments arrive
+    # out of order, "received" stands still. It vouches for the partner until they stop.
+    state = {"segs": 0}
+
+    def conns(t: float) -> list[ConnSample]:
+        return [ConnSample("c", REMOTE, acked=900, received=500, segs_in=state["segs"])]
+
+    watch = FakeWatch(conns, ProgressConfig(stall_s=10.0, late_s=600.0), step=1.0)
+    g = _group(watch)
+    h = Handle(g, FakeWork(), torch.ones(4), "all_reduce")
+    for _ in range(8):
+        state["segs"] += 3
+        assert g.moving()
+    for _ in range(2):
+        watch.sample()
+    assert not g.moving()  # nothing arrived for 3 s: the partner sends nothing any more
+    h._work.future.set_result(None)  # type: ignore[union-attr]

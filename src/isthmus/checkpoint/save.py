@@ -43,6 +43,7 @@ import torch
 from isthmus.checkpoint.manifest import Manifest, assign_parts
 from isthmus.checkpoint.staging import Staging
 from isthmus.checkpoint.store import CheckpointStore
+from isthmus.checkpoint.write_wait import WriteWait
 from isthmus.comm.state import SharedState, tensor_hash
 from isthmus.version import __version__
 
@@ -120,6 +121,10 @@ class Checkpointer:
         """Which tensors of the local state (by their path of keys) are copied on the writer
         thread (whatever writes them must call :meth:`settle` first)."""
         self._copied: threading.Event | None = None  # set once the background copies are done
+        # the write in progress: its revision, and how many of its steps are done (copied,
+        # each part saved, reported, the manifest): what wait_progressing watches with its bytes
+        self._writing: int | None = None
+        self._steps = 0
 
     def due(self) -> bool:
         r = self.session.revision
@@ -147,6 +152,7 @@ class Checkpointer:
             copied.set()
         self._copied = copied
         self.last_revision = revision
+        self._writing = revision
         self._thread = threading.Thread(
             target=self._copy_and_write,
             args=(revision, rank, parts, names, snapshot, later, local, copied),
@@ -196,6 +202,56 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def progress_mark(self) -> tuple[int, int]:
+        """What changes while the write in progress advances: the writer's steps done and, on
+        the local file system, the bytes its revision's files hold so far (-1 where they
+        cannot be listed; 0 on other stores, where a file shows only once it is complete)."""
+        steps, revision = self._steps, self._writing
+        if revision is None or not self.store.local:
+            return steps, 0
+        try:
+            return steps, sum(self.store.size(revision).values())
+        except OSError:  # not created yet, or being replaced: no bytes to count
+            return steps, -1
+
+    def wait_progressing(
+        self,
+        *,
+        idle_s: float,
+        limit_s: float,
+        unseen_min_s: float = 0.0,
+        poll_s: float = 1.0,
+    ) -> bool:
+        """Wait for the write in progress while it progresses (:meth:`progress_mark` changes);
+        True once it ended (or when none runs). It is given up, with a warning, once the mark
+        has not changed for ``idle_s``, or after ``limit_s`` in any case: then this returns
+        False, the write goes on in the background, and the checkpoint before it stays the
+        last complete one. Where the store cannot show a file's bytes before the file is
+        complete (anything but the local file system), the wait lasts at least
+        ``unseen_min_s``. A pause that adds no bytes (the final flush to disk) counts as no
+        progress too. The mark is sampled every ``poll_s``."""
+        t = self._thread
+        if t is None or not t.is_alive():
+            return True
+        min_s = 0.0 if self.store.local else min(unseen_min_s, limit_s)
+        w = WriteWait(time.monotonic(), idle_s=idle_s, limit_s=limit_s, min_s=min_s)
+        w.observe(w.started, self.progress_mark())
+        while True:
+            t.join(poll_s)
+            if not t.is_alive():
+                return True
+            now = time.monotonic()
+            w.observe(now, self.progress_mark())
+            why = w.give_up(now)
+            if why is not None:
+                log.warning(
+                    "checkpoint of revision %s: %s; not waiting for it (the one before it stays "
+                    "the last complete checkpoint)",
+                    self._writing,
+                    why,
+                )
+                return False
+
     def _copy_and_write(
         self,
         revision: int,
@@ -218,6 +274,7 @@ class Checkpointer:
             return
         finally:
             copied.set()  # never leave the training thread waiting, even if the copy failed
+        self._steps += 1
         self._write(revision, rank, parts, snapshot, local)
 
     def _write(
@@ -235,8 +292,10 @@ class Checkpointer:
             store.unseal(revision)  # a revision this run wrote before it went back to an older one
             if snapshot:
                 store.save(self._stored(snapshot), d, f"shared-{rank}")
+                self._steps += 1
             if local:
                 store.save(local, d, f"local-{slot}")
+                self._steps += 1
             faults = getattr(s, "faults", None)
             if faults is not None:  # tests: a peer that dies with its part written, unreported
                 faults.check("checkpoint", round=revision)
@@ -253,6 +312,7 @@ class Checkpointer:
                 }
             )
             self.written += 1
+            self._steps += 1
             if answer.get("write_manifest"):
                 self._finish(revision, parts, answer)
         except Exception as e:  # a save never stops training; the last complete one stays

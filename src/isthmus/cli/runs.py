@@ -12,7 +12,7 @@ from isthmus.cli import security
 from isthmus.cli.common import print_summary, read_token, strategy_names
 from isthmus.run.flags import add_config_flags
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parsers", "membership_config"]
 
 RUN_FLAGS = (
     "heartbeat_timeout",
@@ -33,10 +33,40 @@ RUN_FLAGS = (
 every peer must agree on them)."""
 
 
-def _cmd_coordinator(args: argparse.Namespace) -> int:
+def membership_config(args: argparse.Namespace) -> Any:
+    """The :class:`~isthmus.coordinator.peers.MembershipConfig` of ``isthmus coordinator``'s
+    flags. ``--transfer-heartbeat-timeout`` left out is 10 s, or ``--heartbeat-timeout`` where
+    that is longer; given, it must not be shorter than ``--heartbeat-timeout`` (ValueError
+    naming both: a member inside a transfer never gets less than a member outside one)."""
     from isthmus.coordinator.membership import MembershipConfig
+
+    transfer = args.transfer_heartbeat_timeout
+    if transfer is None:
+        transfer = max(args.heartbeat_timeout, MembershipConfig.transfer_heartbeat_timeout)
+    elif transfer < args.heartbeat_timeout:
+        raise ValueError(
+            f"--transfer-heartbeat-timeout ({transfer:g}s) must be at least "
+            f"--heartbeat-timeout ({args.heartbeat_timeout:g}s)"
+        )
+    return MembershipConfig(
+        min_peers=args.min_peers,
+        start_peers=args.start_peers,
+        heartbeat_timeout=args.heartbeat_timeout,
+        transfer_heartbeat_timeout=transfer,
+        parity_every=args.parity_every,
+        begin_timeout=args.begin_timeout,
+        commit_timeout=args.commit_timeout,
+    )
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
     from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 
+    try:
+        membership = membership_config(args)
+    except ValueError as e:
+        print(f"isthmus coordinator: {e}", file=sys.stderr)
+        return 2
     restore = None
     if args.resume:
         from isthmus.checkpoint.store import CheckpointStore, StorageError
@@ -64,14 +94,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
-        membership=MembershipConfig(
-            min_peers=args.min_peers,
-            start_peers=args.start_peers,
-            heartbeat_timeout=args.heartbeat_timeout,
-            parity_every=args.parity_every,
-            begin_timeout=args.begin_timeout,
-            commit_timeout=args.commit_timeout,
-        ),
+        membership=membership,
         **security.coordinator_options(args),
     )
     coord = Coordinator(cfg)
@@ -198,6 +221,17 @@ def add_parsers(sub: Any) -> None:
     )
     c.add_argument(
         "--heartbeat-timeout", type=float, default=5.0, help="evict a silent peer after this"
+    )
+    c.add_argument(
+        "--transfer-heartbeat-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the heartbeat bound of a member inside a round's transfer, whose heartbeats may "
+        "queue behind the round's data on a thin link (default 10, or --heartbeat-timeout if "
+        "longer; never shorter than it). It applies unless a partner in the same round reports "
+        "that nothing moves on its connections; raise it where a link's queue delays "
+        "heartbeats by more than 10 s",
     )
     c.add_argument("--heartbeat-interval", type=float, default=1.0, help="peers' heartbeat period")
     c.add_argument(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,12 +63,15 @@ __all__ = [
 ]
 
 
+log = logging.getLogger("isthmus.group")
+
 #: How often a waiting handle samples the group's connections (seconds).
 SAMPLE_PERIOD_S = 0.25
 
 #: A transfer counts as moving (:meth:`Group.moving`) while some connection advanced within
-#: this many seconds: well inside a heartbeat bound, so that the partners of a member that
-#: stopped reading stop vouching for it before that bound passes.
+#: this many seconds (or its retransmission timeout, where longer): well inside a heartbeat
+#: bound, so that on a short round trip the partners of a member that stopped stop vouching
+#: for it before that bound passes.
 MOVING_WINDOW_S = 2.0
 
 
@@ -199,6 +203,7 @@ class Group:
         self._watch = watch
         self._sample_lock = threading.Lock()
         self._sampled_at = -SAMPLE_PERIOD_S
+        self._said_moving = True  # the last answer of moving(): a change to False is logged
         if wires is not None:
             for g in self.pgs:
                 _set_backstop(g, late_s)
@@ -244,23 +249,37 @@ class Group:
                 self._watch.sample()
 
     def moving(self) -> bool:
-        """True while an operation on this group is in flight and some connection of the group
-        moved bytes within :data:`MOVING_WINDOW_S`, or holds sent data awaiting its
-        acknowledgement (a live path in loss recovery behind a slow link's deep queue) and is
-        not silent. What a heartbeat reports: the coordinator tolerates heartbeats that queue
-        behind this transfer's data, and stops doing so for a partner of this member's once
-        this says nothing moves (a stopped member takes no data: this member's data to it is
-        acknowledged by its kernel or waits behind its closed window). False for a group whose
-        connections are not watched, and when nothing is in flight. Safe from any thread."""
+        """True while an operation on this group is in flight and its transfer is not judged
+        stopped: some connection of the group advanced (bytes acknowledged or received, or a
+        data segment arrived, in order or not) within :data:`MOVING_WINDOW_S`, or within its
+        retransmission timeout where that is longer (a round trip behind a slow link's deep
+        queue), or a connection holds sent data awaiting its acknowledgement (a live path in
+        loss recovery) and is not silent. What a heartbeat reports: the coordinator tolerates
+        heartbeats that queue behind this transfer's data, and stops doing so for a partner of
+        this member's once this says nothing moves (a stopped member takes no data and sends
+        none: this member's data to it is acknowledged by its kernel or waits behind its closed
+        window, and nothing more arrives from it). A member that has sent everything and waits
+        for the rest still sees the partner's segments arrive, also while one lost segment
+        holds back the bytes counted as received. False for a group whose connections are not
+        watched, and when nothing is in flight. An answer False after True is logged (INFO,
+        each connection's quiet time and retransmission timeout). Safe from any thread."""
         if self._watch is None or self.aborted or not self.busy():
             return False
         self._sample(time.monotonic())
         v = self._watch.verdict()
-        if v.state is State.SILENT:
-            return False
-        if v.state is State.PROGRESSING and v.for_s < MOVING_WINDOW_S:
-            return True
-        return self._watch.in_flight()
+        moving = v.state is not State.SILENT and (
+            self._watch.moved_within(MOVING_WINDOW_S) or self._watch.in_flight()
+        )
+        if not moving and self._said_moving:
+            # what lets the coordinator hold a partner of this member's to the short bound
+            describe = getattr(self._watch, "describe", None)
+            log.info(
+                "%s: nothing moves on the transfer (%s)",
+                self.name or "group",
+                describe() if describe is not None else v.why,
+            )
+        self._said_moving = moving
+        return moving
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:

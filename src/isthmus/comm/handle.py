@@ -77,6 +77,8 @@ class Watch(Protocol):
 
     def in_flight(self) -> bool: ...
 
+    def moved_within(self, floor_s: float) -> bool: ...
+
 
 class Owner(Protocol):
     """What a :class:`Handle` needs of its group (:class:`~isthmus.comm.group.Group`)."""

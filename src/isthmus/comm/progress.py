@@ -7,8 +7,9 @@ instant (see :mod:`isthmus.comm.tcpstats`; a transport without sockets, or a col
 chunks, can feed the count of bytes done as ``acked``). :class:`ProgressWatch` keeps, per
 connection, when its counters last advanced, and :meth:`ProgressWatch.verdict` classifies:
 
-* **progressing**: some connection advanced within the last ``stall_s`` seconds, and none is
-  silent. A slow link is never stuck, however long the whole transfer takes.
+* **progressing**: some connection advanced (bytes acknowledged or received, or a data segment
+  arrived, in order or not) within the last ``stall_s`` seconds, and none is silent. A slow
+  link is never stuck, however long the whole transfer takes.
 * **silent** (stuck, with a culprit): a connection holds data in flight that its remote has not
   acknowledged for ``stall_s``, and (where the source says) its kernel has retransmitted it on
   ``min_retransmits`` timeouts in a row: the path or the remote host is gone (a cut link, a
@@ -61,6 +62,14 @@ class ConnSample:
     retransmits: int | None = None
     """Consecutive retransmission timeouts of the data in flight (reset by an acknowledgement);
     None where the source does not say."""
+    segs_in: int | None = None
+    """Data segments that arrived so far, in order or not; None where the source does not say.
+    A receiver that waits for one lost segment keeps getting the later ones, which do not
+    advance ``received`` until the retransmission arrives (on a slow link's deep queue, for
+    seconds): they still show that the remote sends."""
+    rto_s: float | None = None
+    """The connection's retransmission timeout (its measured round trip and variance, in
+    seconds); None where the source does not say."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,12 +126,14 @@ class Verdict:
 class _Conn:
     remote: str
     base: int  # acked + received when they last advanced by min_bytes
-    moved_at: float  # when that was (or when the connection was first seen)
+    moved_at: float  # when that was, or a data segment last arrived (or first seen)
     acked_base: int  # acked when it last advanced by min_bytes
     flight_from: float | None  # first sample with data in flight since acked last advanced
     in_flight: bool
     queued: bool
     retransmits: int | None = None
+    segs: int | None = None  # segs_in at the last sample
+    rto_s: float | None = None
 
 
 class ProgressWatch:
@@ -155,15 +166,25 @@ class ProgressWatch:
         for s in conns:
             total = s.acked + s.received
             c = self._conns.get(s.key)
-            if c is None or total < c.base or s.acked < c.acked_base or s.remote != c.remote:
+            if (
+                c is None
+                or total < c.base
+                or s.acked < c.acked_base
+                or s.remote != c.remote
+                or (s.segs_in is not None and c.segs is not None and s.segs_in < c.segs)
+            ):
                 # a connection appearing (or made again) is movement too
                 flight = at if s.in_flight else None
                 c = _Conn(s.remote, total, at, s.acked, flight, s.in_flight, s.queued)
-                c.retransmits = s.retransmits
                 self.last_moved = max(self.last_moved, at)
             else:
-                if total - c.base >= need:
-                    c.moved_at, c.base = at, total
+                moved = total - c.base >= need
+                if moved:
+                    c.base = total
+                # a data segment arriving out of order is the remote sending, too
+                arrived = s.segs_in is not None and c.segs is not None and s.segs_in > c.segs
+                if moved or arrived:
+                    c.moved_at = at
                     self.last_moved = max(self.last_moved, at)
                 if s.acked - c.acked_base >= need:
                     c.acked_base = s.acked
@@ -173,7 +194,7 @@ class ProgressWatch:
                 elif c.flight_from is None:
                     c.flight_from = at
                 c.in_flight, c.queued = s.in_flight, s.queued
-                c.retransmits = s.retransmits
+            c.retransmits, c.segs, c.rto_s = s.retransmits, s.segs_in, s.rto_s
             seen[s.key] = c
         self._conns = seen
 
@@ -181,6 +202,41 @@ class ProgressWatch:
         """Whether some connection had sent data awaiting acknowledgement at the last sample (a
         live path in loss recovery on a slow link shows this for seconds without moving)."""
         return any(c.in_flight for c in self._conns.values())
+
+    def moved_within(self, floor_s: float, now: float | None = None) -> bool:
+        """Whether the transfer moved recently at ``now`` (default: the last sample's time):
+        some connection advanced (bytes acknowledged or received, or a data segment arrived)
+        within its own window, ``floor_s`` or, where longer, its retransmission timeout (at
+        most ``late_s``), or watching began within ``floor_s``. Why the timeout: a path whose
+        round trip is seconds (a slow link's deep queue) goes that long without a byte while
+        both ends live, and after a loss nothing more arrives until the sender's timer fires
+        (seconds to tens of seconds on such a path, doubling each time), so a pause shorter
+        than that says nothing about the remote.
+        """
+        t = self.at if now is None else max(now, self.at)
+        if t - self.started < floor_s:
+            return True
+        cap = self.config.late_s
+        for c in self._conns.values():
+            window = max(floor_s, min(c.rto_s or 0.0, cap))
+            if t - c.moved_at < window:
+                return True
+        return False
+
+    def describe(self, now: float | None = None) -> str:
+        """One line on every connection at ``now`` (default: the last sample's time): whom it
+        leads to, how long it has not moved, and what it holds; for logs."""
+        t = self.at if now is None else max(now, self.at)
+        if not self._conns:
+            return "no connection watched"
+        parts = []
+        for c in sorted(self._conns.values(), key=lambda c: c.remote):
+            flags = "".join(
+                f for f, on in ((" in flight", c.in_flight), (" queued", c.queued)) if on
+            )
+            rto = f" rto {c.rto_s:.1f}s" if c.rto_s is not None else ""
+            parts.append(f"{c.remote}: quiet {t - c.moved_at:.1f}s{flags}{rto}")
+        return "; ".join(parts)
 
     def verdict(self, now: float | None = None, *, since: float | None = None) -> Verdict:
         """Classify at ``now`` (default: the last sample's time) the transfer that began at

@@ -34,6 +34,7 @@ __all__ = ["TcpInfo", "TcpWatch", "conn_sample", "parse_tcp_info", "read_fd", "r
 _BASE = struct.Struct("=BBBBBBBB")  # state, ca_state, retransmits, probes, backoff, ...
 _U32 = struct.Struct("=I")
 _U64 = struct.Struct("=Q")
+_OFF_RTO = 8
 _OFF_UNACKED = 24
 _OFF_LAST_DATA_RECV = 52
 _OFF_LAST_ACK_RECV = 56
@@ -42,6 +43,7 @@ _OFF_TOTAL_RETRANS = 100
 _OFF_BYTES_ACKED = 120
 _OFF_BYTES_RECEIVED = 128
 _OFF_NOTSENT = 144
+_OFF_DATA_SEGS_IN = 152
 _OFF_SND_WND = 228  # newer kernels only
 _NEEDED = _OFF_NOTSENT + 4
 _READ = 256  # more than any field read; the kernel returns what it has
@@ -58,6 +60,8 @@ class TcpInfo:
     ``last_data_ms``: milliseconds since the last acknowledgement / data arrived.
     ``retransmits``, ``backoff``: the current retransmission (or window probe) streak.
     ``snd_wnd``: the window the remote offers, None where the kernel does not say.
+    ``rto_us``: the current retransmission timeout. ``data_segs_in``: data segments received,
+    in order or not (duplicates too), None where the kernel does not say.
     """
 
     established: bool
@@ -72,6 +76,8 @@ class TcpInfo:
     total_retrans: int
     rtt_us: int
     snd_wnd: int | None
+    rto_us: int = 0
+    data_segs_in: int | None = None
 
 
 def parse_tcp_info(buf: bytes) -> TcpInfo | None:
@@ -94,6 +100,8 @@ def parse_tcp_info(buf: bytes) -> TcpInfo | None:
         total_retrans=u32(_OFF_TOTAL_RETRANS),
         rtt_us=u32(_OFF_RTT),
         snd_wnd=u32(_OFF_SND_WND) if len(buf) >= _OFF_SND_WND + 4 else None,
+        rto_us=u32(_OFF_RTO),
+        data_segs_in=u32(_OFF_DATA_SEGS_IN) if len(buf) >= _OFF_DATA_SEGS_IN + 4 else None,
     )
 
 
@@ -163,7 +171,8 @@ def _read_checked(fd: int, inode: int) -> TcpInfo | None:
 def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
     """``info`` as a :class:`~isthmus.comm.progress.ConnSample`: data in flight when segments
     await acknowledgement, queued when written bytes wait (the remote's window is closed), with
-    the current streak of retransmission timeouts."""
+    the current streak of retransmission timeouts, the data segments received (in order or
+    not) and the retransmission timeout."""
     return ConnSample(
         key=key,
         remote=remote,
@@ -172,6 +181,8 @@ def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
         in_flight=info.unacked > 0,
         queued=info.notsent > 0 or info.snd_wnd == 0,
         retransmits=info.retransmits,
+        segs_in=info.data_segs_in,
+        rto_s=info.rto_us / 1e6 if info.rto_us else None,
     )
 
 
@@ -229,6 +240,16 @@ class TcpWatch:
         """:meth:`ProgressWatch.in_flight` at the last sample."""
         with self._lock:
             return self._watch.in_flight()
+
+    def describe(self) -> str:
+        """:meth:`ProgressWatch.describe` now."""
+        with self._lock:
+            return self._watch.describe(time.monotonic())
+
+    def moved_within(self, floor_s: float) -> bool:
+        """:meth:`ProgressWatch.moved_within` now."""
+        with self._lock:
+            return self._watch.moved_within(floor_s, time.monotonic())
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,10 +9,10 @@ moves), :mod:`.parity` (the vote on the state), :mod:`.peers` (each peer, and th
 docs/PROTOCOL.md walks through the protocol; in short:
 
 * A peer **registers**, then keeps a heartbeat; one silent for ``heartbeat_timeout`` (or whose
-  heartbeat connection closed) is evicted. A member of the running round that has not reported
-  gets ``transfer_heartbeat_timeout`` instead (its heartbeats may queue behind that transfer's
-  data on a thin link), unless another member's heartbeat since the round formed says nothing
-  moves on its connections.
+  heartbeat connection closed) is evicted. A member of the running round gets
+  ``transfer_heartbeat_timeout`` instead (its heartbeats may queue behind that transfer's data
+  on a thin link, also after it reported: its kernel may still be sending), unless another
+  member's heartbeat since the round formed says nothing moves on its connections.
 * **begin**: the run's next round is always ``revision`` (committed rounds so far). It forms
   when every surviving member of the last epoch is ready (plus waiting joiners) and at least
   ``min_peers`` are: members ranked by name, a new epoch if membership changed or the last
@@ -114,12 +114,15 @@ class Membership(RunState):
 
     def _in_transfer(self, pid: int) -> bool:
         """Whether ``pid`` may be inside its round's transfer, so that its heartbeats may queue
-        behind the data: a member of the running round that has not reported, unless another
-        such member's last heartbeat says, for this round, that nothing moves on its connections (a
-        stopped member takes no data, so its partners soon see that; the heartbeats of members
-        whose link is full may not arrive at all, which says nothing)."""
+        behind the data: a member of the running round, unless another member that has not
+        reported says in its last heartbeat, for this round, that nothing moves on its
+        connections (a stopped member takes no data, so its partners soon see that; the
+        heartbeats of members whose link is full may not arrive at all, which says nothing).
+        A member that reported is still in it until the round ends: its collective completed
+        once its data was handed to its kernel, which may still be sending it (tens of seconds
+        on a thin link), ahead of its heartbeats."""
         r = self.phase.round
-        if r is None or pid not in r.plan.members or pid in r.reports:
+        if r is None or pid not in r.plan.members:
             return False
         for m in r.plan.members:  # a partner that reported is done with the transfer: no evidence
             q = self.roster.active(m)

@@ -27,8 +27,9 @@ class MembershipConfig:
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is evicted (a stopped or partitioned process)."""
     transfer_heartbeat_timeout: float = 10.0
-    """The same bound for a member of the running round that has not reported it, unless
-    another member's heartbeat since the round formed says nothing moves on its connections:
+    """The same bound for a member of the running round (also after it reported: its kernel
+    may still be sending what it wrote), unless another member's heartbeat since the round
+    formed says nothing moves on its connections:
     its heartbeats share the link with the round's data and may queue behind it on a thin link
     (none may arrive until long after the transfer began), while a stopped member's partners
     soon see nothing move. Never shorter than ``heartbeat_timeout``."""

@@ -58,6 +58,7 @@ from isthmus.strategies.sharded import island_refusal, local_view, register_shar
 
 __all__ = [
     "Strategy",
+    "final_checkpoint_limit_s",
     "final_checkpoint_wait_s",
     "materialize_optimizer_state",
     "outer_sgd",
@@ -69,11 +70,22 @@ __all__ = [
 CHECKPOINT_MIN_RATE = 10_000_000
 
 
+#: The slowest write :meth:`Strategy.finish` still waits for while it progresses (bytes per
+#: second): its limit, however the write advances.
+CHECKPOINT_CRAWL_RATE = 1_000_000
+
+
 def final_checkpoint_wait_s(nbytes: int, floor_s: float) -> float:
-    """How long :meth:`Strategy.finish` waits for the last checkpoint, whose part here is at
-    most ``nbytes``: ``max(60, floor_s)`` plus those bytes at :data:`CHECKPOINT_MIN_RATE`, so
-    that the bound grows with the model (a 40 GB state allows 4000 s more)."""
+    """The time a store that shows no bytes before a file is complete (an object store) is
+    given for the last checkpoint, whose part here is at most ``nbytes``: ``max(60, floor_s)``
+    plus those bytes at :data:`CHECKPOINT_MIN_RATE` (a 40 GB state: 4000 s more)."""
     return max(60.0, floor_s) + nbytes / CHECKPOINT_MIN_RATE
+
+
+def final_checkpoint_limit_s(nbytes: int, floor_s: float) -> float:
+    """The most :meth:`Strategy.finish` waits for the last checkpoint however it progresses:
+    ``max(60, floor_s)`` plus ``nbytes`` at :data:`CHECKPOINT_CRAWL_RATE` (40 GB: 11 hours)."""
+    return max(60.0, floor_s) + nbytes / CHECKPOINT_CRAWL_RATE
 
 
 log = logging.getLogger("isthmus.strategy")
@@ -398,9 +410,13 @@ class Strategy(ABC):
 
     def finish(self) -> None:
         """Call once after the last step: the strategy's final round (the DiLoCo family syncs
-        what is left, gossip merges), then the run's last checkpoint, waited for (bounded by
-        :func:`final_checkpoint_wait_s` of the shared state's size; when a write still runs then,
-        this returns anyway and the checkpoint before it stays the last complete one)."""
+        what is left, gossip merges), then the run's last checkpoint, waited for while its write
+        progresses (:meth:`~isthmus.checkpoint.save.Checkpointer.wait_progressing`): given up
+        once its files gained no byte and the writer no step for ``max(60 s,
+        collective_timeout)``, or after :func:`final_checkpoint_limit_s` of the shared state's
+        size in any case, and on a store that shows a file only once it is complete not before
+        :func:`final_checkpoint_wait_s`. A write given up goes on in the background; the
+        checkpoint before it stays the last complete one."""
         self._finish()
         if getattr(self.session, "pending_revision", None) is not None:
             self.session.settle()  # the run ends on a final revision
@@ -408,7 +424,12 @@ class Strategy(ABC):
             self.checkpointer.maybe_save(force=True)
             s = self.session
             nbytes = sum(t.numel() * t.element_size() for _, t in s.state.items())
-            self.checkpointer.wait(final_checkpoint_wait_s(nbytes, s.config.collective_timeout))
+            floor = s.config.collective_timeout
+            self.checkpointer.wait_progressing(
+                idle_s=max(60.0, floor),
+                limit_s=final_checkpoint_limit_s(nbytes, floor),
+                unseen_min_s=final_checkpoint_wait_s(nbytes, floor),
+            )
 
     def pipelines_rounds(self) -> bool:
         """Whether a round's result may be applied before its verdict (the session's
