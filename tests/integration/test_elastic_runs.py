@@ -84,7 +84,9 @@ def test_a_time_budget_lets_a_slow_peer_do_fewer_inner_steps(cluster) -> None:
     """DiLoCo with inner_budget=time, one of 3 peers 3x slower: after the first phase (H steps
     for everyone: no rate is known yet) the fast peers run about 3x the slow one's inner steps
     per phase, and all end bit-identical."""
-    c = cluster(start_peers=3)
+    # a 10 s heartbeat bound: under make test's workers a live peer missed the 3 s default, was
+    # evicted and found the run finished (this test is about budgets; eviction is tested apart)
+    c = cluster(start_peers=3, heartbeat_timeout=10.0)
     opts = {"sync_every": 8, "inner_budget": "time"}
     job = {"steps": 64, "step_delay": 0.03, "strategy": "diloco", "strategy_options": opts}
     for name in "ab":
