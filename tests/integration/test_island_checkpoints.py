@@ -1,7 +1,9 @@
 """Checkpoints of islands through `isthmus run --nproc-per-peer`: 2 islands x 2 ranks (FSDP2 on
 Gloo inside) write a checkpoint every round, every rank its own shards, and the whole run is
 SIGKILLed; the checkpoint resumes on 3 islands of 1 rank and on 1 island of 4, each starting
-from exactly the saved state, and training goes on with every sample of the data used once."""
+from exactly the saved state, and training goes on with every sample of the data used once.
+Killed whole and restarted by ``--max-restarts``, both islands load the coordinator's restore
+point and go on together, ending identical at one revision."""
 
 from __future__ import annotations
 
