@@ -132,10 +132,10 @@ def test_losing_every_in_sync_peer_restarts_and_the_restart_waits_as_a_first_rou
     assert phases(r) == (Phase.COMMITTED, True)  # lazily: nobody to restart with yet
     d = r.add("d")
     assert phases(r) == (Phase.RESTARTING, True) and r.m.restore_wanted() is not None
-    # it loaded the checkpoint; alone, below start_peers: it waits for start_timeout, then the
-    # restart forms with min_peers
+    # it loaded the checkpoint; alone, below start_peers: it waits for restart_timeout, then
+    # the restart forms with min_peers
     assert r.begin(d, revision=1).kind == "wait" and phases(r) == (Phase.RESTARTING, True)
-    r.advance(r.m.config.start_timeout + 1)
+    r.advance(r.m.config.restart_timeout + 0.5)
     plan = r.poll(d).plan
     assert plan is not None and plan.new_epoch and phases(r) == (Phase.RUNNING, True)
 

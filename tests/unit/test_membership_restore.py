@@ -62,11 +62,13 @@ def test_every_peer_gone_restarts_from_the_checkpoint():
     assert r.m.peers[waiting].uncounted  # its work so far started from another state
 
     # Restored, the joiner begins at the checkpoint's revision. A restart waits for start_peers
-    # as a first round does (c, told at registration, is still loading), for start_timeout at
-    # most; then round 3 forms with whoever is there, and its work does not count.
+    # as a first round does (c, told at registration, is still loading), for restart_timeout
+    # (shorter than start_timeout); then round 3 forms with whoever is there, and its work
+    # does not count.
     d = r.begin(waiting, revision=3)
     assert d.kind == "wait" and "first 2 peers" in d.reason, d
-    r.advance(r.m.config.start_timeout + 1)
+    assert r.m.config.restart_timeout < r.m.config.start_timeout
+    r.advance(r.m.config.restart_timeout + 0.5)
     d = r.poll(waiting)
     assert d.kind == "go"
     plan = d.plan
@@ -93,7 +95,7 @@ def test_a_restart_waits_for_start_peers_so_peers_killed_together_restart_togeth
     a2, b2 = r.add("a"), r.add("b")
     assert r.m.restore_wanted() == POINT
     assert r.begin(a2, revision=3).kind == "wait"
-    r.advance(r.m.config.start_timeout / 2)  # b2 still loading: a2 waits
+    r.advance(r.m.config.restart_timeout / 2)  # b2 still loading: a2 waits
     assert r.poll(a2).kind == "wait"
     d = r.begin(b2, revision=3)
     assert d.kind == "go" and d.plan.round == 3 and set(d.plan.members) == {a2, b2}
