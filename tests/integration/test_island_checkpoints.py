@@ -1,7 +1,9 @@
 """Checkpoints of islands through `isthmus run --nproc-per-peer`: 2 islands x 2 ranks (FSDP2 on
 Gloo inside) write a checkpoint every round, every rank its own shards, and the whole run is
 SIGKILLed; the checkpoint resumes on 3 islands of 1 rank and on 1 island of 4, each starting
-from exactly the saved state, and training goes on with every sample of the data used once."""
+from exactly the saved state, and training goes on with every sample of the data used once.
+Killed whole and restarted by ``--max-restarts``, both islands load the coordinator's restore
+point and go on together, ending identical at one revision."""
 
 from __future__ import annotations
 
@@ -83,23 +85,30 @@ def test_a_2x2_island_checkpoint_resumes_as_3x1_and_1x4(tmp_path: Path) -> None:
         assert sum(1 for e, _ in used if e == 0) == 64  # epoch 0 was used whole
 
 
-def test_an_island_restarted_whole_continues_from_the_runs_restore_point(tmp_path: Path) -> None:
-    """The only island of a run dies whole (both ranks SIGKILLed) after checkpoints; the
-    launcher starts it again, the coordinator answers its registration with the restore point,
-    and both ranks load their parts of it before any round: the run goes on from there."""
+def test_islands_restarted_whole_continue_together_from_the_runs_restore_point(
+    tmp_path: Path,
+) -> None:
+    """Both islands of a run die whole (every rank SIGKILLed) after checkpoints; the launcher
+    starts both again, the coordinator answers each registration with the restore point, and
+    every rank loads its part of it before any round. The restart round waits for both islands
+    (as a first round does), so the run goes on from there as one: every rank ends with the
+    same state at the same revision."""
     ck = tmp_path / "ck"
     code, out, logs = _run(
-        tmp_path, "r", "--peers", "1", "--nproc-per-peer", "2", "--max-restarts", "1",
+        tmp_path, "r", "--peers", "2", "--nproc-per-peer", "2", "--max-restarts", "1",
         script=("--checkpoint-dir", str(ck), "--exit-at", "5", "--steps", "8"),
     )  # fmt: skip
     assert code == 0, logs
     events = [json.loads(line) for line in (tmp_path / "r" / "events.jsonl").open()]
-    restart = [e for e in events if e["kind"] == "restart"]
+    restart = [k for k, e in enumerate(events) if e["kind"] == "restart"]
     assert len(restart) == 1, logs
-    restored = restart[0]["checkpoint_revision"]
+    restored = events[restart[0]]["checkpoint_revision"]
+    epochs = [e for e in events[restart[0] :] if e["kind"] == "epoch"]
+    assert [e["world"] for e in epochs] == [2], epochs  # restarted together, never apart
     recs = {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
-    assert sorted(recs) == ["0.0", "0.1"], logs
+    assert sorted(recs) == ["0.0", "0.1", "1.0", "1.1"], logs
     for r in recs.values():
         assert r["resumed_from"] == restored == r["start"]["revision"] and r["revision"] > restored
+    assert len({r["revision"] for r in recs.values()}) == 1
     assert len({r["digest"] for r in recs.values()}) == 1
     assert {int(r["full"]["meta/step"]) for r in recs.values()} == {8}

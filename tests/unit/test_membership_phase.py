@@ -122,7 +122,7 @@ def test_a_membership_walks_start_running_committed_aborted():
     assert again.new_epoch and again.epoch == same.epoch + 1  # an abort opens a new epoch
 
 
-def test_losing_every_in_sync_peer_restarts_and_the_restart_needs_only_min_peers():
+def test_losing_every_in_sync_peer_restarts_and_the_restart_waits_as_a_first_round():
     r = Run(start_peers=3, min_peers=1)
     a, b, c = r.add("a"), r.add("b"), r.add("c")
     full_round(r, [a, b, c])
@@ -132,7 +132,11 @@ def test_losing_every_in_sync_peer_restarts_and_the_restart_needs_only_min_peers
     assert phases(r) == (Phase.COMMITTED, True)  # lazily: nobody to restart with yet
     d = r.add("d")
     assert phases(r) == (Phase.RESTARTING, True) and r.m.restore_wanted() is not None
-    plan = r.begin(d, revision=1).plan  # it loaded the checkpoint; alone, below start_peers
+    # it loaded the checkpoint; alone, below start_peers: it waits for restart_timeout, then
+    # the restart forms with min_peers
+    assert r.begin(d, revision=1).kind == "wait" and phases(r) == (Phase.RESTARTING, True)
+    r.advance(r.m.config.restart_timeout + 0.5)
+    plan = r.poll(d).plan
     assert plan is not None and plan.new_epoch and phases(r) == (Phase.RUNNING, True)
 
 

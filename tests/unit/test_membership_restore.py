@@ -61,9 +61,15 @@ def test_every_peer_gone_restarts_from_the_checkpoint():
     assert d.kind == "restore" and d.restore == POINT
     assert r.m.peers[waiting].uncounted  # its work so far started from another state
 
-    # Restored, the joiner begins at the checkpoint's revision: a restart does not wait for
-    # start_peers (the run had started), so round 3 forms at once; its work does not count.
+    # Restored, the joiner begins at the checkpoint's revision. A restart waits for start_peers
+    # as a first round does (c, told at registration, is still loading), for restart_timeout
+    # (shorter than start_timeout); then round 3 forms with whoever is there, and its work
+    # does not count.
     d = r.begin(waiting, revision=3)
+    assert d.kind == "wait" and "first 2 peers" in d.reason, d
+    assert r.m.config.restart_timeout < r.m.config.start_timeout
+    r.advance(r.m.config.restart_timeout + 0.5)
+    d = r.poll(waiting)
     assert d.kind == "go"
     plan = d.plan
     assert plan.round == 3 and plan.members == (waiting,) and plan.new_epoch
@@ -74,6 +80,26 @@ def test_every_peer_gone_restarts_from_the_checkpoint():
     r.begin(c, revision=3, hashes={"w": "c3", "b": "c3"})
     d = r.begin(waiting)
     assert d.kind == "go" and [t.dst for t in d.plan.transfers] == [c]
+
+
+def test_a_restart_waits_for_start_peers_so_peers_killed_together_restart_together():
+    """Every peer died; both come back under new processes and load the checkpoint at
+    registration, one slower than the other: the restart round forms with both, at the
+    checkpoint's revision, rather than with the first alone."""
+    r = Run(start_peers=2)
+    a, b = r.add("a"), r.add("b")
+    _run_to(r, [a, b], 5)
+    r.m.set_restore_point(POINT, r.now)
+    r.m.remove(a, r.now, "killed")
+    r.m.remove(b, r.now, "killed")
+    a2, b2 = r.add("a"), r.add("b")
+    assert r.m.restore_wanted() == POINT
+    assert r.begin(a2, revision=3).kind == "wait"
+    r.advance(r.m.config.restart_timeout / 2)  # b2 still loading: a2 waits
+    assert r.poll(a2).kind == "wait"
+    d = r.begin(b2, revision=3)
+    assert d.kind == "go" and d.plan.round == 3 and set(d.plan.members) == {a2, b2}
+    assert d.plan.transfers == () and r.poll(a2).plan == d.plan
 
 
 def test_a_peer_ahead_of_the_checkpoint_is_repaired_from_none_and_votes():

@@ -6,7 +6,9 @@ A round forms (:func:`try_form`) when no round runs and
   after another member did is evicted; members that went quiet, ``quiet_after``, are not
   waited for), and at least ``min_peers`` are;
 * for the run's first round, ``start_peers`` are ready or ``start_timeout`` has passed since the
-  first was (after a restart from a checkpoint, ``min_peers`` suffice);
+  first was; a restart from a checkpoint waits the same way, for ``restart_timeout`` at most
+  (peers killed together come back together, each loading the checkpoint, and a restart formed
+  by the first one alone would leave the others to a run of their own once it finished);
 * some ready peer holds the run's state (:func:`.parity.voters`), and every ready peer sent its
   hashes when the round needs them (:func:`hashes_needed`);
 * the run has not stopped (the same cause aborted its round ``abort_limit`` times in a row).
@@ -153,9 +155,11 @@ def try_form(s: RunState, now: float, *, quick: bool = False) -> None:
         return
     if len(ready) < cfg.min_peers:
         return
-    restarting = s.phase.phase is Phase.RESTARTING
-    start = cfg.min_peers if restarting else cfg.start_peers or cfg.min_peers
-    if not s.started and len(ready) < start and now - waiting_since < cfg.start_timeout:
+    start = cfg.start_peers or cfg.min_peers
+    bound = cfg.start_timeout
+    if s.phase.phase is Phase.RESTARTING:
+        bound = min(bound, cfg.restart_timeout)
+    if not s.started and len(ready) < start and now - waiting_since < bound:
         return
     voters = s.voters(ready)
     if not voters:

@@ -24,6 +24,11 @@ class MembershipConfig:
     """The very first round waits for this many peers (default: ``min_peers``) or ``start_timeout``."""
     start_timeout: float = 30.0
     """How long the first round waits for ``start_peers`` before starting with whoever is there."""
+    restart_timeout: float = 10.0
+    """How long a restart from a checkpoint waits for ``start_peers`` (counted from the first
+    restored peer ready; never longer than ``start_timeout``) before forming with ``min_peers``:
+    peers killed together come back together and form the restart as one, while a run that lost
+    its peers one by one does not wait long for joiners still starting."""
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is evicted (a stopped or partitioned process)."""
     transfer_heartbeat_timeout: float = 10.0
@@ -63,6 +68,7 @@ class MembershipConfig:
             )
         for name in (
             "start_timeout",
+            "restart_timeout",
             "heartbeat_timeout",
             "transfer_heartbeat_timeout",
             "begin_timeout",

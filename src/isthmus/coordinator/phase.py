@@ -5,8 +5,8 @@ A run is always in exactly one :class:`Phase`:
 * ``STARTING``: no round has formed yet. The first round waits for ``start_peers`` ready peers,
   or for ``start_timeout`` after the first of them became ready.
 * ``RESTARTING``: every peer that held the run's state is gone and the run continues from a
-  checkpoint. The next round forms as a first round does, but with ``min_peers`` (nobody waits
-  for ``start_peers`` a second time).
+  checkpoint. The next round forms as a first round does: it waits for ``start_peers``, or for
+  ``restart_timeout`` (at most ``start_timeout``) after the first of them became ready.
 * ``RUNNING``: a round is formed and its members are working; it ends committed or aborted.
 * ``COMMITTED``: between rounds, the last one committed: the next round keeps the epoch when its
   members are the same.

@@ -123,9 +123,19 @@ class DDP(Strategy):
     def _refuse_islands(self, session: object) -> None:
         super()._refuse_islands(session)
         if getattr(session, "island", None) is not None and self.config.global_batch:
+            # Splitting the island's share among its ranks is not enough: FSDP2 (or DDP)
+            # inside the island runs a collective in every forward and backward pass and
+            # averages the ranks' gradients with equal weights, so each rank would need the
+            # same number of micro-batches (padding passes for a short or empty part), a loss
+            # scaled by its part's size, and the island's weight in the cross-island mean
+            # the size of its whole share (the island's vote takes the mean of its ranks').
             raise ValueError(
-                "ddp on islands: global_batch is not built yet (its shares are per peer, an "
-                "island's ranks would need to split theirs): set global_batch=0"
+                "ddp on islands: global_batch is not supported on islands: the ranks inside an "
+                "island would each take part of the island's share, but the island's "
+                "FSDP2/DDP gradient averaging weighs its ranks equally and needs the same "
+                "number of forward and backward passes on every rank, so parts of unequal "
+                "size would give a wrongly weighted gradient or a hang; set global_batch=0 "
+                "(each rank's own batch, the island's gradient averaged as HSDP does)"
             )
 
     def pipelines_rounds(self) -> bool:
