@@ -109,6 +109,8 @@ class ProtoPeer:
     failures: int = 0
     pushes: list[msgs.Push] = field(default_factory=list)
     rounds: list[RoundTimes] = field(default_factory=list)
+    votes: list[tuple[str, int, int]] = field(default_factory=list)
+    """Every vote sent: (``"commit"`` or ``"begin"`` where it rode in a begin, epoch, round)."""
     deadline: float = float("inf")
     """Monotonic time after which a request still waiting raises :class:`TimeoutError`."""
     features: tuple[str, ...] = ()
@@ -235,6 +237,7 @@ class ProtoPeer:
             hashes = msg.hashes
             msg = dataclasses.replace(msg, prev=msgs.Vote(epoch=plan.epoch, round=plan.round))
             while True:
+                self.votes.append(("begin", plan.epoch, plan.round))
                 d = decode(msgs.Decision, await self._post("/v1/begin", msg))
                 if d.prev == "committed":
                     self._settled("committed")
@@ -277,6 +280,7 @@ class ProtoPeer:
             peer=self.peer_id, run=self.run_id, epoch=plan.epoch, round=plan.round, ok=ok
         )
         while True:
+            self.votes.append(("commit", plan.epoch, plan.round))
             d = decode(msgs.Decision, await self._post("/v1/commit", msg))
             if isinstance(d, msgs.Committed):
                 self.revision = plan.round + 1
