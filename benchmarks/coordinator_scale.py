@@ -3,18 +3,22 @@ loopback (``coordinator_swarm.py``: registration, heartbeats over the websocket,
 commit with hashes, the same messages real peers send, no torch).
 
     python benchmarks/coordinator_scale.py [--peers 10,100,1000] [--rounds 30] [--procs 2]
-        [--idle 5] [--profile DIR] [--json FILE]
+        [--idle 5] [--mode two|one|both] [--profile DIR] [--json FILE]
 
 For each size: a coordinator in a process of its own (its defaults, but ``start_peers`` = the
 size so that the first round waits for everyone), and the peers spread over ``--procs`` client
 processes (one asyncio loop each). Every peer registers and opens its heartbeat websocket; for
 ``--idle`` seconds only heartbeats flow (the heartbeat fan-in: heartbeats per second and the
 coordinator's CPU per heartbeat); then every peer runs ``--rounds`` rounds back to back (begin
-with hashes, commit at once, begin again), the first ``--warmup`` of them not counted.
+with hashes, commit at once, begin again), the first ``--warmup`` of them not counted. With
+``--mode one`` each peer's ``ok`` rides in its next begin (``Begin.prev``: one request per
+member and round; the last round is committed with a commit); ``--mode both`` measures the two
+modes back to back for each size.
 
 Figures (per counted round): formation latency, from the last member's begin sent to the last
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
-received; the round's wall time (last ``committed`` to last ``committed``); the coordinator's
+received (with the vote in the begin: from the last carrying begin sent to the last answer
+that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
 CPU time (user + system of its whole process, sampled in the process at every commit); and its
 RSS at the end. ``--profile DIR`` runs the coordinator under cProfile and writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
@@ -132,18 +136,22 @@ def _rss_mb(pid: int) -> float:
 
 
 # -- a client process ------------------------------------------------------------------------
-def client_main(base: str, names: list[str], rounds: int, limit_s: float, conn: Any) -> None:
+def client_main(
+    base: str, names: list[str], rounds: int, limit_s: float, conn: Any, carry: bool = False
+) -> None:
     """Host the peers ``names`` in this process: register them, connect their heartbeats, say
-    ``ready``, wait for ``go``, run ``rounds`` rounds and send back every peer's round times."""
+    ``ready``, wait for ``go``, run ``rounds`` rounds and send back every peer's round times.
+    ``carry``: each vote rides in the next begin (one request per round)."""
     import asyncio
 
-    from coordinator_swarm import ProtoPeer, open_session
+    from coordinator_swarm import ProtoPeer, SwarmConfig, open_session
 
     from isthmus.coordinator.auth import join_token
 
     async def main() -> None:
         async with open_session() as session:
-            peers = [ProtoPeer(base, join_token(TOKEN, n), n, session) for n in names]
+            cfg = SwarmConfig(vote_in_begin=carry)
+            peers = [ProtoPeer(base, join_token(TOKEN, n), n, session, cfg) for n in names]
             for i in range(0, len(peers), 50):  # not all at once: the loop's accept backlog
                 await asyncio.gather(*(p.register() for p in peers[i : i + 50]))
             for i in range(0, len(peers), 50):
@@ -159,6 +167,7 @@ def client_main(base: str, names: list[str], rounds: int, limit_s: float, conn: 
             deadline = time.monotonic() + limit_s
             await asyncio.gather(*(p.run_until(rounds, deadline) for p in peers))
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
+            assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
             conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], lost)))
             await asyncio.gather(*(p.close() for p in peers))
 
@@ -186,6 +195,7 @@ def measure(
     idle: float,
     limit_s: float,
     profile: Path | None,
+    carry: bool = False,
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
@@ -213,7 +223,9 @@ def measure(
     for j in range(k):
         a, b = ctx.Pipe()
         w = ctx.Process(
-            target=client_main, args=(base, names[j::k], rounds, limit_s, b), daemon=True
+            target=client_main,
+            args=(base, names[j::k], rounds, limit_s, b, carry),
+            daemon=True,
         )
         w.start()
         pipes.append(a)
@@ -267,6 +279,7 @@ def measure(
     if not counted:
         return {
             "peers": n,
+            "mode": "one" if carry else "two",
             "failed": f"{len(by_round)} rounds committed in {t_rounds:.0f} s",
             "evicted": evicted,
             "request_failures": failed,
@@ -289,6 +302,7 @@ def measure(
     hb_rate = (b1 - b0) / (t1 - t0)
     return {
         "peers": n,
+        "mode": "one" if carry else "two",
         "procs": k,
         "rounds": len(counted),
         "world": statistics.median(len(by_round[r]) for r in counted),
@@ -320,7 +334,7 @@ def measure(
 def _row(r: dict[str, Any]) -> str:
     if "failed" in r:
         return (
-            f"| {r['peers']} | {r['failed']}; {r['evicted']} evictions, "
+            f"| {r['peers']} | {r['mode']} | {r['failed']}; {r['evicted']} evictions, "
             f"{r['request_failures']} requests failed or timed out |"
         )
     f, c, w, cpu, rss = (
@@ -331,7 +345,7 @@ def _row(r: dict[str, Any]) -> str:
         r["rss_mb"],
     )
     return (
-        f"| {r['peers']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
+        f"| {r['peers']} | {r['mode']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
         f"| {w['median']:.1f} / {w['p99']:.1f} | {cpu['median']:.1f} / {cpu['p99']:.1f} "
         f"| {r['heartbeats_per_s']:.0f} | {r['cpu_us_per_heartbeat']:.0f} | {r['idle_cpu_pct']:.1f} "
         f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} / {r['request_failures']} |"
@@ -339,9 +353,9 @@ def _row(r: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "| peers | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
+    "| peers | requests | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
     "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -360,14 +374,22 @@ def main() -> None:
         "--limit", type=float, default=300.0, help="seconds of rounds per size, at most"
     )
     ap.add_argument("--profile", type=Path, default=None, help="a directory for cProfile dumps")
+    ap.add_argument(
+        "--mode",
+        choices=("two", "one", "both"),
+        default="two",
+        help="two requests per member and round (commit, then begin), one (the vote in the "
+        "next begin), or both back to back for each size",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     results = []
-    for n in (int(x) for x in a.peers.split(",")):
+    modes = {"two": (False,), "one": (True,), "both": (False, True)}[a.mode]
+    for n, carry in ((int(x), c) for x in a.peers.split(",") for c in modes):
         prof = None
         if a.profile is not None:
             a.profile.mkdir(parents=True, exist_ok=True)
-            prof = a.profile / f"coordinator-{n}.pstats"
+            prof = a.profile / f"coordinator-{n}-{'one' if carry else 'two'}.pstats"
         r = measure(
             n,
             rounds=a.rounds,
@@ -376,6 +398,7 @@ def main() -> None:
             idle=a.idle,
             limit_s=a.limit,
             profile=prof,
+            carry=carry,
         )
         results.append(r)
         print(json.dumps(r), flush=True)

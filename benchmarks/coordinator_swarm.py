@@ -6,7 +6,9 @@ keeps a heartbeat websocket (``GET /v1/ws``, a :class:`~protocol.Heartbeat` ever
 with the info a training peer sends: revision, byte counters, step, loss and its step's
 timing), and runs rounds: ``POST /v1/begin`` (schema on its first begin, hashes on parity
 rounds, again when asked with ``hashes``), then ``POST /v1/commit`` with ``ok``, each long-poll
-asked again while the answer is ``wait``, every message encoded and decoded with the shared
+asked again while the answer is ``wait``; with :attr:`SwarmConfig.vote_in_begin` (and a
+coordinator that lists ``vote-in-begin``) the ``ok`` rides in the next begin instead (one
+request per round, as a peer with ``pipeline_commit`` sends it), every message encoded and decoded with the shared
 codec (``coordinator/wire.py``). Every peer of a swarm holds the same "state" (the same hashes),
 so parity always agrees. One process holds hundreds of them on one event loop and one HTTP
 connection pool.
@@ -47,6 +49,11 @@ class SwarmConfig:
     """Send hashes with begin every this many rounds (the coordinator's default: every one)."""
     read_timeout: float = 30.0
     """Bound of one HTTP request (a long-poll is answered within the coordinator's poll_s)."""
+    vote_in_begin: bool = False
+    """Carry each round's ``ok`` in the next begin (``Begin.prev``: one request per round, as a
+    pipelining peer does) where the coordinator lists the feature; else commit, then begin.
+    The last round of :meth:`ProtoPeer.run_until` is always reported with a commit (there is
+    no next begin to carry it)."""
 
     def schema(self) -> tuple[msgs.TensorSpec, ...]:
         return tuple(
@@ -102,9 +109,17 @@ class ProtoPeer:
     failures: int = 0
     pushes: list[msgs.Push] = field(default_factory=list)
     rounds: list[RoundTimes] = field(default_factory=list)
+    votes: list[tuple[str, int, int]] = field(default_factory=list)
+    """Every vote sent: (``"commit"`` or ``"begin"`` where it rode in a begin, epoch, round)."""
     deadline: float = float("inf")
     """Monotonic time after which a request still waiting raises :class:`TimeoutError`."""
+    features: tuple[str, ...] = ()
+    """What the coordinator listed when this peer registered."""
     _fresh: bool = True
+    _voted: tuple[msgs.RoundPlan, float, float, float] | None = None
+    """The round this peer finished whose ``ok`` rides in its next begin: its plan, when its
+    begin was sent, when its go arrived, and when the carrying begin was sent."""
+    _formed_at: tuple[float, float] = (0.0, 0.0)
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _hb_task: asyncio.Task[None] | None = None
 
@@ -127,6 +142,7 @@ class ProtoPeer:
             await self._post("/v1/register", msgs.Register(self.name, {}, PROTOCOL_VERSION)),
         )
         self.peer_id, self.run_id = reply.peer_id, reply.run_id
+        self.features = tuple(reply.features)
 
     async def connect(self) -> None:
         """Open the heartbeat websocket and start sending heartbeats on it."""
@@ -176,22 +192,70 @@ class ProtoPeer:
         """Evicted (the coordinator fell behind our heartbeats, say): register again under the
         same name and reconnect, keeping the revision, as a real peer does."""
         self.evictions += 1
+        self._voted = None
         await self.close()
         self._fresh = True
         await self.register()
         await self.connect()
 
+    def carries(self) -> bool:
+        """Whether this peer's votes ride in its begins (asked, and the coordinator can)."""
+        return self.config.vote_in_begin and msgs.VOTE_IN_BEGIN in self.features
+
+    def _settled(self, outcome: str) -> None:
+        """The round whose vote rode in the last begin is decided: record it (its ``done`` is
+        when the answer arrived)."""
+        assert self._voted is not None
+        plan, begun, go, sent = self._voted
+        self._voted = None
+        if outcome == "committed":
+            self.revision = plan.round + 1
+        times = RoundTimes(
+            plan.round, plan.epoch, len(plan.members), begun, go, sent, time.monotonic(), outcome
+        )
+        self.rounds.append(times)
+
     async def begin(self) -> msgs.RoundPlan:
-        """Ask for the next round until it forms with this peer; returns its plan."""
-        parity = self._fresh or self.revision % self.config.parity_every == 0
+        """Ask for the next round until it forms with this peer; returns its plan. With a vote
+        pending (:attr:`_voted`) the first request carries it: the answer settles that round
+        (``prev == "committed"``, or ``aborted``/``evicted`` for the vote) before it is the
+        begin's."""
+        revision = self.revision if self._voted is None else self._voted[0].round + 1
+        parity = self._fresh or revision % self.config.parity_every == 0
         msg = msgs.Begin(
             peer=self.peer_id,
             run=self.run_id,
             nonce=uuid.uuid4().hex,
-            revision=self.revision,
+            revision=revision,
             schema=self.config.schema() if self._fresh else None,
             hashes=self.config.hashes() if parity else None,
         )
+        t0 = time.monotonic()
+        if self._voted is not None:
+            self._voted = (*self._voted[:3], t0)
+            plan = self._voted[0]
+            hashes = msg.hashes
+            msg = dataclasses.replace(msg, prev=msgs.Vote(epoch=plan.epoch, round=plan.round))
+            while True:
+                self.votes.append(("begin", plan.epoch, plan.round))
+                d = decode(msgs.Decision, await self._post("/v1/begin", msg))
+                if d.prev == "committed":
+                    self._settled("committed")
+                    if isinstance(d, msgs.Go) and d.plan is not None:
+                        self._fresh = False
+                        return self._formed(d.plan, t0)
+                    # formed later: ask again without the vote (with the hashes if asked)
+                    asked = isinstance(d, msgs.SendHashes)
+                    msg = dataclasses.replace(msg, prev=None, hashes=hashes if asked else None)
+                    break
+                if isinstance(d, msgs.Wait):
+                    continue  # the vote is still undecided: the same request again
+                self._settled("aborted")  # no begin was taken: a new attempt at that revision
+                if isinstance(d, msgs.Evicted):
+                    await self.rejoin()
+                elif not isinstance(d, msgs.Aborted):
+                    raise ProtocolError(f"{self.name}: begin with a vote answered {d}")
+                return await self.begin()
         while True:
             d = decode(msgs.Decision, await self._post("/v1/begin", msg))
             msg = dataclasses.replace(msg, schema=None, hashes=None)
@@ -199,12 +263,16 @@ class ProtoPeer:
                 msg = dataclasses.replace(msg, hashes=self.config.hashes())
             elif isinstance(d, msgs.Go) and d.plan is not None:
                 self._fresh = False
-                return d.plan
+                return self._formed(d.plan, t0)
             elif isinstance(d, msgs.Evicted):
                 await self.rejoin()
                 return await self.begin()
             elif not isinstance(d, msgs.Wait):
                 raise ProtocolError(f"{self.name}: begin answered {d}")
+
+    def _formed(self, plan: msgs.RoundPlan, begun: float) -> msgs.RoundPlan:
+        self._formed_at = (begun, time.monotonic())
+        return plan
 
     async def commit(self, plan: msgs.RoundPlan, ok: bool = True) -> bool:
         """Report the round's outcome until it is decided; True when it committed."""
@@ -212,6 +280,7 @@ class ProtoPeer:
             peer=self.peer_id, run=self.run_id, epoch=plan.epoch, round=plan.round, ok=ok
         )
         while True:
+            self.votes.append(("commit", plan.epoch, plan.round))
             d = decode(msgs.Decision, await self._post("/v1/commit", msg))
             if isinstance(d, msgs.Committed):
                 self.revision = plan.round + 1
@@ -221,12 +290,15 @@ class ProtoPeer:
             if not isinstance(d, msgs.Wait):
                 raise ProtocolError(f"{self.name}: commit answered {d}")
 
-    async def run_round(self) -> RoundTimes:
+    async def run_round(self, last: bool = False) -> RoundTimes | None:
         """One attempt: begin, then commit at once (no work between: the coordinator's cost
-        alone is measured)."""
-        t0 = time.monotonic()
+        alone is measured). Carrying votes (:meth:`carries`) and not ``last``, the commit is
+        left to the next begin and None is returned (the round is recorded when it settles)."""
         plan = await self.begin()
-        t1 = time.monotonic()
+        t0, t1 = self._formed_at
+        if self.carries() and not last:
+            self._voted = (plan, t0, t1, t1)
+            return None
         committed = await self.commit(plan)
         t2 = time.monotonic()
         times = RoundTimes(
@@ -247,8 +319,11 @@ class ProtoPeer:
         ``deadline`` (monotonic) has passed."""
         self.deadline = deadline
         while self.revision < revision and time.monotonic() < deadline:
+            # the round that would reach ``revision`` is reported with a commit: no begin follows
+            pending = self._voted is not None
+            last = self.revision + (2 if pending else 1) >= revision
             try:
-                await self.run_round()
+                await self.run_round(last=last)
             except (asyncio.TimeoutError, aiohttp.ClientError, ProtocolError):
                 # an overloaded coordinator: a request past read_timeout, a dropped
                 # connection; a real peer retries, and so does this one (counted)

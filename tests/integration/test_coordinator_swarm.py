@@ -3,7 +3,11 @@ clients, benchmarks/coordinator_swarm.py: registration, heartbeats on the websoc
 hashes, commit): the fan-in of fifty begins and commits forms and commits each round once with
 everyone, a peer whose heartbeat connection closes between rounds is left out of the next, and
 a member lost inside a round aborts it for all (each told by a push) before the survivors
-commit it. Checks correctness of the many-waiters path, never time."""
+commit it. Then the survivors carry each vote in their next begin (``Begin.prev``, one request
+per round): a member lost after the others voted that way aborts the round (each carried vote
+answered aborted, no begin taken), the survivors form it again in a new epoch and commit it and
+the next with no commit request but the last. Checks correctness of the many-waiters path, never
+time."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from coordinator_swarm import ProtoPeer, open_session
+from coordinator_swarm import ProtoPeer, SwarmConfig, open_session
 
 TOKEN = "swarm-token"
 N = 50
@@ -109,6 +113,40 @@ async def _swarm(c: Coordinator) -> None:
         assert st["revision"] == 5
         assert (counters["rounds_committed"], counters["rounds_aborted"]) == (5, 1)
         assert (counters["parity_failures"], counters["evictions"]) == (0, 2)
+
+        # the vote in the next begin: round 5 forms, every member leaves its ok for the next
+        # begin, one member dies before sending it; the carried votes are answered aborted and
+        # the survivors' next requests form round 5 again without it
+        carry = SwarmConfig(vote_in_begin=True)
+        for p in peers:
+            p.config = carry
+        assert all(p.carries() for p in peers)  # the coordinator lists vote-in-begin
+        left = [None] * len(peers)  # run_round's answer when the vote waits for the next begin
+        assert await asyncio.gather(*(p.run_round() for p in peers)) == left
+        victim = peers.pop()
+        await victim.close()
+        assert await asyncio.gather(*(p.run_round() for p in peers)) == left[1:]
+        await asyncio.gather(*(p.run_until(7) for p in peers))
+        assert {(p.revision, p.failures) for p in peers} == {(7, 0)}
+        for p in peers:
+            assert [(r.round, r.epoch, r.world, r.outcome) for r in p.rounds[-3:]] == [
+                (5, epoch + 1, N - 2, "aborted"),
+                (5, epoch + 2, N - 3, "committed"),
+                (6, epoch + 2, N - 3, "committed"),
+            ]
+            # one request per round: rounds 5 voted in begins only, round 6 (the last) by commit
+            assert [v for v in p.votes if v[2] >= 5 and v[0] == "commit"] == [
+                ("commit", epoch + 2, 6)
+            ]
+            assert {v for v in p.votes if v[0] == "begin"} == {
+                ("begin", epoch + 1, 5),
+                ("begin", epoch + 2, 5),
+            }
+        st = c.status(events=0)
+        counters = st["counters"]
+        assert st["revision"] == 7
+        assert (counters["rounds_committed"], counters["rounds_aborted"]) == (7, 2)
+        assert (counters["parity_failures"], counters["evictions"]) == (0, 3)
         # the heartbeats carried every live peer's info (its step) to the coordinator
         steps = {p["name"]: p["info"].get("step") for p in st["peers"] if p["state"] == "active"}
         assert sorted(steps) == sorted(p.name for p in peers)

@@ -28,6 +28,9 @@ from isthmus.coordinator.protocol import Decision
 
 __all__ = ["Hub"]
 
+_timeout: Any = getattr(asyncio, "timeout", None)
+"""``asyncio.timeout`` where this Python has it (3.11 and later)."""
+
 
 class Hub:
     """One coordinator's shared state (see the module doc). Create it off the loop; call
@@ -81,7 +84,13 @@ class Hub:
             await asyncio.sleep(min(timeout, 0.05))
             return
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            if _timeout is None:  # Python 3.10
+                await asyncio.wait_for(self._changed.wait(), timeout)
+                return
+            # a thousand held requests wait here at once: a deadline on the waiting task itself
+            # rather than wait_for's extra task per wait
+            async with _timeout(timeout):
+                await self._changed.wait()
 
     async def hold(
         self,

@@ -122,7 +122,7 @@ class Membership(RunState):
         once its data was handed to its kernel, which may still be sending it (tens of seconds
         on a thin link), ahead of its heartbeats."""
         r = self.phase.round
-        if r is None or pid not in r.plan.members:
+        if r is None or not r.has(pid):
             return False
         for m in r.plan.members:  # a partner that reported is done with the transfer: no evidence
             q = self.roster.active(m)
@@ -151,11 +151,17 @@ class Membership(RunState):
     def tick(self, now: float) -> None:
         """Apply every timeout: dead peers, members that never begin or never commit."""
         cfg = self.config
+        short = cfg.silence_bound(False)
         for p in list(self.peers.values()):
-            if p.state is PeerState.ACTIVE and now - p.last_seen > cfg.silence_bound(
-                self._in_transfer(p.id)
+            silent = now - p.last_seen
+            # the transfer's longer bound is looked for only past the short one: finding it
+            # walks the round's members, which every tick would do for every peer
+            if (
+                p.state is PeerState.ACTIVE
+                and silent > short
+                and silent > cfg.silence_bound(self._in_transfer(p.id))
             ):
-                self.drop(p.id, now, f"no heartbeat for {now - p.last_seen:.1f}s")
+                self.drop(p.id, now, f"no heartbeat for {silent:.1f}s")
         r = self.phase.round
         if r is not None and now - r.started_at > cfg.commit_timeout:
             for pid in self.roster.alive(r.plan.members):

@@ -52,15 +52,14 @@ def canonical(names: Sequence[str], voters: Sequence[int], hashes: Hashes) -> di
     therefore arbitrary but deterministic: both copies look equally valid. A tensor no voter
     reported is left out."""
     out: dict[str, str] = {}
+    rows = [hashes.get(v, {}) for v in sorted(voters)]  # by id: the first winner breaks a tie
     for n in names:
-        votes = Counter(hashes.get(v, {}).get(n) for v in voters)
+        column = [row.get(n) for row in rows]
+        votes = Counter(column)
         best = max(votes.values())
-        winners = {h for h, c in votes.items() if c == best}
-        for v in sorted(voters):
-            h = hashes.get(v, {}).get(n)
-            if h in winners and h is not None:
-                out[n] = h
-                break
+        h = next((h for h in column if h is not None and votes[h] == best), None)
+        if h is not None:
+            out[n] = h
     return out
 
 
@@ -72,12 +71,15 @@ def repairs(
     A peer with a wrong tensor receives it from a voter holding all of ``target`` (spread over
     them in turn), or, when no voter holds all of it, each tensor from a voter that has it.
     """
-    sources = [v for v in voters if dict(hashes.get(v, {})) == dict(target)]
+    whole = dict(target)
+    sources = [v for v in voters if dict(hashes.get(v, {})) == whole]
     transfers: list[Transfer] = []
     wrong_by_peer: dict[int, tuple[str, ...]] = {}
     k = 0
     for pid in ready:
         have = hashes.get(pid, {})
+        if have == whole:  # the common case, one comparison in C rather than one per tensor
+            continue
         wrong = tuple(n for n, h in target.items() if have.get(n) != h)
         if not wrong:
             continue
