@@ -56,6 +56,8 @@ def test_each_machine_joining_a_coordinator_is_one_island(cluster: Any, tmp_path
     assert status["counters"]["rounds_committed"] >= 3
 
 
+# the launcher's island path runs in the other tests here; this adds the demo's built-in job
+@pytest.mark.slow
 def test_the_demo_runs_islands(tmp_path: Path) -> None:
     """`isthmus demo --nproc-per-peer 2`: the built-in job on 2 islands x 2 ranks (its GPT
     sharded with FSDP2 on each island, each rank its own batch), in parity, learning."""

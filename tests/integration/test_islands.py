@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_peer.py"
@@ -139,6 +140,9 @@ def test_diloco_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
     assert min(recs["0.0"]["bytes"], recs["0.1"]["bytes"], recs["1.0"]["bytes"]) > 0
 
 
+# islands of equal sizes against single peers run in make test; the by-piece reduction of
+# unequal sizes is checked bit for bit in one process (test_island_reduce_gloo)
+@pytest.mark.slow
 def test_ddp_across_islands_of_two_ranks_and_one_equals_two_single_peers(tmp_path: Path) -> None:
     """HSDP between islands sharded differently: each rank reduces its rows of the gradient by
     piece with the matching rows of the other island. Every rank ends with the same full state,
@@ -181,6 +185,9 @@ def test_streaming_with_int8_on_islands_of_two_ranks_and_one(tmp_path: Path) -> 
     assert recs["1.0"]["step"] >= 8
 
 
+# the time budget runs on single peers in make test (test_elastic_runs); this adds its island
+# broadcast
+@pytest.mark.slow
 def test_diloco_with_a_time_budget_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
     """Phases end on the clock (0.5 s, steps of 0.2 s, at most 4 steps): each island's leader
     decides when its phase ends and its ranks follow, the leaders' step counts and rates make

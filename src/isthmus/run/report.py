@@ -125,7 +125,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.set_ylabel("training loss (smoothed)")
         ax.set_title(f"{_label(run)}: loss vs {kind}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        if ax.get_legend_handles_labels()[0]:  # a run with no loss records has nothing to name
+            ax.legend(fontsize=7, ncol=2)
         p = d / f"loss_vs_{kind}.png"
         fig.tight_layout()
         fig.savefig(p, dpi=110)
