@@ -188,6 +188,16 @@ def _drop_everything(ns: str, dev: str) -> None:
     _sh("tc", "-n", ns, *f"qdisc add dev {dev} parent 1:10 handle 10: pfifo limit 0".split())
 
 
+def _stop(procs: list[subprocess.Popen[str]], namespaces: tuple[str, ...]) -> None:
+    """Kill what still runs of ``procs`` and delete ``namespaces`` (their veths go with them)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+    for ns in namespaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
 def _line(p: subprocess.Popen[str], start: str, limit_s: float) -> str:
     """The first line of ``p``'s output that begins with ``start`` (bounded by a reader
     thread, so that a child that prints nothing cannot hold the test)."""
@@ -302,12 +312,7 @@ def test_a_gloo_all_reduce_over_a_cut_link_is_seen_silent_before_gloo_gives_up(
         # the verdict came while the collective was still running: Gloo had not given up
         assert not any(x.startswith(("DONE", "FAILED")) for lines in seen.values() for x in lines)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        _stop(procs, (a, b))
 
 
 GROUP_SCRIPT = Path(__file__).parent / "scripts" / "group_stall_peer.py"
@@ -385,9 +390,4 @@ def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(pref
             other = "rank 0 at 10.79.2.1:" if r == 1 else "rank 1 at 10.79.2.2:"
             assert f"no acknowledgement from {other}" in f["error"], failed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        _stop(procs, (a, b))
