@@ -77,7 +77,6 @@ def test_kill_and_join_do_not_change_the_steps_of_a_fixed_global_batch(cluster) 
     assert worlds == {2, 3}  # the kill and the join both happened inside the 60 steps
     fa = c.final("a")
     assert fa["digest"] == c.final("c")["digest"] == c.final("j")["digest"]
-    assert c.coord.status()["stragglers"]["flags"] == 0  # a steady run flags nobody
 
 
 def test_a_time_budget_lets_a_slow_peer_do_fewer_inner_steps(cluster) -> None:
