@@ -59,7 +59,12 @@ def test_kill_in_the_all_gather_and_join_end_bitwise_equal(cluster, run):
     # the message is the documented size on every peer
     assert fa["strategy"]["payload_bytes"] == fj["strategy"]["payload_bytes"]
     if "fragments" in options:
-        assert fa["strategy"]["round_retries"] >= 1  # the overlapped round, re-reduced
+        # The overlapped round in flight at the kill is reduced again. Whether a survivor had
+        # it in flight depends on when it learned of b's death: one that learned while setting
+        # up its round (in begin) re-forms it there instead, so at least one survivor retries.
+        outcomes = {n: [r["outcome"] for r in f["rounds"]] for n, f in (("a", fa), ("c", fc))}
+        retries = {n: f["strategy"]["round_retries"] for n, f in (("a", fa), ("c", fc))}
+        assert sum(retries.values()) >= 1, (retries, outcomes)
         assert len(fj["strategy"]["fragment_payload_bytes"]) == options["fragments"]
     assert fa["digest"] == fc["digest"] == fj["digest"]
     assert fa["model_digest"] == fc["model_digest"] == fj["model_digest"]
