@@ -1,7 +1,8 @@
 """Launching islands beyond one `isthmus run` on one machine:
 
 * several machines: each runs `isthmus run --coordinator HOST:PORT --nproc-per-peer N`, and
-  each machine's ranks are one island of the run (two launchers stand for two machines);
+  each machine's ranks are one island of the run (two launchers stand for two machines), its
+  peers named apart from the other machine's, in the run and in checkpoints;
 * the demo: ``isthmus demo --nproc-per-peer 2`` runs the built-in job on islands;
 * the lab: a scenario's ``[job] nproc_per_peer`` makes each peer an island, and all the ranks
   of an island run in that peer's network namespace, behind its one shaped link. Needs root
@@ -23,37 +24,81 @@ import pytest
 import torch
 
 from conftest import TOKEN
+from isthmus.checkpoint import CheckpointStore, read_manifest
 from isthmus.lab.scenario import load_scenario
 from isthmus.run.lab_run import LabOptions, run_lab
+from isthmus.run.names import machine_prefix
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def test_each_machine_joining_a_coordinator_is_one_island(cluster: Any, tmp_path: Path) -> None:
-    # a 10 s heartbeat bound: under make test's workers a live island missed the 3 s default
-    # and rejoined as a third member (this test is about launching; eviction is tested apart)
-    c = cluster(start_peers=2, heartbeat_timeout=10.0)
-    (tmp_path / "token").write_text(TOKEN + "\n")
+def _machines(c: Any, tmp: Path, tag: str, *script: str) -> tuple[list[dict[str, Any]], str]:
+    """Two launchers standing for two machines join ``c``'s coordinator, each one island of two
+    ranks running the checkpoint script with ``script``; returns every rank's record and the
+    launchers' output."""
+    (tmp / "token").write_text(TOKEN + "\n")
     procs, outs = [], []
     for machine in ("a", "b"):
-        out = tmp_path / f"out-{machine}"
+        out = tmp / f"out-{tag}{machine}"
         out.mkdir()
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
-             "--coordinator", c.coord.address, "--token-file", str(tmp_path / "token"),
-             "--nproc-per-peer", "2", "--run-dir", str(tmp_path / machine),
-             str(SCRIPTS / "island_ckpt_peer.py"), "--out", str(out), "--steps", "6"],
+             "--coordinator", c.coord.address, "--token-file", str(tmp / "token"),
+             "--nproc-per-peer", "2", "--run-dir", str(tmp / f"{tag}{machine}"),
+             str(SCRIPTS / "island_ckpt_peer.py"), "--out", str(out), *script],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))  # fmt: skip
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    logs = "".join(p.communicate(timeout=240)[0] for p in procs)
     assert [p.returncode for p in procs] == [0, 0], logs
     recs = [torch.load(f, weights_only=False) for out in outs for f in sorted(out.glob("*.pt"))]
-    assert len(recs) == 4 and len({r["digest"] for r in recs}) == 1, logs
+    assert len(recs) == 4, logs
+    return recs, logs
+
+
+def _two_machines(cluster: Any, tmp: Path) -> tuple[list[str], Any]:
+    """The first launch of two machines with a shared checkpoint folder ``tmp/ck``: checks
+    that each is one island, named apart, with its ranks' local states saved apart; returns
+    the peers' names and the last checkpoint's manifest."""
+    # a 10 s heartbeat bound: under make test's workers a live island missed the 3 s default
+    # and rejoined as a third member (this test is about launching; eviction is tested apart)
+    c = cluster(start_peers=2, heartbeat_timeout=10.0)
+    ck = tmp / "ck"
+    recs, logs = _machines(c, tmp, "", "--steps", "6", "--checkpoint-dir", str(ck))
+    assert len({r["digest"] for r in recs}) == 1, logs
     status = c.coord.status()
     islands = [p["info"]["island"]["size"] for p in status["peers"]]
     assert islands == [2, 2], status["peers"]  # two members, each an island of two ranks
     assert status["counters"]["rounds_committed"] >= 3
+    names = sorted({r["name"] for r in recs})
+    base = machine_prefix()  # this machine's; the second launcher on it takes -2
+    assert names == [f"{base}-2-peer0", f"{base}-peer0"], names
+    assert sorted(p["name"] for p in status["peers"]) == names
+    store = CheckpointStore(str(ck))
+    m = read_manifest(store, store.revisions()[-1])
+    assert m.local == sorted(f"{n}.{r}of2" for n in names for r in (0, 1)), m.local
+    assert not any(r["start"]["inner"] for r in recs)  # a fresh run: no local state to load
+    return names, m
+
+
+def test_each_machine_joining_a_coordinator_is_one_island(cluster: Any, tmp_path: Path) -> None:
+    """Each launcher's island is one member; their peers are named apart (the machine's prefix,
+    and -2 for a second launcher on the same machine), so their ranks' local states are saved
+    apart in the shared checkpoint."""
+    _two_machines(cluster, tmp_path)
+
+
+# the names and the local states saved apart run in make test (above); this adds the resume
+@pytest.mark.slow
+def test_machines_started_again_find_their_own_local_state(cluster: Any, tmp_path: Path) -> None:
+    """Started again on a fresh coordinator with --resume, each machine's island is named as
+    before and every rank finds its own local state (its inner optimizer's steps go on)."""
+    names, m = _two_machines(cluster, tmp_path)
+    c = cluster(start_peers=2, heartbeat_timeout=10.0)
+    again, logs = _machines(c, tmp_path, "r", "--steps", "8", "--resume", str(tmp_path / "ck"))
+    assert sorted({r["name"] for r in again}) == names, logs
+    assert all(r["resumed_from"] == m.revision and r["start"]["inner"] > 0 for r in again), logs
+    assert len({r["digest"] for r in again}) == 1, logs
 
 
 # the launcher's island path runs in the other tests here; this adds the demo's built-in job

@@ -9,6 +9,8 @@ Gloo inside, one membership slot each), exchanging their shards across islands i
 * DDP across 2 islands x 2 ranks (HSDP) equals 4 single-rank peers with the same global batch,
   to fp32 rounding; across islands of 2 ranks and 1, it equals 2 single peers each drawing one
   island's batches, to fp32 rounding.
+* DDP with a fixed global batch on islands of 2 ranks and 1 (the island's share split among its
+  ranks, padding passes) equals one process training on the whole batch, to fp32 rounding.
 * Streaming DiLoCo with int8 outer gradients on islands of 2 ranks and 1: identical full states.
 * DiLoCo with a time budget on islands of 2 ranks and 1: phases end on the leaders' clocks,
   every rank of an island at the same step; identical full states.
@@ -16,6 +18,7 @@ Gloo inside, one membership slot each), exchanging their shards across islands i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -24,6 +27,8 @@ from typing import Any
 
 import pytest
 import torch
+
+import isthmus
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_peer.py"
 
@@ -203,3 +208,38 @@ def test_diloco_with_a_time_budget_on_islands_of_two_ranks_and_one(tmp_path: Pat
     phases = [r["phase_steps"] for r in recs.values()]
     assert phases[0] == phases[1]  # the two ranks of island 0 ended every phase together
     assert any(n < 4 for p in phases for n in p), phases  # the clock, not H, ended some
+
+
+def test_ddp_with_a_global_batch_on_islands_of_two_ranks_and_one(tmp_path: Path) -> None:
+    """A fixed global batch of 10 (micro-batches of 2) on islands of 2 ranks and 1: each island
+    takes 5 samples a step, split 3 and 2 on the island of two, whose second rank pads with a
+    pass of no weight so that both run the same FSDP2 collectives. Every rank ends with the same
+    full state, whose parameters and momentum are those of one process training on the 10
+    samples a step, to fp32 rounding, and so is every step's loss."""
+    summary, recs = _run(
+        tmp_path, "gb21", "--peers", "2", "--nproc-per-peer", "2,1", strategy="ddp",
+        extra=("--global-batch", "10", "--micro-batch", "2"),
+    )  # fmt: skip
+    assert sorted(recs) == ["0.0", "0.1", "1.0"]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert len({r["digest"] for r in recs.values()}) == 1
+    assert summary["parity_failures"] == 0, summary
+    # equal passes on the island of two (2 a step: rank 1's one micro-batch and a padding pass)
+    assert recs["0.0"]["calls"] == recs["0.1"]["calls"] == 8 and recs["1.0"]["calls"] == 12
+    spec = importlib.util.spec_from_file_location("island_peer", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.manual_seed(0)
+    model = script.Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    one = isthmus.DDP(None, model, opt, isthmus.DDPConfig(global_batch=10))
+    for _ in range(4):
+        one.step(script.position_loss(model))
+    full = recs["1.0"]["full"]
+    for i, (name, p) in enumerate(model.named_parameters()):
+        torch.testing.assert_close(full[f"model/{name}"], p.detach(), rtol=1e-5, atol=1e-6)
+        momentum = opt.state[p]["momentum_buffer"]
+        torch.testing.assert_close(full[f"opt/{i}/momentum_buffer"], momentum, rtol=1e-5, atol=1e-6)
+    assert full["opt/0/momentum_buffer"].abs().sum() > 0
+    assert all(r["loss"] == pytest.approx(one.last_loss, rel=1e-5) for r in recs.values())

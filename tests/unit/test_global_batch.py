@@ -9,6 +9,7 @@ import torch
 
 from isthmus.data.global_batch import (
     GlobalOrder,
+    island_part,
     micro_batches,
     sample_seed,
     share_positions,
@@ -34,6 +35,25 @@ def test_a_step_uses_the_same_positions_whatever_the_split() -> None:
         share_positions(0, 10, 3, 3)
     with pytest.raises(ValueError, match="global_batch must be an int >= 1"):
         step_positions(0, 0)
+
+
+def test_an_island_splits_its_share_and_every_rank_runs_as_many_passes() -> None:
+    """An island's share split among its ranks uses every position once, in order, each rank's
+    micro-batches no longer than asked; every rank runs the passes of the largest part (the
+    others pad), and the sampler's split (share of share) is the same split."""
+    for size, ranks, micro in ((5, 2, 2), (7, 3, 0), (1, 2, 2), (0, 2, 2), (9, 4, 1)):
+        share = range(100, 100 + size)
+        parts = [island_part(share, micro, r, ranks) for r in range(ranks)]
+        assert [p for pieces, _ in parts for piece in pieces for p in piece] == list(share)
+        assert len({passes for _, passes in parts}) == 1
+        passes = parts[0][1]
+        assert passes == max(len(pieces) for pieces, _ in parts)
+        assert all(len(piece) <= (micro or size) for pieces, _ in parts for piece in pieces)
+    assert island_part(range(10, 15), 2, 1, 2) == ([range(13, 15)], 2)  # one pass of padding
+    assert island_part(range(10, 11), 0, 1, 2) == ([], 1)  # no sample: one padding pass
+    assert island_part(range(0), 2, 0, 2) == ([], 0)
+    with pytest.raises(ValueError, match="rank must be in"):
+        island_part(range(4), 2, 2, 2)
 
 
 def test_the_order_is_a_fresh_permutation_per_pass() -> None:

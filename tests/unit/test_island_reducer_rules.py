@@ -33,20 +33,6 @@ def test_what_islands_refuse_names_why() -> None:
     assert "clip" in island_refusal(Reducer(aggregator="clip+median", byzantine_f=1))
 
 
-def test_ddp_refuses_a_global_batch_on_an_island_naming_why() -> None:
-    from types import SimpleNamespace
-
-    from isthmus.strategies.ddp import DDP, DDPConfig
-
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = SimpleNamespace(island=SimpleNamespace(size=2))  # a rank of an island of two
-    with pytest.raises(ValueError, match="global_batch is not supported on islands") as e:
-        DDP(rank, model, opt, DDPConfig(global_batch=8))  # type: ignore[arg-type]
-    assert "same number of forward and backward passes" in str(e.value)
-    assert "global_batch=0" in str(e.value)
-
-
 def test_a_peer_that_contributes_nothing_has_no_weight_for_a_robust_rule_to_refuse() -> None:
     """DiLoCo's catch-up round contributes nothing with weight 0: a robust reducer lets it take
     part (it refuses weights only on a vote that counts)."""

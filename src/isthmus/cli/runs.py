@@ -170,6 +170,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             probe_links=cfg.strategy.probe_links,
             nproc_per_peer=args.nproc_per_peer,
             mesh=cfg.strategy.mesh,
+            name_prefix=args.name_prefix,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"isthmus run: {e}", file=sys.stderr)
@@ -317,6 +318,15 @@ def add_parsers(sub: Any) -> None:
         help="pin the remote coordinator's TLS certificate (the fingerprint it printed)",
     )
     r.add_argument("--token-file", help="read the token from this file")
+    r.add_argument(
+        "--name-prefix",
+        default=None,
+        metavar="NAME",
+        help="name this machine's peers NAME-peer0, NAME-peer1... (letters, digits, _ and -). "
+        "Default: peer0... with an embedded coordinator; with --coordinator, this machine's "
+        "host name and a short id (the same at every launch, so a resumed peer finds its own "
+        "local state; -2, -3 after it for more launchers on one machine)",
+    )
     r.add_argument("--steps", type=int, default=None, help="the run's length, for the progress bar")
     r.add_argument(
         "--quiet",

@@ -18,6 +18,11 @@ gradient's scale and the random state stay put when peers come and go. These are
   contiguous shares, the first ``B % world`` one larger (:func:`share_positions`); a share
   larger than a peer's micro-batch is cut into micro-batches (:func:`micro_batches`) whose
   gradients are accumulated.
+* **Islands.** On a peer made of several local ranks the peer's share is split again among
+  its ranks, the same way (:func:`island_part`, as the elastic sampler's ``local_rank`` does).
+  Every rank runs as many forward and backward passes as the rank with the most micro-batches
+  (the island's own gradient averaging runs a collective in each), the others padding with
+  passes that add nothing.
 * **Weights.** Each peer reports the mean gradient over its share and counts as many times as
   its share has samples, so the weighted mean is the mean gradient over the ``B`` samples,
   whatever the split (the reducer's ``weight``).
@@ -35,6 +40,7 @@ from isthmus.data.ledger import EpochOrder, share_bounds
 
 __all__ = [
     "GlobalOrder",
+    "island_part",
     "micro_batches",
     "sample_seed",
     "share_positions",
@@ -70,6 +76,21 @@ def micro_batches(positions: range, micro_batch: int) -> list[range]:
     _check("micro_batch", micro_batch, 0)
     size = micro_batch or max(1, len(positions))
     return [positions[i : i + size] for i in range(0, len(positions), size)]
+
+
+def island_part(
+    share: range, micro_batch: int, local_rank: int, local_world: int
+) -> tuple[list[range], int]:
+    """Rank ``local_rank``'s part of an island's ``share`` (split among its ``local_world``
+    ranks as :func:`share_positions` splits a step among peers) cut into micro-batches of at
+    most ``micro_batch``, and how many passes every rank of the island runs: the micro-batches
+    of the largest part (the first), so that a rank with fewer (or none) runs padding passes.
+    An empty share gives no part and no pass. Raises ValueError unless
+    ``0 <= local_rank < local_world``, or for a negative ``micro_batch``."""
+    lo, hi = share_bounds(len(share), local_rank, local_world)
+    first_lo, first_hi = share_bounds(len(share), 0, local_world)
+    passes = len(micro_batches(range(first_hi - first_lo), micro_batch))
+    return micro_batches(share[lo:hi], micro_batch), passes
 
 
 def sample_seed(seed: int, position: int) -> int:

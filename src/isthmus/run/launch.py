@@ -49,6 +49,7 @@ from isthmus.lab.churn_plan import SlotState
 from isthmus.run import forkserver
 from isthmus.run.config import TimeoutConfig
 from isthmus.run.forkserver import PeerProcess
+from isthmus.run.names import PrefixClaim, check_prefix, machine_prefix, peer_name
 from isthmus.run.programs import BuiltinJob, PeerLaunch, Program, Script
 from isthmus.run.record import RunDir
 from isthmus.run.secure import embedded_tls
@@ -147,6 +148,8 @@ class Slot:
     index: int
     incarnations: list[Incarnation] = field(default_factory=list)
     restarts: int = 0
+    prefix: str = ""
+    """What its processes' names start with (:mod:`isthmus.run.names`; ``""``: ``peer<i>``)."""
 
     @property
     def current(self) -> Incarnation | None:
@@ -161,8 +164,7 @@ class Slot:
         return "stopped" if proc_state(cur.proc.pid) in ("T", "t") else "running"
 
     def next_name(self) -> str:
-        k = len(self.incarnations)
-        return f"peer{self.index}" if k == 0 else f"peer{self.index}.{k}"
+        return peer_name(self.prefix, self.index, len(self.incarnations))
 
 
 class Hook:
@@ -213,6 +215,12 @@ class Launcher:
     host; otherwise peers join the coordinator at that address with ``token``. ``slots`` peer
     positions exist over the run, ``starting`` of them start at once (the others are started by
     a hook, e.g. a planned join).
+
+    Peers are named ``peer0``, ``peer1``... (a restart ``peer1.1``); with ``name_prefix``
+    ``X``, ``X-peer0``... Joining a remote coordinator without one, the launcher claims this
+    machine's prefix (:mod:`isthmus.run.names`), so that no two machines' peers share a name;
+    ``name_prefix=""`` keeps the bare names. Raises ValueError for a prefix
+    :func:`~isthmus.run.names.check_prefix` refuses.
     """
 
     def __init__(
@@ -235,6 +243,7 @@ class Launcher:
         checkpoint_dir: str | None = None,
         stragglers: StragglerConfig | None = None,
         tee: bool = False,
+        name_prefix: str | None = None,
     ) -> None:
         if coordinator is not None and not token:
             raise ValueError("joining a remote coordinator needs its token")
@@ -244,7 +253,13 @@ class Launcher:
         self.run_dir = run_dir
         # the peers' lines on this terminal, prefixed (isthmus run); the logs stay the record
         self.tee = LogTee(self._echo) if tee else None
-        self.slots = [Slot(i) for i in range(slots)]
+        self._claim: PrefixClaim | None = None
+        if name_prefix is None and coordinator is not None:
+            self._claim = PrefixClaim(machine_prefix(), coordinator)
+            name_prefix = self._claim.prefix
+        self.name_prefix = check_prefix(name_prefix) if name_prefix else ""
+        """What this launcher's peer names start with (``""``: ``peer0``...)."""
+        self.slots = [Slot(i, prefix=self.name_prefix) for i in range(slots)]
         self.starting = list(range(slots)) if starting is None else list(starting)
         self.timeouts = timeouts or TimeoutConfig()
         self.spawner = spawner or Spawner()
@@ -326,6 +341,11 @@ class Launcher:
         """Launch, watch until every peer exited (or the run timed out), tear down."""
         started = time.monotonic()
         timed_out = False
+        if self._claim is not None:
+            self._say(
+                f"this machine's peers are named {peer_name(self.name_prefix, 0)}, ... "
+                "(choose with --name-prefix)"
+            )
         self._start_coordinator()
         try:
             for h in self.hooks:
@@ -343,6 +363,8 @@ class Launcher:
                 self.coordinator.stop()
             if self.client is not None:
                 self.client.close()
+            if self._claim is not None:
+                self._claim.release()
         return Outcome(self.slots, events, status, time.monotonic() - started, self.t0, timed_out)
 
     def _start_coordinator(self) -> None:

@@ -191,6 +191,7 @@ def run_script(
     probe_links: bool = False,
     nproc_per_peer: int | list[int] = 1,
     mesh: bool = False,
+    name_prefix: str | None = None,
 ) -> tuple[Summary, RunDir]:
     """Run ``script`` on ``peers`` local processes until they all exit; returns the summary
     (also in ``summary.json``) and the run directory.
@@ -205,6 +206,8 @@ def run_script(
     here, prefixed with its peer (:mod:`isthmus.run.tee`); the logs in the run directory hold it
     either way. ``nproc_per_peer`` above 1 makes each peer an island of that many processes
     (:mod:`isthmus.run.island`); a list gives peer ``i`` the ``i``-th count (cycled).
+    ``name_prefix`` (``--name-prefix``): the peers' names start with it
+    (:mod:`isthmus.run.names`; None: none on one machine, this machine's with ``coordinator``).
 
     Raises FileNotFoundError if the script does not exist, ValueError for bad settings, and
     re-raises KeyboardInterrupt after stopping every child.
@@ -235,6 +238,7 @@ def run_script(
             "connections": connections,
             "probe_links": probe_links,
             "mesh": mesh,
+            "name_prefix": name_prefix,
             "timeouts": dataclasses.asdict(timeouts),
         },
     )
@@ -251,6 +255,7 @@ def run_script(
         label=Path(script).name,
         progress=progress,
         tee=tee,
+        name_prefix=name_prefix,
     )
     rd.write_summary(summary, also=summary_json)
     return summary, rd

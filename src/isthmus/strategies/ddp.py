@@ -33,6 +33,16 @@ whatever the split. The work happens after the round formed, so a peer repaired 
 joiner) contributes too, and an aborted attempt is recomputed by the survivors on their new
 shares: kills, joins and aborts change the summation order, never the samples nor the scale.
 The step's mean loss over the ``B`` samples rides in the exact values (:attr:`DDP.last_loss`).
+
+On an island (a peer of several local ranks, FSDP2 or DDP inside) the island's share is split
+among its ranks (:func:`~isthmus.data.global_batch.island_part`, as the elastic sampler splits
+it). The island's own gradient averaging runs a collective in every forward and backward pass
+and weighs its ranks equally, so every rank runs the same number of passes (a rank with a
+shorter part, or none, runs padding passes: a sample of the share with its loss times zero,
+its floating buffers put back afterwards) and scales each micro-batch's loss by its size times
+the island's size over the share's, so that the island's averaged gradient is the mean over
+its whole share; the island's weight in the cross-island mean is its share's size. A sample
+whose loss is not finite makes the island contribute nothing, padding or not.
 """
 
 from __future__ import annotations
@@ -47,7 +57,12 @@ from typing import Any
 import torch
 
 from isthmus.comm.session import Round
-from isthmus.data.global_batch import micro_batches, share_positions, step_positions
+from isthmus.data.global_batch import (
+    island_part,
+    micro_batches,
+    share_positions,
+    step_positions,
+)
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import Strategy, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers
@@ -118,25 +133,8 @@ class DDP(Strategy):
     config: DDPConfig
     first_round_uses_work = True  # the first step trains on the batch drawn before the round
     islands = ""  # HSDP: each rank of an island reduces its gradient shard across islands (by
-    # piece between islands of different sizes); the mean is elementwise
-
-    def _refuse_islands(self, session: object) -> None:
-        super()._refuse_islands(session)
-        if getattr(session, "island", None) is not None and self.config.global_batch:
-            # Splitting the island's share among its ranks is not enough: FSDP2 (or DDP)
-            # inside the island runs a collective in every forward and backward pass and
-            # averages the ranks' gradients with equal weights, so each rank would need the
-            # same number of micro-batches (padding passes for a short or empty part), a loss
-            # scaled by its part's size, and the island's weight in the cross-island mean
-            # the size of its whole share (the island's vote takes the mean of its ranks').
-            raise ValueError(
-                "ddp on islands: global_batch is not supported on islands: the ranks inside an "
-                "island would each take part of the island's share, but the island's "
-                "FSDP2/DDP gradient averaging weighs its ranks equally and needs the same "
-                "number of forward and backward passes on every rank, so parts of unequal "
-                "size would give a wrongly weighted gradient or a hang; set global_batch=0 "
-                "(each rank's own batch, the island's gradient averaged as HSDP does)"
-            )
+    # piece between islands of different sizes); the mean is elementwise. With global_batch the
+    # island's share is split among its ranks (_accumulate_part).
 
     def pipelines_rounds(self) -> bool:
         """Whether a round may be applied before its verdict (``pipeline_commit``): only when
@@ -231,6 +229,7 @@ class DDP(Strategy):
             self.optimizer.step()
             return
         session, reducer = self.session, self.reducer
+        island = getattr(session, "island", None)
         shares: list[range] = []
 
         def reduce(rnd: Round) -> Reduced | None:
@@ -240,10 +239,13 @@ class DDP(Strategy):
             shares.append(share)
             buffers.restart()  # an aborted attempt's forward passes leave no trace
             t0 = time.monotonic()
-            loss = accumulate_share(self.params, loss_fn, share, micro)
+            if island is None:
+                loss = accumulate_share(self.params, loss_fn, share, micro)
+            else:
+                loss = self._accumulate_part(loss_fn, share, micro, island)
             session.faults.pace(step, time.monotonic() - t0)
             self.work_s = time.monotonic() - t0
-            snap = buffers.snapshot()
+            snap = island_snapshot(session, buffers.snapshot())
             ok = len(share) > 0 and bool(torch.isfinite(loss)) and buffers.finite(snap)
             exact = loss.reshape(1) if ok else torch.zeros(1)
             if buffers:
@@ -252,10 +254,12 @@ class DDP(Strategy):
             # tensors when the next attempt zeroes the gradients.
             keep = reducer.mode == "plain"
             items = [
-                (n, p.grad if keep else p.grad.clone())  # type: ignore[union-attr]
-                for n, p in zip(self.names, self.params, strict=True)
+                (n, g if keep else g.clone())
+                for n, g in zip(self.names, self._grads(), strict=True)
             ]
-            pending = reducer.start(rnd, items, contribute=ok, exact=exact, weight=len(share))
+            pending = start_reduction(
+                reducer, rnd, items, self.placements, contribute=ok, exact=exact, weight=len(share)
+            )
             rnd.check_faults("collective", step=step)
             return pending.wait()
 
@@ -263,8 +267,8 @@ class DDP(Strategy):
         self.last_share = shares[-1]
         self.last_loss = math.nan
         if result is not None:
-            for p, g in zip(self.params, result.tensors, strict=True):
-                p.grad.copy_(g)  # type: ignore[union-attr]
+            for grad, g in zip(self._grads(), result.tensors, strict=True):
+                grad.copy_(g)
             self.optimizer.step()
             assert result.exact is not None
             self.last_loss = float(result.exact[0])
@@ -273,6 +277,34 @@ class DDP(Strategy):
         else:
             log.warning("step %d: no peer contributed a finite gradient; skipped", self.step_count)
         buffers.restart()
+
+    def _accumulate_part(
+        self, loss_fn: LossFn, share: range, micro_batch: int, island: Any
+    ) -> torch.Tensor:
+        """On a rank of ``island``: set the gradients (the island's, as its FSDP2/DDP averages
+        them) to the mean gradient over the island's whole ``share`` from this rank's part, with
+        as many passes as every other rank (see the module docstring), and return the mean loss
+        over the share (fp32, the same on every rank; NaN for an empty share). Every rank of
+        the island calls it at the same point. Raises what ``loss_fn`` raises."""
+        grads = self._grads()
+        for g in grads:
+            g.zero_()
+        pieces, passes = island_part(share, micro_batch, island.rank, island.size)
+        n, total = len(share), 0.0
+        for piece in pieces:
+            loss = loss_fn(list(piece))
+            (loss * (len(piece) * island.size / n)).backward()
+            total += float(loss.detach()) * len(piece)
+        for _ in range(passes - len(pieces)):
+            # a pass the island's collectives need, adding nothing: a sample another rank takes
+            # (so a loss that is not finite here is not finite there either)
+            kept = self.buffers.snapshot()
+            (loss_fn([share.start]) * 0.0).backward()
+            with torch.no_grad():
+                for b, k in zip(self.buffers.local, kept, strict=True):
+                    b.copy_(k)
+        mean = sum(island.gather(total)) / n if n else math.nan
+        return torch.tensor(mean, dtype=torch.float32)
 
     def _load_local_tensors(self, state: Mapping[str, Any]) -> None:
         # Nothing of the model is local, but its floating buffers are read from the global copy

@@ -77,7 +77,13 @@ def main() -> None:
     sampler.attach(session)  # before the strategy: a resume loads the sampler's position too
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     strategy = isthmus.DiLoCo(session, model, opt, isthmus.DiLoCoConfig(sync_every=2))
-    start = {"full": full_state(session), "revision": session.revision}
+    start = {
+        "full": full_state(session),
+        "revision": session.revision,
+        # the inner optimizer's steps so far (its state is made, zero, with the strategy): above
+        # zero after a resume that found this rank's local state
+        "inner": max((float(st.get("step", 0)) for st in opt.state.values()), default=0.0),
+    }
     losses = []
     while strategy.step_count < args.steps:
         if args.exit_at and strategy.step_count == args.exit_at and "." not in config.name:
@@ -101,6 +107,7 @@ def main() -> None:
         "revision": session.revision,
         "resumed_from": strategy.resumed_from,
         "netns": os.readlink("/proc/self/ns/net"),  # the lab: which namespace this rank ran in
+        "name": config.name,
     }
     session.close()
     record["digest"] = session.state.digest()

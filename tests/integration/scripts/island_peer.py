@@ -3,7 +3,9 @@ peer an island of N ranks, FSDP2 on Gloo inside) or `--nproc-per-peer 1` (plain 
 process group). Trains a tiny MLP with a LayerNorm and a persistent buffer; the batch of rank
 ``r`` of peer ``p`` is batch ``p * N + r`` of every step, so M islands of N ranks see the same
 data as M * N single peers (or, with ``--island-sizes``, as M single peers each drawing the
-batches of one island's ranks at once). Writes ``<out>/<peer>.<rank>.pt``: the full gathered shared state
+batches of one island's ranks at once). With ``--global-batch B`` (ddp) every step consumes the
+samples at positions ``[t B, (t + 1) B)`` (:func:`position_loss`), split among the islands and
+their ranks by isthmus. Writes ``<out>/<peer>.<rank>.pt``: the full gathered shared state
 (every rank assembles it from the island's shards), its digest, the island digest and bytes.
 """
 
@@ -13,6 +15,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,11 +32,32 @@ class Net(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(10)
         self.b = torch.nn.Linear(10, 3)
         self.register_buffer("seen", torch.zeros(3))  # a persistent buffer, replicated
+        self.calls = 0  # forward passes of this process
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
         with torch.no_grad():  # running statistics: each rank's own forward passes move them
             self.seen.mul_(0.5).add_(x[:, :3].mean(0))
         return self.b(torch.relu(self.norm(self.a(x))))
+
+
+TARGET = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+
+
+def position_loss(model: torch.nn.Module) -> Any:
+    """A fixed global batch's loss function: the mean squared error over the samples at the
+    given global-stream positions (sample ``p``: inputs seeded with ``p``)."""
+
+    def loss_fn(positions: list[int]) -> torch.Tensor:
+        x = torch.cat(
+            [
+                torch.randn(1, 6, generator=torch.Generator().manual_seed(10_000 + p))
+                for p in positions
+            ]
+        )
+        return torch.nn.functional.mse_loss(model(x), x @ TARGET)
+
+    return loss_fn
 
 
 def main() -> None:
@@ -50,6 +74,8 @@ def main() -> None:
         help="plain peers only: peer p draws the batches of the N_p ranks of island p of "
         "islands sized so (e.g. 2,1), so that its gradient is theirs",
     )  # fmt: skip
+    ap.add_argument("--global-batch", type=int, default=0, help="ddp: a fixed global batch")
+    ap.add_argument("--micro-batch", type=int, default=0, help="with --global-batch")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fault", default=None, help="a fault spec fired by --fault-rank")
@@ -89,8 +115,10 @@ def main() -> None:
     if args.strategy == "ddp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         strategy: isthmus.Strategy = isthmus.DDP(
-            session, model, opt, compression=comp, aggregator=args.aggregator
-        )
+            session, model, opt, isthmus.DDPConfig(
+                global_batch=args.global_batch, micro_batch=args.micro_batch
+            ), compression=comp, aggregator=args.aggregator,
+        )  # fmt: skip
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         options: dict[str, object] = {"sync_every": 2}
@@ -103,11 +131,14 @@ def main() -> None:
             **options,
         )  # fmt: skip
     peer = int(os.environ["ISTHMUS_PEER"])
-    w = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
+    w = TARGET
     # the batches of this process: its own, or those of every rank of the island it stands for
     n = int(args.island_sizes.split(",")[peer]) if args.island_sizes else 1
     base = peer * (n if args.island_sizes else local)
     batches = [base + rank] if not args.island_sizes else [base + r for r in range(n)]
+    while args.global_batch and strategy.step_count < args.steps:
+        strategy.step(position_loss(model))  # the samples are picked inside the round
+        time.sleep(args.delay)
     while strategy.step_count < args.steps:
         seeds = [1000 * strategy.step_count + k for k in batches]
         x = torch.cat(
@@ -137,6 +168,8 @@ def main() -> None:
         "step": strategy.step_count,
         "refusals": refusals,
         "phase_steps": strategy.metrics().get("phase_steps", []),
+        "loss": float(getattr(strategy, "last_loss", float("nan"))),
+        "calls": model.calls,
     }
     torch.save(record, Path(args.out) / f"{peer}.{rank}.pt")
     print(f"peer {peer} rank {rank}: full state {record['full_digest']}", flush=True)
