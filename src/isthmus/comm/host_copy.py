@@ -1,0 +1,151 @@
+"""Host copies of device tensors, into buffers kept from one round to the next.
+
+What crosses islands over Gloo travels from host memory, and the DiLoCo family may keep its
+outer state there (``outer_state_device="cpu"``). :class:`HostStage` is the one way a tensor on
+an accelerator reaches the host, and :func:`upload` the one way a host value goes back:
+
+* **on CUDA**, :meth:`HostStage.stage` copies each tensor into a page-locked (pinned) host
+  buffer with ``non_blocking`` copies issued on a side stream, after the work already queued on
+  the tensor's current stream (so the copy sees the values the training step wrote). The
+  training thread only enqueues the copies: it returns at once, and the compute stream is told
+  to wait for them before it runs anything queued later (a GPU-side wait, not a CPU one), so a
+  later kernel that overwrites the source cannot race the copy. Each tensor gets an event;
+  :meth:`StagedCopy.get` waits for that tensor's copy alone, so the host work on the first
+  tensors runs while the last ones are still copying.
+* **on the CPU** (or with no CUDA device at all), the same calls make plain copies into the same
+  kept buffers: the logic (which buffer, when it is reused or replaced, what ``get`` returns)
+  is the CUDA path's, and is what the CPU tests check. Nothing is pinned and no stream is
+  touched without CUDA.
+
+Buffers are kept per slot (a caller's key, a tensor's position) and replaced when the shape,
+dtype or pinning they need changes. A buffer is handed out until the next :meth:`stage` of its
+slot: a caller that must keep a value longer copies it (the DiLoCo family's outer gradients are
+fresh tensors computed from it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["HostStage", "StagedCopy", "cuda_usable", "upload"]
+
+
+def cuda_usable(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA device of a torch that has CUDA (the only case where pinned
+    memory, streams and events are used)."""
+    return t.is_cuda and torch.cuda.is_available()
+
+
+class StagedCopy:
+    """Host copies in flight: :meth:`get` ``(i)`` is tensor ``i``'s host copy once its copy is
+    done (it waits for that one only); :meth:`tensors` waits for all. On the CPU every copy is
+    already done when :meth:`HostStage.stage` returns."""
+
+    def __init__(self, buffers: list[torch.Tensor], events: list[Any | None]) -> None:
+        self._buffers = buffers
+        self._events = events
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def get(self, i: int) -> torch.Tensor:
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+            self._events[i] = None
+        return self._buffers[i]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.get(i) for i in range(len(self._buffers))]
+
+    def ready(self) -> bool:
+        """Whether every copy has finished (never blocks)."""
+        return all(ev is None or ev.query() for ev in self._events)
+
+
+class HostStage:
+    """Kept host buffers and, on CUDA, the side stream the copies run on (see the module
+    docstring). One instance per user of it: its buffers are reused by the next :meth:`stage`
+    of the same slot."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[Hashable, torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
+        self.allocations = 0
+        """Buffers allocated so far (a buffer reused does not count)."""
+        self.staged_bytes = 0
+        """Bytes copied to the host so far."""
+
+    def _buffer(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
+        pin = cuda_usable(t)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
+            # pin_memory needs CUDA: only asked for when the source is on a CUDA device
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+            self.allocations += 1
+        return buf
+
+    def _side(self, device: torch.device) -> Any:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def stage(self, tensors: Sequence[torch.Tensor], *, slot: Hashable = "") -> StagedCopy:
+        """Start copying ``tensors`` to the host, into this stage's buffers of ``slot`` (one per
+        position); returns at once on CUDA, after the copies on the CPU. The values copied are
+        those the tensors hold once the work queued before this call has run. A buffer given
+        out for ``slot`` earlier is overwritten."""
+        buffers: list[torch.Tensor] = []
+        events: list[Any | None] = []
+        fences: dict[torch.device, Any] = {}
+        for i, t in enumerate(tensors):
+            src = t.detach()
+            buf = self._buffer((slot, i), src)
+            self.staged_bytes += src.numel() * src.element_size()
+            if not cuda_usable(src):
+                buf.copy_(src)
+                buffers.append(buf)
+                events.append(None)
+                continue
+            main = torch.cuda.current_stream(src.device)
+            side = self._side(src.device)
+            side.wait_stream(main)  # the copy reads what the queued training work wrote
+            with torch.cuda.stream(side):
+                buf.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(side)
+            # the caching allocator must not hand the source's memory to the compute stream
+            # until the side stream has read it
+            src.record_stream(side)
+            buffers.append(buf)
+            events.append(ev)
+            fences[src.device] = ev
+        for device, ev in fences.items():
+            # later kernels on the compute stream (one that overwrites a source) wait for the
+            # copies on the GPU; the training thread does not
+            torch.cuda.current_stream(device).wait_event(ev)
+        return StagedCopy(buffers, events)
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> Any | None:
+    """``dst.copy_(src)`` (cast to ``dst``'s dtype), where ``src`` is a host tensor and ``dst``
+    may be on a device. From pinned host memory to a CUDA tensor the copy is ``non_blocking``
+    and an event is returned that completes with it: ``src`` must not be written before it has
+    (the caller waits for it before it next writes ``src``). Otherwise the copy is done on
+    return and None is returned."""
+    with torch.no_grad():
+        if cuda_usable(dst) and src.device.type == "cpu" and src.is_pinned():
+            if dst.dtype == src.dtype:
+                dst.copy_(src, non_blocking=True)
+            else:  # the bytes as they are, then the cast on the device (no host temporary)
+                dst.copy_(src.to(dst.device, non_blocking=True))
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dst.device))
+            return ev
+        dst.copy_(src)
+    return None
