@@ -4,10 +4,12 @@
 #   1. what the machine is (torch, CUDA, the GPUs),
 #   2. every CUDA test of the suite (they skip, with the reason, where there is no GPU),
 #   3. a small CUDA run: examples/fsdp_llama.py as 2 islands of 1 rank on CUDA, DiLoCo across them
-#      (Gloo between them, since NCCL refuses two ranks of one group on one device), which must end
-#      with one digest on both,
+#      (Gloo between them, since NCCL refuses two ranks of one group on one device; the outer
+#      state on the host, the default, so the outer gradient goes from pinned host copies), which
+#      must end with one digest on both,
 #   3b. the same islands' checkpoint (every rank its shards, on CUDA) resumed by 1 island of 1,
-#   4. with 4 or more GPUs, the same example as 2 islands x 2 ranks over NCCL inside (FSDP2);
+#   4. with 4 or more GPUs, the same example as 2 islands x 2 ranks over NCCL inside (FSDP2),
+#      Gloo across them (backend auto: the outer state is on the host);
 #      with fewer it says that it was skipped and why.
 # and prints a summary; the exit status is non-zero when any step failed.
 #
@@ -57,7 +59,8 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 only_islands=0
 [ "${1:-}" = "--islands" ] && only_islands=1
 [ $only_islands -eq 1 ] && summary+=("SKIP  cuda-tests: --islands") || step cuda-tests 300 "$PY" -m pytest -q -p no:cacheprovider -rs --strict-markers \
-  tests/unit/test_cuda.py tests/unit/test_zo.py tests/integration/test_cuda_gloo.py
+  tests/unit/test_cuda.py tests/unit/test_cuda_host.py tests/unit/test_zo.py \
+  tests/integration/test_cuda_gloo.py
 
 run_dir="$OUT/island-run"
 step island-1gpu 240 "$PY" -m isthmus.cli run --peers 2 --nproc-per-peer 1 --no-progress \
