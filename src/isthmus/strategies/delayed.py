@@ -142,6 +142,7 @@ class DelayedOuter(PhasedStrategy):
         self.since = 0
 
     def _issue(self, delta: list[torch.Tensor]) -> None:
+        self.home.settle()  # the round's begin may repair theta on the host
         stale = self.stale
         h = self.sync_every
         buffers = self.buffers
