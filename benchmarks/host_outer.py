@@ -10,7 +10,8 @@ For DiLoCo and eager DiLoCo, with ``outer_state_device`` ``cpu`` and ``same``:
   ``sync()``: the outer gradient, the outer SGD step, the model loaded from theta; eager's
   ``boundary()``: the same plus the phase's start), the model's parameters moved between rounds;
 * ``device MB``: on CUDA, the device memory the strategy holds after its first rounds (theta,
-  momentum, start), from ``torch.cuda.memory_allocated``.
+  momentum, start), from ``torch.cuda.memory_allocated``;
+* ``stage ms``: staging the whole model to the host alone (the copy ``cpu`` adds to a round).
 
 On CUDA it also measures the copy/compute overlap of :class:`~isthmus.comm.host_copy.HostStage`:
 the time of a stream of matrix products alone, with a blocking device-to-host copy of the model
@@ -77,6 +78,20 @@ def measure(kind: str, where: str, params_m: float, rounds: int, device: str) ->
     }
 
 
+def stage_cost(params_m: float, device: str, repeats: int = 5) -> float:
+    """The median ms of staging the whole model to the host and reading it (what ``cpu`` adds
+    to a round on the training thread, at most: the copy)."""
+    params = [p.detach() for p in model_of(params_m, device).parameters()]
+    stage = HostStage()
+    times = []
+    for _ in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        stage.stage(params).tensors()
+        times.append(time.perf_counter() - t0)
+    return round(1000 * statistics.median(times[1:]), 1)
+
+
 def overlap(params_m: float, device: str) -> dict[str, float]:
     """Matrix products alone, after a blocking copy of the model to the host, and beside the
     staged copy (GPU only: on the CPU the copy and the products share the same cores)."""
@@ -121,6 +136,8 @@ def main() -> None:
         for where in ("same", "cpu")
     ]
     out: dict[str, object] = {"device": args.device, "rows": rows}
+    out["stage_ms"] = stage_cost(args.params_m, args.device, args.rounds)
+    print(f"staging the whole model to the host: {out['stage_ms']} ms")
     print("| strategy | outer_state_device | params | round ms | device MB |")
     print("|---|---|---|---|---|")
     for r in rows:
