@@ -1,6 +1,6 @@
 """Host staging and the DiLoCo family's outer state on the host, on the CPU: the staging logic
-the CUDA path shares (kept buffers, reuse, slots, what a staged copy holds), the option's
-validation, the backend ``auto`` picks for a host outer state, and ``outer_state_device="cpu"``
+the CUDA path shares (kept buffers, reuse, slots, what a staged copy holds), the CUDA path's
+order of calls with recording stand-ins for streams and events, the option's validation, the backend ``auto`` picks for a host outer state, and ``outer_state_device="cpu"``
 against ``"same"`` bit for bit for every strategy of the family (one process, no session).
 
 The CUDA half (pinned buffers, the side stream, the device memory saved) is
@@ -8,12 +8,14 @@ tests/unit/test_cuda_host.py, skipped where there is no GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from isthmus.comm.host_copy import HostStage, upload
+from isthmus.comm.host_copy import CudaOps, HostStage, upload
 from isthmus.comm.session import Session
 from isthmus.models import GPT, GPTConfig
 from isthmus.strategies import outer_home
@@ -70,6 +72,106 @@ def test_upload_on_the_cpu_is_a_plain_copy_with_the_cast():
     src = torch.linspace(-1, 1, 5)
     assert upload(dst, src) is None  # nothing in flight without CUDA
     assert torch.equal(dst, src.to(torch.bfloat16))
+
+
+# -- the CUDA path's order of calls, with recording stand-ins -----------------------------------
+
+
+class _Stream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append(f"{self.name}.wait_stream({other.name})")
+
+    def wait_event(self, ev: _Event) -> None:
+        self.log.append(f"{self.name}.wait_event({ev.name})")
+
+
+class _Event:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def record(self, stream: _Stream) -> None:
+        self.log.append(f"{self.name}.record({stream.name})")
+
+    def synchronize(self) -> None:
+        self.log.append(f"{self.name}.synchronize")
+
+    def query(self) -> bool:
+        self.log.append(f"{self.name}.query")
+        return False
+
+
+class _RecordingCuda(CudaOps):
+    """Every tensor "on CUDA", every call logged; the copies themselves are CPU copies."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.main = _Stream("main", self.log)
+        self.events = 0
+
+    def usable(self, t: torch.Tensor) -> bool:
+        return True
+
+    def pinned(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        self.log.append("pinned")
+        return torch.empty(shape, dtype=dtype)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return True
+
+    def current_stream(self, device: torch.device) -> _Stream:
+        return self.main
+
+    def new_stream(self, device: torch.device) -> _Stream:
+        self.log.append("new_stream")
+        return _Stream("side", self.log)
+
+    @contextmanager
+    def on(self, stream: _Stream) -> Iterator[None]:
+        self.log.append(f"on({stream.name})")
+        yield
+        self.log.append(f"off({stream.name})")
+
+    def event(self) -> _Event:
+        self.events += 1
+        return _Event(f"e{self.events - 1}", self.log)
+
+    def keep_for(self, t: torch.Tensor, stream: _Stream) -> None:
+        self.log.append(f"keep_for({stream.name})")
+
+
+def test_the_cuda_path_copies_on_a_side_stream_after_the_queued_work_and_fences_the_main_one():
+    ops = _RecordingCuda()
+    stage = HostStage(ops)
+    a, b = torch.arange(4.0), torch.arange(3, dtype=torch.int32)
+    staged = stage.stage([a, b])
+    copy = ["side.wait_stream(main)", "on(side)"]  # after the queued work, on the side stream
+    assert ops.log == [
+        "pinned", "new_stream", *copy, "e0.record(side)", "off(side)", "keep_for(side)",
+        "pinned", *copy, "e1.record(side)", "off(side)", "keep_for(side)",
+        "main.wait_event(e1)",  # later kernels on the main stream wait for the copies (on the GPU)
+    ]  # fmt: skip
+    ops.log.clear()
+    assert torch.equal(staged.get(1), b) and ops.log == ["e1.synchronize"]  # that copy alone
+    staged.get(1)
+    assert ops.log == ["e1.synchronize"]  # waited for once
+    assert not staged.ready() and ops.log[-1] == "e0.query"  # polls, never blocks
+    ops.log.clear()
+    assert torch.equal(stage.stage([a, b]).get(0), a)
+    assert "pinned" not in ops.log and "new_stream" not in ops.log  # kept buffers and stream
+    assert stage.allocations == 2
+
+
+def test_an_upload_from_pinned_memory_is_non_blocking_and_gives_its_event():
+    ops = _RecordingCuda()
+    src = torch.linspace(-1, 1, 7)
+    for dtype in (torch.float32, torch.bfloat16):
+        dst = torch.zeros(7, dtype=dtype)
+        ev = upload(dst, src, ops)
+        assert isinstance(ev, _Event) and ops.log[-1] == f"{ev.name}.record(main)"
+        assert torch.equal(dst, src.to(dtype))
 
 
 # -- OuterHome ---------------------------------------------------------------------------------

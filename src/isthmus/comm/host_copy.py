@@ -30,13 +30,46 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostStage", "StagedCopy", "cuda_usable", "upload"]
+__all__ = ["CudaOps", "HostStage", "StagedCopy", "cuda_usable", "upload"]
 
 
 def cuda_usable(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on a CUDA device of a torch that has CUDA (the only case where pinned
     memory, streams and events are used)."""
     return t.is_cuda and torch.cuda.is_available()
+
+
+class CudaOps:
+    """The CUDA calls staging makes, in one place: a test without a GPU gives
+    :class:`HostStage` and :func:`upload` an object with the same methods that records them, to
+    check their order (which stream waits for which, where each event is recorded)."""
+
+    def usable(self, t: torch.Tensor) -> bool:
+        return cuda_usable(t)
+
+    def pinned(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_pinned()
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def keep_for(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+
+CUDA = CudaOps()
 
 
 class StagedCopy:
@@ -71,28 +104,32 @@ class HostStage:
     docstring). One instance per user of it: its buffers are reused by the next :meth:`stage`
     of the same slot."""
 
-    def __init__(self) -> None:
-        self._buffers: dict[Hashable, torch.Tensor] = {}
+    def __init__(self, ops: CudaOps = CUDA) -> None:
+        self.ops = ops
+        self._buffers: dict[Hashable, tuple[torch.Tensor, bool]] = {}  # buffer, pinned
         self._streams: dict[torch.device, Any] = {}
         self.allocations = 0
         """Buffers allocated so far (a buffer reused does not count)."""
         self.staged_bytes = 0
         """Bytes copied to the host so far."""
 
-    def _buffer(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
-        pin = cuda_usable(t)
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != pin:
-            # pin_memory needs CUDA: only asked for when the source is on a CUDA device
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            self._buffers[key] = buf
-            self.allocations += 1
+    def _buffer(self, key: Hashable, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        kept = self._buffers.get(key)
+        if kept is not None and (kept[0].shape, kept[0].dtype, kept[1]) == (t.shape, t.dtype, pin):
+            return kept[0]
+        # pin_memory needs CUDA: only asked for when the source is on a CUDA device
+        if pin:
+            buf = self.ops.pinned(t.shape, t.dtype)
+        else:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        self._buffers[key] = (buf, pin)
+        self.allocations += 1
         return buf
 
     def _side(self, device: torch.device) -> Any:
         s = self._streams.get(device)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s = self._streams[device] = self.ops.new_stream(device)
         return s
 
     def stage(self, tensors: Sequence[torch.Tensor], *, slot: Hashable = "") -> StagedCopy:
@@ -103,49 +140,51 @@ class HostStage:
         buffers: list[torch.Tensor] = []
         events: list[Any | None] = []
         fences: dict[torch.device, Any] = {}
+        ops = self.ops
         for i, t in enumerate(tensors):
             src = t.detach()
-            buf = self._buffer((slot, i), src)
+            on_cuda = ops.usable(src)
+            buf = self._buffer((slot, i), src, on_cuda)
             self.staged_bytes += src.numel() * src.element_size()
-            if not cuda_usable(src):
+            if not on_cuda:
                 buf.copy_(src)
                 buffers.append(buf)
                 events.append(None)
                 continue
-            main = torch.cuda.current_stream(src.device)
+            main = ops.current_stream(src.device)
             side = self._side(src.device)
             side.wait_stream(main)  # the copy reads what the queued training work wrote
-            with torch.cuda.stream(side):
+            with ops.on(side):
                 buf.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = ops.event()
                 ev.record(side)
             # the caching allocator must not hand the source's memory to the compute stream
             # until the side stream has read it
-            src.record_stream(side)
+            ops.keep_for(src, side)
             buffers.append(buf)
             events.append(ev)
             fences[src.device] = ev
         for device, ev in fences.items():
             # later kernels on the compute stream (one that overwrites a source) wait for the
             # copies on the GPU; the training thread does not
-            torch.cuda.current_stream(device).wait_event(ev)
+            ops.current_stream(device).wait_event(ev)
         return StagedCopy(buffers, events)
 
 
-def upload(dst: torch.Tensor, src: torch.Tensor) -> Any | None:
+def upload(dst: torch.Tensor, src: torch.Tensor, ops: CudaOps = CUDA) -> Any | None:
     """``dst.copy_(src)`` (cast to ``dst``'s dtype), where ``src`` is a host tensor and ``dst``
     may be on a device. From pinned host memory to a CUDA tensor the copy is ``non_blocking``
     and an event is returned that completes with it: ``src`` must not be written before it has
     (the caller waits for it before it next writes ``src``). Otherwise the copy is done on
     return and None is returned."""
     with torch.no_grad():
-        if cuda_usable(dst) and src.device.type == "cpu" and src.is_pinned():
+        if ops.usable(dst) and ops.is_pinned(src):
             if dst.dtype == src.dtype:
                 dst.copy_(src, non_blocking=True)
             else:  # the bytes as they are, then the cast on the device (no host temporary)
                 dst.copy_(src.to(dst.device, non_blocking=True))
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dst.device))
+            ev = ops.event()
+            ev.record(ops.current_stream(dst.device))
             return ev
         dst.copy_(src)
     return None
