@@ -95,8 +95,9 @@ def main() -> None:
         "(NCCL refuses two ranks of a group on one device)",
     )  # fmt: skip
     ap.add_argument(
-        "--outer-state-device", choices=("cpu", "same"), default="cpu",
-        help="DiLoCo's theta and momentum in host memory (cpu) or beside the model (same)",
+        "--outer-state-device", choices=("auto", "cpu", "same"), default="auto",
+        help="DiLoCo's theta and momentum in host memory (cpu) or beside the model (same); "
+        "auto: cpu, or same with --backend nccl",
     )  # fmt: skip
     ap.add_argument("--checkpoint-dir", default=None, help="checkpoints (every rank its shards)")
     ap.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints")

@@ -201,9 +201,9 @@ def test_outer_home_on_the_cpu_stages_copies_and_same_reads_the_parameters():
     "make", [DiLoCoConfig, StreamingConfig, EagerConfig, LocalSGDConfig, CO2Config]
 )
 def test_a_bad_outer_state_device_is_refused_naming_the_choices(make):
-    with pytest.raises(ValueError, match=r"outer_state_device must be 'cpu' .* or 'same'"):
+    with pytest.raises(ValueError, match=r"outer_state_device must be 'auto' .* or 'same'"):
         make(outer_state_device="cuda")
-    assert make().outer_state_device == "cpu"
+    assert make().outer_state_device == "auto"
 
 
 def test_host_state_of_a_cuda_model_is_refused_with_an_nccl_session(monkeypatch):
@@ -214,8 +214,12 @@ def test_host_state_of_a_cuda_model_is_refused_with_an_nccl_session(monkeypatch)
     with pytest.raises(ValueError, match=r"NCCL carries device tensors only.*'same'"):
         OuterHome.of(strategy, "cpu")
     assert OuterHome.of(strategy, "same").where == "same"
-    session.config.backend = "auto"
-    assert OuterHome.of(strategy, "cpu").pin  # auto picks Gloo for it (below)
+    assert OuterHome.of(strategy, "auto").where == "same"  # with NCCL: beside the model
+    for backend in ("auto", "gloo"):
+        session.config.backend = backend
+        home = OuterHome.of(strategy, "auto")
+        assert home.where == "cpu" and home.pin  # auto picks Gloo for it (below)
+    assert OuterHome.of(SimpleNamespace(name="x", params=[], session=None), "auto").host
 
 
 class _Fake:
@@ -304,6 +308,10 @@ def _train(cls, config, steps: int = 11):
 def test_outer_state_on_the_host_gives_the_bits_of_outer_state_beside_the_model(cls, make):
     host, state_h, outer_h = _train(cls, make("cpu"))
     same, state_s, outer_s = _train(cls, make("same"))
+    auto, state_a, outer_a = _train(cls, make("auto"))  # the default: the host, without NCCL
+    assert auto.home.host and state_a + outer_a
+    for a, b in zip(state_a + outer_a, state_h + outer_h, strict=True):
+        assert torch.equal(a, b)
     assert host.home.stage is not None and host.home.stage.staged_bytes > 0  # the host path ran
     assert same.home.stage is None
     assert isinstance(host.buffers, SharedBuffers) and host.buffers.device == torch.device("cpu")

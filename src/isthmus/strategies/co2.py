@@ -77,9 +77,10 @@ class CO2Config:
     value is 1.0; see the module docstring for this default)."""
     clip: float | None = 1.0
     """Clamp the outer momentum element-wise to [-clip, clip]; None: no clipping."""
-    outer_state_device: OuterDevice = "cpu"
-    """Where x_old, the phase's start and the outer momentum live: ``cpu`` (host memory) or
-    ``same`` (beside the model), as DiLoCo's option (:mod:`isthmus.strategies.outer_home`)."""
+    outer_state_device: OuterDevice = "auto"
+    """Where x_old, the phase's start and the outer momentum live: ``cpu`` (host memory),
+    ``same`` (beside the model) or ``auto`` (``cpu``, or ``same`` when the session's backend is
+    ``nccl``), as DiLoCo's option (:mod:`isthmus.strategies.outer_home`)."""
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:

@@ -87,12 +87,13 @@ class DiLoCoConfig:
     phase_seconds: float = 0.0
     """With ``inner_budget="time"``: the phase's length in seconds (0: as long as the fastest
     peer of the last round takes for H steps)."""
-    outer_state_device: OuterDevice = "cpu"
+    outer_state_device: OuterDevice = "auto"
     """Where the outer state (theta, the outer momentum, the buffers' global copy) lives:
     ``cpu``, in host memory (a CUDA model's devices then hold only its shards and the inner
-    optimizer; the outer gradient is taken and reduced from pinned host copies, over Gloo); or
-    ``same``, beside the model on its device (for NCCL across islands). The same bits on a CPU
-    model (:mod:`isthmus.strategies.outer_home`)."""
+    optimizer; the outer gradient is taken and reduced from pinned host copies, over Gloo);
+    ``same``, beside the model on its device (for NCCL across islands); ``auto``: ``cpu``,
+    or ``same`` when the session's backend is ``nccl``. The same bits on a CPU model
+    (:mod:`isthmus.strategies.outer_home`)."""
     time_budget: ClassVar[bool] = True
     """Whether the strategy implements ``inner_budget="time"`` (a subclass that does not sets
     False, so that the option is refused rather than ignored)."""

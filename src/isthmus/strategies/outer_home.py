@@ -2,7 +2,7 @@
 
 The outer state (the global parameters theta, the snapshot a phase started from, the outer
 momentum, the global copy of the floating buffers) is read and written once per round, every
-``sync_every`` inner steps. ``outer_state_device="cpu"`` (the default) keeps it in host memory:
+``sync_every`` inner steps. ``outer_state_device="cpu"`` keeps it in host memory:
 
 * an island's devices then hold only the model's shards and the inner optimizer; theta and the
   momentum (fp32: 8 bytes per parameter, four times a bf16 model) live in the host's memory;
@@ -21,6 +21,14 @@ as ``same``; the outer step's last bit may differ where the two devices fuse a m
 differently. ``same`` keeps everything on the model's device: what islands that share a fabric
 reducing across islands over NCCL need (NCCL carries device tensors only).
 
+``auto`` (the default) is ``cpu`` unless the session is set to reduce over NCCL
+(``backend="nccl"``), where it is ``same``: host memory wherever the transport across islands
+is Gloo, which it is by default (``backend="auto"`` picks Gloo as soon as a floating tensor of
+the shared state is on the host). The reasons for the host: the outer state is touched once per
+round, the shards' copy to the host is paid for Gloo in any case, and the copy back costs one
+transfer of the shards per round against 8 to 12 bytes a parameter held on every device for
+the whole run.
+
 A model spread over several devices keeps ``same`` per tensor (each global copy beside its
 parameter); with ``cpu`` all of it is on the host.
 """
@@ -37,17 +45,27 @@ from isthmus.strategies.model_state import global_copy
 
 __all__ = ["OUTER_DEVICES", "OuterDevice", "OuterHome", "check_outer_device"]
 
-OuterDevice = Literal["cpu", "same"]
-OUTER_DEVICES: tuple[str, ...] = ("cpu", "same")
+OuterDevice = Literal["auto", "cpu", "same"]
+OUTER_DEVICES: tuple[str, ...] = ("auto", "cpu", "same")
 
 
 def check_outer_device(value: Any) -> None:
     """Raise ValueError naming the choices unless ``value`` is one of :data:`OUTER_DEVICES`."""
     if value not in OUTER_DEVICES:
         raise ValueError(
-            f"outer_state_device must be 'cpu' (the outer state in host memory) or 'same' (beside "
-            f"the model, on its device), got {value!r}"
+            f"outer_state_device must be 'auto' (cpu, or same with backend='nccl'), 'cpu' (the "
+            f"outer state in host memory) or 'same' (beside the model, on its device), "
+            f"got {value!r}"
         )
+
+
+def resolve_outer_device(where: str, backend: str) -> str:
+    """``cpu`` or ``same`` for the option ``where`` and the session's ``backend`` (``auto``:
+    ``same`` with NCCL, which carries device tensors only; else ``cpu``)."""
+    check_outer_device(where)
+    if where != "auto":
+        return where
+    return "same" if backend == "nccl" else "cpu"
 
 
 class LocalView:
@@ -68,7 +86,9 @@ class OuterHome:
     """The outer state's device for one strategy, and the copies between it and the model."""
 
     def __init__(self, where: str, params: Sequence[torch.Tensor]) -> None:
-        check_outer_device(where)
+        """``where``: ``cpu`` or ``same`` (``auto`` is resolved by :meth:`of`; here it is
+        ``cpu``)."""
+        where = resolve_outer_device(where, "auto")
         self.where = where
         self.host = where == "cpu"
         # pinned theta needs CUDA: only for a model that is on a CUDA device
@@ -78,12 +98,13 @@ class OuterHome:
 
     @classmethod
     def of(cls, strategy: Any, where: str) -> OuterHome:
-        """The home of ``strategy``'s outer state (its ``params``, its ``session``). Raises
-        ValueError for host state on a CUDA model whose session is set to reduce over NCCL,
-        which carries device tensors only."""
-        home = cls(where, strategy.params)
+        """The home of ``strategy``'s outer state (its ``params``, its ``session``; ``where``
+        resolved against the session's backend). Raises ValueError for host state chosen
+        explicitly on a CUDA model whose session is set to reduce over NCCL, which carries
+        device tensors only."""
         session = getattr(strategy, "session", None)
         backend = getattr(getattr(session, "config", None), "backend", "auto")
+        home = cls(resolve_outer_device(where, backend), strategy.params)
         if home.pin and backend == "nccl":
             raise ValueError(
                 f"{strategy.name}: outer_state_device='cpu' reduces host tensors across "
