@@ -153,6 +153,10 @@ class DiLoCo(PhasedStrategy):
         self._phase_start = time.monotonic()
 
     def inner_step(self, tokens: float = 1.0) -> bool:
+        # the copies of theta into the model (issued by the last round) are done before the
+        # training thread goes on: nothing may write host theta under them (an undone round's
+        # restore, a repair) between rounds
+        self.home.settle()
         self.optimizer.step()
         self.phase_tokens += tokens
         return True
