@@ -1,8 +1,8 @@
 """Host copies of device tensors, into buffers kept from one round to the next.
 
 What crosses islands over Gloo travels from host memory, and the DiLoCo family may keep its
-outer state there (``outer_state_device="cpu"``). :class:`HostStage` is the one way a tensor on
-an accelerator reaches the host, and :func:`upload` the one way a host value goes back:
+outer state there (``outer_state_device="cpu"``). :class:`HostStage` takes a round's device
+tensors to the host, and :func:`upload` brings a host value back:
 
 * **on CUDA**, :meth:`HostStage.stage` copies each tensor into a page-locked (pinned) host
   buffer with ``non_blocking`` copies issued on a side stream, after the work already queued on
@@ -14,8 +14,9 @@ an accelerator reaches the host, and :func:`upload` the one way a host value goe
   tensors runs while the last ones are still copying.
 * **on the CPU** (or with no CUDA device at all), the same calls make plain copies into the same
   kept buffers: the logic (which buffer, when it is reused or replaced, what ``get`` returns)
-  is the CUDA path's, and is what the CPU tests check. Nothing is pinned and no stream is
-  touched without CUDA.
+  is the CUDA path's, and is what the CPU tests check; the CUDA calls themselves go through
+  :class:`CudaOps`, which a test replaces to check their order. Nothing is pinned and no stream
+  is touched without CUDA.
 
 Buffers are kept per slot (a caller's key, a tensor's position) and replaced when the shape,
 dtype or pinning they need changes. A buffer is handed out until the next :meth:`stage` of its
