@@ -1,14 +1,15 @@
 """The DiLoCo family's outer state on the host against beside the model: what an outer round
 costs the training thread, and what it holds on the model's device.
 
-    python benchmarks/host_outer.py [--params-m 30] [--rounds 5] [--device cpu|cuda]
+    python benchmarks/host_outer.py [--params-m 30] [--rounds 5] [--passes 3] [--device cpu|cuda]
 
 One process, no session (the outer step of one peer: the reduction is its own outer gradient).
 For DiLoCo and eager DiLoCo, with ``outer_state_device`` ``cpu`` and ``same``:
 
-* ``round ms``: the median wall time of one outer round on the training thread (DiLoCo's
-  ``sync()``: the outer gradient, the outer SGD step, the model loaded from theta; eager's
-  ``boundary()``: the same plus the phase's start), the model's parameters moved between rounds;
+* ``round ms``: the median wall time of one outer round on the training thread, the best of
+  ``--passes`` alternating passes (DiLoCo's ``sync()``: the outer gradient, the outer SGD step,
+  the model loaded from theta; eager's ``boundary()``: the same plus the phase's start), the
+  model's parameters moved between rounds;
 * ``device MB``: on CUDA, the device memory the strategy holds after its first rounds (theta,
   momentum, start), from ``torch.cuda.memory_allocated``;
 * ``stage ms``: staging the whole model to the host alone (the copy ``cpu`` adds to a round).
@@ -116,7 +117,7 @@ def overlap(params_m: float, device: str) -> dict[str, float]:
     blocking = timed(lambda: ([p.cpu() for p in params], work()))
 
     def staged() -> None:
-        copy = stage.stage(params)
+        copy = stage.stage(params, fence=False)  # the products do not write the parameters
         work()
         copy.tensors()
 
@@ -127,14 +128,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params-m", type=float, default=30.0, help="millions of parameters")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--passes", type=int, default=3, help="alternating passes, the best kept")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core, as a peer of the demo; the figures then compare
-    rows = [
-        measure(kind, where, args.params_m, args.rounds, args.device)
-        for kind in ("diloco", "eager")
-        for where in ("same", "cpu")
-    ]
+    # each setting measured --passes times, alternating, the fastest kept: on a shared machine
+    # the load moves between one setting's run and the next
+    best: dict[tuple[str, str], dict[str, object]] = {}
+    for _ in range(args.passes):
+        for kind in ("diloco", "eager"):
+            for where in ("same", "cpu"):
+                r = measure(kind, where, args.params_m, args.rounds, args.device)
+                old = best.get((kind, where))
+                ms = float(r["round_ms"])  # type: ignore[arg-type]
+                if old is None or ms < float(old["round_ms"]):  # type: ignore[arg-type]
+                    best[(kind, where)] = r
+    rows = list(best.values())
     out: dict[str, object] = {"device": args.device, "rows": rows}
     out["stage_ms"] = stage_cost(args.params_m, args.device, args.rounds)
     print(f"staging the whole model to the host: {out['stage_ms']} ms")

@@ -41,6 +41,15 @@ def test_a_staged_copy_is_pinned_and_holds_the_values_queued_before_it():
     assert torch.equal(again.get(0), base * 2 + 100)
 
 
+def test_without_the_fence_kernels_that_read_the_sources_run_beside_the_copy():
+    x = torch.randn(2048, 2048, device="cuda")
+    want = x.cpu()
+    staged = HostStage().stage([x], fence=False)
+    y = x @ x  # only reads x: needs no wait for the copy
+    assert torch.equal(staged.get(0), want)
+    assert torch.allclose(y.cpu(), want @ want, rtol=1e-3, atol=1e-2)
+
+
 def test_an_upload_from_pinned_memory_casts_like_a_plain_copy():
     src = torch.randn(4096).pin_memory()
     for dtype in (torch.float32, torch.bfloat16):

@@ -162,6 +162,9 @@ def test_the_cuda_path_copies_on_a_side_stream_after_the_queued_work_and_fences_
     assert torch.equal(stage.stage([a, b]).get(0), a)
     assert "pinned" not in ops.log and "new_stream" not in ops.log  # kept buffers and stream
     assert stage.allocations == 2
+    ops.log.clear()
+    stage.stage([a], fence=False)  # the caller's later kernels only read: no GPU-side wait
+    assert ops.log[-1] == "keep_for(side)" and not any("wait_event" in x for x in ops.log)
 
 
 def test_an_upload_from_pinned_memory_is_non_blocking_and_gives_its_event():

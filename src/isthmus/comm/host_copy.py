@@ -7,9 +7,11 @@ tensors to the host, and :func:`upload` brings a host value back:
 * **on CUDA**, :meth:`HostStage.stage` copies each tensor into a page-locked (pinned) host
   buffer with ``non_blocking`` copies issued on a side stream, after the work already queued on
   the tensor's current stream (so the copy sees the values the training step wrote). The
-  training thread only enqueues the copies: it returns at once, and the compute stream is told
-  to wait for them before it runs anything queued later (a GPU-side wait, not a CPU one), so a
-  later kernel that overwrites the source cannot race the copy. Each tensor gets an event;
+  training thread only enqueues the copies: it returns at once, and (``fence``, the default)
+  the compute stream is told to wait for them before it runs anything queued later (a GPU-side
+  wait, not a CPU one), so a later kernel that overwrites the source cannot race the copy; a
+  caller whose later kernels only read the sources, or that reads every copy before it queues a
+  write, passes ``fence=False`` and its kernels run beside the copies. Each tensor gets an event;
   :meth:`StagedCopy.get` waits for that tensor's copy alone, so the host work on the first
   tensors runs while the last ones are still copying.
 * **on the CPU** (or with no CUDA device at all), the same calls make plain copies into the same
@@ -133,10 +135,13 @@ class HostStage:
             s = self._streams[device] = self.ops.new_stream(device)
         return s
 
-    def stage(self, tensors: Sequence[torch.Tensor], *, slot: Hashable = "") -> StagedCopy:
+    def stage(
+        self, tensors: Sequence[torch.Tensor], *, slot: Hashable = "", fence: bool = True
+    ) -> StagedCopy:
         """Start copying ``tensors`` to the host, into this stage's buffers of ``slot`` (one per
         position); returns at once on CUDA, after the copies on the CPU. The values copied are
-        those the tensors hold once the work queued before this call has run. A buffer given
+        those the tensors hold once the work queued before this call has run; with ``fence``
+        the work queued after it waits for the copies (see the module docstring). A buffer given
         out for ``slot`` earlier is overwritten."""
         buffers: list[torch.Tensor] = []
         events: list[Any | None] = []
@@ -165,7 +170,7 @@ class HostStage:
             buffers.append(buf)
             events.append(ev)
             fences[src.device] = ev
-        for device, ev in fences.items():
+        for device, ev in fences.items() if fence else ():
             # later kernels on the compute stream (one that overwrites a source) wait for the
             # copies on the GPU; the training thread does not
             ops.current_stream(device).wait_event(ev)
