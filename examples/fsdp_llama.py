@@ -94,6 +94,11 @@ def main() -> None:
         help="between islands: auto is NCCL for CUDA state; gloo where islands share one GPU "
         "(NCCL refuses two ranks of a group on one device)",
     )  # fmt: skip
+    ap.add_argument(
+        "--outer-state-device", choices=("auto", "cpu", "same"), default="auto",
+        help="DiLoCo's theta and momentum in host memory (cpu) or beside the model (same); "
+        "auto: cpu, or same with --backend nccl",
+    )  # fmt: skip
     ap.add_argument("--checkpoint-dir", default=None, help="checkpoints (every rank its shards)")
     ap.add_argument("--checkpoint-every", type=int, default=1, help="rounds between checkpoints")
     ap.add_argument("--resume", default=None, help="start from the latest checkpoint here")
@@ -124,7 +129,12 @@ def main() -> None:
         )
         session = isthmus.Session(config)
     strategy = isthmus.DiLoCo(
-        session, model, inner, isthmus.DiLoCoConfig(sync_every=args.sync_every)
+        session,
+        model,
+        inner,
+        isthmus.DiLoCoConfig(
+            sync_every=args.sync_every, outer_state_device=args.outer_state_device
+        ),
     )
     if strategy.resumed_from is not None:
         print(f"rank {rank}: resumed from revision {strategy.resumed_from}", flush=True)

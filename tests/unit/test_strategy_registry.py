@@ -100,7 +100,7 @@ def test_options_are_validated_without_a_model() -> None:
     # LocalSGD is DiLoCo with the outer step fixed to plain averaging: those are not options
     with pytest.raises(
         ValueError,
-        match=r"unknown option 'outer_lr' for localsgd; valid: sync_every, inner_budget, phase_seconds$",
+        match=r"unknown option 'outer_lr' for localsgd; valid: sync_every, inner_budget, phase_seconds, outer_state_device$",
     ):
         STRATEGIES.lookup("localsgd").config({"outer_lr": 0.5})
     with pytest.raises(

@@ -289,8 +289,8 @@ class Session(IslandDispatch, VoteAhead):
     def _backend(self) -> str:
         if self.config.backend != "auto":
             return self.config.backend
-        on_cuda = any(t.is_cuda for _, t in self.state.items())
-        return "nccl" if on_cuda else "gloo"
+        floats = [t for _, t in self.state.items() if t.is_floating_point()]  # NCCL: no host ones
+        return "nccl" if floats and all(t.is_cuda for t in floats) else "gloo"
 
     def _set_group(self, g: Group | None) -> None:
         old = self._group

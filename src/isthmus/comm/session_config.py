@@ -78,7 +78,8 @@ class SessionConfig:
     hostname: str | None = None
     """Address Gloo should bind and advertise (alternative to ``interface``)."""
     backend: str = "auto"
-    """``gloo``, ``nccl``, or ``auto`` (NCCL when the shared state is on CUDA, else Gloo)."""
+    """``gloo``, ``nccl``, or ``auto`` (NCCL when the shared state's floating tensors are all on
+    CUDA, else Gloo: a DiLoCo-family outer state kept on the host goes over Gloo)."""
     connections: int = 1
     """TCP connections per peer pair (Gloo only): each epoch builds this many process groups and
     all-reduce, all-gather and the exchange of the quantized all-reduce split their bytes over

@@ -57,6 +57,7 @@ import torch
 from isthmus.comm.session import Session
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.delayed import DelayedOuter
+from isthmus.strategies.outer_home import OuterDevice, check_outer_device
 from isthmus.strategies.sharded import register_shard
 
 __all__ = ["CO2", "CO2Config"]
@@ -76,6 +77,10 @@ class CO2Config:
     value is 1.0; see the module docstring for this default)."""
     clip: float | None = 1.0
     """Clamp the outer momentum element-wise to [-clip, clip]; None: no clipping."""
+    outer_state_device: OuterDevice = "auto"
+    """Where x_old, the phase's start and the outer momentum live: ``cpu`` (host memory),
+    ``same`` (beside the model) or ``auto`` (``cpu``, or ``same`` when the session's backend is
+    ``nccl``), as DiLoCo's option (:mod:`isthmus.strategies.outer_home`)."""
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -91,6 +96,7 @@ class CO2Config:
             )
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be positive, or None to disable clipping; got {self.clip}")
+        check_outer_device(self.outer_state_device)
 
 
 class CO2(DelayedOuter):

@@ -17,7 +17,8 @@ import torch
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import Reduced
-from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy, load_tensors
+from isthmus.strategies.model_state import SharedBuffers, as_started, load_tensors
+from isthmus.strategies.outer_home import LocalView, OuterHome
 from isthmus.strategies.phased import PhasedStrategy
 from isthmus.strategies.pipeline import Flight, Planned, RoundPipeline, SteadyOverlap
 from isthmus.strategies.sharded import island_snapshot
@@ -68,10 +69,12 @@ class DelayedOuter(PhasedStrategy):
     def setup(self) -> None:
         super().setup()
         self.sync_every = self.config.sync_every
-        self.global_params = [global_copy(p) for p in self.params]
+        # theta, the start and the outer state where the config puts them (host or device)
+        self.home = OuterHome.of(self, self.config.outer_state_device)
+        self.global_params = [self.home.copy(p) for p in self.params]
         # Where this peer's current phase started (local): outer gradients are measured from it.
-        self.start = [global_copy(p) for p in self.params]
-        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self.start = [self.home.copy(p) for p in self.params]
+        self.buffers = SharedBuffers(self.model_state.float_buffers, self.home.buffers_device)
         self._ref: list[torch.Tensor] = []  # the buffers the round in flight is measured from
         self.stale = False  # a retry resynced this peer: its next outer gradient must not count
         self.pipeline = RoundPipeline(self.session, self.reducer, lambda: self.step_count)
@@ -96,21 +99,30 @@ class DelayedOuter(PhasedStrategy):
         self.stale = True
         self._issue(self._phase_delta())
 
-    def _phase_delta(self) -> list[torch.Tensor]:
-        return [as_started(s, p) - p.detach() for s, p in zip(self.start, self.params, strict=True)]
+    def _phase_delta(self, local: LocalView | None = None) -> list[torch.Tensor]:
+        """``start - local`` where the outer state lives (``local``: the local parameters as
+        fetched there, :meth:`OuterHome.fetch`; fetched now by default)."""
+        local = local or self.home.fetch(self.params)
+        return [as_started(s, local[i]) - local[i] for i, s in enumerate(self.start)]
 
     def boundary(self) -> None:
-        delta = self._phase_delta()
+        # The host copies of the local parameters start first (on CUDA on a side stream, the
+        # training thread returning at once) and are read once the round in flight is settled:
+        # the copies run while this thread waits for that round. Neither the settle nor the
+        # outer step it applies writes the local parameters or the start they are measured from.
+        local = self.home.fetch(self.params)
         target = self.step_count
         if self.pipeline.in_flight:
             self._settle(target)
         else:
             self.global_step.fill_(target)
             self.since = 0
+        delta = self._phase_delta(local)
         self.remeasure(delta)
         self._issue(delta)
 
     def _settle(self, target: int, *, final: bool = False) -> None:
+        self.home.settle()  # theta is written on the host below (the result, a repair)
         s = self.pipeline.settle()
         self.apply_outer(s.result)
         if s.result is not None and s.result.exact is not None and self.buffers:
@@ -130,6 +142,7 @@ class DelayedOuter(PhasedStrategy):
         self.since = 0
 
     def _issue(self, delta: list[torch.Tensor]) -> None:
+        self.home.settle()  # the round's begin may repair theta on the host
         stale = self.stale
         h = self.sync_every
         buffers = self.buffers
@@ -161,10 +174,11 @@ class DelayedOuter(PhasedStrategy):
         # peer's next start either: restart from the shared state instead.
         contributed = flight.plan.contribute
         own = delta if contributed and delta and all(map(all_finite, delta)) else None
+        self.home.settle()  # the start is written on the host below
         with torch.no_grad():
             self.restart(own, max(1, contributors))
             for p, s in zip(self.params, self.start, strict=True):
-                p.copy_(s)
+                self.home.load(p, s)
         if contributed:
             self._ref = list(snap)
         else:
@@ -186,10 +200,11 @@ class DelayedOuter(PhasedStrategy):
             # last round; one resynced by the settle above takes part without contributing.
             self._issue(delta)
             self._settle(target, final=True)
+        self.home.settle()
         with torch.no_grad():
             for p, s, g in zip(self.params, self.start, self.global_params, strict=True):
                 s.copy_(g)
-                p.copy_(g)
+                self.home.load(p, g)
         self.buffers.restart()
         self.global_step.fill_(target)
         self.since = 0

@@ -59,7 +59,8 @@ from isthmus.comm.session import Round
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import outer_sgd, register_optimizer
-from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
+from isthmus.strategies.model_state import SharedBuffers, as_started
+from isthmus.strategies.outer_home import OuterDevice, OuterHome, check_outer_device
 from isthmus.strategies.phased import PhasedStrategy
 from isthmus.strategies.sharded import island_snapshot, island_vote, start_reduction
 
@@ -86,6 +87,13 @@ class DiLoCoConfig:
     phase_seconds: float = 0.0
     """With ``inner_budget="time"``: the phase's length in seconds (0: as long as the fastest
     peer of the last round takes for H steps)."""
+    outer_state_device: OuterDevice = "auto"
+    """Where the outer state (theta, the outer momentum, the buffers' global copy) lives:
+    ``cpu``, in host memory (a CUDA model's devices then hold only its shards and the inner
+    optimizer; the outer gradient is taken and reduced from pinned host copies, over Gloo);
+    ``same``, beside the model on its device (for NCCL across islands); ``auto``: ``cpu``,
+    or ``same`` when the session's backend is ``nccl``. The same bits on a CPU model
+    (:mod:`isthmus.strategies.outer_home`)."""
     time_budget: ClassVar[bool] = True
     """Whether the strategy implements ``inner_budget="time"`` (a subclass that does not sets
     False, so that the option is refused rather than ignored)."""
@@ -105,6 +113,7 @@ class DiLoCoConfig:
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        check_outer_device(self.outer_state_device)
 
 
 class DiLoCo(PhasedStrategy):
@@ -118,9 +127,10 @@ class DiLoCo(PhasedStrategy):
     def setup(self) -> None:
         super().setup()
         cfg = self.config
-        self.global_params = [global_copy(p) for p in self.params]
+        self.home = OuterHome.of(self, cfg.outer_state_device)
+        self.global_params = [self.home.copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
-        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self.buffers = SharedBuffers(self.model_state.float_buffers, self.home.buffers_device)
         self.phase_tokens = 0.0
         self.phase_steps: list[int] = []
         """This peer's inner steps in each phase it synced (the last 1,000)."""
@@ -143,6 +153,10 @@ class DiLoCo(PhasedStrategy):
         self._phase_start = time.monotonic()
 
     def inner_step(self, tokens: float = 1.0) -> bool:
+        # the copies of theta into the model (issued by the last round) are done before the
+        # training thread goes on: nothing may write host theta under them (an undone round's
+        # restore, a repair) between rounds
+        self.home.settle()
         self.optimizer.step()
         self.phase_tokens += tokens
         return True
@@ -173,11 +187,10 @@ class DiLoCo(PhasedStrategy):
 
     def outer_gradient(self) -> list[torch.Tensor]:
         """delta = theta_global - theta_local, per parameter (fresh tensors, in theta's dtype;
-        measured from theta as the model received it, see the module docstring)."""
-        return [
-            as_started(g, p) - p.detach()
-            for g, p in zip(self.global_params, self.params, strict=True)
-        ]
+        measured from theta as the model received it, see the module docstring), where the
+        outer state lives (from host copies of the local parameters with ``cpu``)."""
+        local = self.home.fetch(self.params)
+        return [as_started(g, local[i]) - local[i] for i, g in enumerate(self.global_params)]
 
     def sync(self, *, catch_up: bool = False) -> None:
         """One outer round: average the outer gradients (and the floating buffers, with the
@@ -185,8 +198,11 @@ class DiLoCo(PhasedStrategy):
         nothing: this peer has no work yet, and its parameters may not have started from theta
         (a peer resumed without its local state); at the start of a run nobody contributes, which
         leaves theta as a zero outer gradient would."""
+        self.home.settle()  # the round may write theta on the host (its result, a repair)
         snap = island_snapshot(self.session, self.buffers.snapshot())
-        steps = torch.tensor([float(self.since)])
+        # beside the outer state (the buffers' snapshot is there: one device for the cat)
+        where = self.global_params[0].device if self.global_params else None
+        steps = torch.tensor([float(self.since)], device=where)
         if self.buffers:
             steps = torch.cat([steps, self.buffers.flat(snap)])
         if not catch_up:
@@ -248,7 +264,8 @@ class DiLoCo(PhasedStrategy):
         rank: on an island, the leaders gather theirs in the group all islands' rank 0 share
         (their primary group: it always holds the tuple of owners ``(0, ..., 0)``) and tell
         their followers, so that the island's phases end on its leader's clock."""
-        device = self.params[0].device if self.params else torch.device("cpu")
+        # where the round's reductions are: the outer state's device
+        device = self.global_params[0].device if self.global_params else torch.device("cpu")
         island = getattr(self.session, "island", None)
         if island is None:
             return rnd.group.all_gather_flat(mine.to(device)).cpu()
@@ -296,9 +313,8 @@ class DiLoCo(PhasedStrategy):
             self.global_step += round(float(result.exact[0]))
             if self.buffers:
                 self.buffers.land(result.exact[1:])
-        with torch.no_grad():
-            for p, g in zip(self.params, self.global_params, strict=True):
-                p.copy_(g)
+        for p, g in zip(self.params, self.global_params, strict=True):
+            self.home.load(p, g)
         self.buffers.restart()
         self.since = 0
         self.outer_rounds += 1

@@ -39,11 +39,22 @@ def outer_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
-def global_copy(t: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous copy of ``t`` in :func:`outer_dtype` (the same bits for fp32)."""
-    return torch.empty_like(t, dtype=outer_dtype(t), memory_format=torch.contiguous_format).copy_(
-        t.detach()
-    )
+def global_copy(
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    pin: bool = False,
+) -> torch.Tensor:
+    """A fresh contiguous copy of ``t`` in ``dtype`` (default :func:`outer_dtype`: the same
+    bits for fp32) on ``device`` (default ``t``'s); in pinned host memory with ``pin`` (which
+    needs CUDA: asked for only where the model is on a CUDA device)."""
+    dtype = dtype or outer_dtype(t)
+    if device is None and not pin:
+        out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+    else:
+        out = torch.empty(t.shape, dtype=dtype, device=device or t.device, pin_memory=pin)
+    return out.copy_(t.detach())
 
 
 def as_started(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -142,10 +153,13 @@ class SharedBuffers:
     move the buffers' average, and fp64 buffers are averaged in fp32.
     """
 
-    def __init__(self, named: Named) -> None:
+    def __init__(self, named: Named, device: torch.device | str | None = None) -> None:
+        """``device``: where the global copy and the snapshots live (default: beside each
+        buffer; ``"cpu"`` for an outer state kept on the host)."""
         self.names = [n for n, _ in named]
         self.local = [b for _, b in named]
-        self.globals = [global_copy(b) for b in self.local]
+        self.device = None if device is None else torch.device(device)
+        self.globals = [global_copy(b, device=self.device) for b in self.local]
         self.numel = sum(b.numel() for b in self.local)
 
     def __bool__(self) -> bool:
@@ -153,7 +167,7 @@ class SharedBuffers:
 
     def snapshot(self) -> list[torch.Tensor]:
         """Fresh copies of the model's buffers, in the global copy's dtypes."""
-        return [global_copy(b) for b in self.local]
+        return [global_copy(b, device=self.device) for b in self.local]
 
     def shared(self) -> list[torch.Tensor]:
         """Fresh copies of the global copy."""
@@ -197,10 +211,11 @@ class SharedBuffers:
             for b, g, r in zip(self.local, self.globals, ref, strict=True):
                 if torch.equal(g, r):
                     continue
-                if torch.equal(b.to(r.dtype), r):
+                # (.to is a no-op where the buffer and the copy share a device)
+                if torch.equal(b.to(r.device, r.dtype), r):
                     b.copy_(g)
                 else:
-                    b.add_(g - r)
+                    b.add_((g - r).to(b.device))
 
 
 def blob(obj: Any) -> bytes:

@@ -76,7 +76,8 @@ import torch
 from isthmus.comm.session import Round
 from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.diloco import DiLoCoConfig
-from isthmus.strategies.model_state import SharedBuffers, as_started, global_copy
+from isthmus.strategies.model_state import SharedBuffers, as_started
+from isthmus.strategies.outer_home import OuterHome
 from isthmus.strategies.phased import PhasedStrategy
 from isthmus.strategies.pipeline import Planned, RoundPipeline, SteadyOverlap
 from isthmus.strategies.sharded import island_snapshot
@@ -183,9 +184,10 @@ class StreamingDiLoCo(PhasedStrategy):
             sizes=[p.numel() if x is None else x.numel_full
                    for p, x in zip(self.params, self.placements, strict=True)],
         )  # fmt: skip
-        self.global_params = [global_copy(p) for p in self.params]
+        self.home = OuterHome.of(self, cfg.outer_state_device)
+        self.global_params = [self.home.copy(p) for p in self.params]
         self.outer = outer_sgd(self.global_params, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
-        self.buffers = SharedBuffers(self.model_state.float_buffers)
+        self.buffers = SharedBuffers(self.model_state.float_buffers, self.home.buffers_device)
         # (step, fragment) of every applied round, in order: the schedule as it happened
         self.sync_log: list[tuple[int, int]] = []
         self.pipeline = RoundPipeline(session, self.reducer, lambda: self.step_count)
@@ -233,11 +235,16 @@ class StreamingDiLoCo(PhasedStrategy):
                 self._settle()
 
     def _issue(self, apply_step: int, *, catch_up: bool = False) -> None:
+        self.home.settle()  # the round's begin may repair theta on the host
+
         # a catch-up round contributes nothing (see DiLoCo.sync)
         def build(rnd: Round | None) -> Planned:
             number = rnd.number if rnd is not None else self.pipeline.next_number()
             frag = fragment_for_round(number, self.config.fragments)
             idx = self.fragments[frag]
+            # the fragment's local parameters where the outer state is (host copies, each
+            # fragment in buffers of its own, read tensor by tensor as their copies land)
+            local = self.home.fetch([self.params[i] for i in idx], slot=f"fragment{frag}")
             base = int(self.global_step)  # read after begin: a joiner's was just received
             snap = island_snapshot(self.session, self.buffers.snapshot())
             ok = (
@@ -247,11 +254,8 @@ class StreamingDiLoCo(PhasedStrategy):
             )
             plan = Planned(
                 items=[
-                    (
-                        self.names[i],
-                        as_started(self.global_params[i], self.params[i]) - self.params[i].detach(),
-                    )
-                    for i in idx
+                    (self.names[i], as_started(self.global_params[i], local[k]) - local[k])
+                    for k, i in enumerate(idx)
                 ],
                 contribute=ok,
                 exact=torch.cat(
@@ -280,6 +284,7 @@ class StreamingDiLoCo(PhasedStrategy):
         self.outer.step()
 
     def _settle(self, final_step: int | None = None) -> None:
+        self.home.settle()  # theta is written on the host below (the result, a repair)
         s = self.pipeline.settle()
         tag: _Sync = s.tag
         idx = self.fragments[tag.fragment]
@@ -301,14 +306,17 @@ class StreamingDiLoCo(PhasedStrategy):
             if s.resynced_at_issue or s.resynced_late:
                 # A joiner or a repaired peer: none of its local parameters can be trusted.
                 for p, g in zip(self.params, self.global_params, strict=True):
-                    p.copy_(g)
+                    self.home.load(p, g)
                 self.buffers.restart()
             elif alpha == 0:
                 for i in idx:
-                    self.params[i].copy_(self.global_params[i])
+                    self.home.load(self.params[i], self.global_params[i])
             else:
                 for i in idx:
-                    self.params[i].mul_(alpha).add_(self.global_params[i], alpha=1 - alpha)
+                    p = self.params[i]
+                    p.mul_(alpha).add_(
+                        self.home.on_model(self.global_params[i], p), alpha=1 - alpha
+                    )
         if not (s.resynced_at_issue or s.resynced_late):
             if tag.ref is None:
                 self.buffers.restart()
@@ -333,9 +341,9 @@ class StreamingDiLoCo(PhasedStrategy):
         for _ in range(todo):
             self._issue(target)
             self._settle(final_step=target)
-        with torch.no_grad():
-            for p, g in zip(self.params, self.global_params, strict=True):
-                p.copy_(g)
+        self.home.settle()
+        for p, g in zip(self.params, self.global_params, strict=True):
+            self.home.load(p, g)
         self.buffers.restart()
 
     # -- local state (checkpoints) ----------------------------------------------------------------
