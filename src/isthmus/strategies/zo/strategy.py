@@ -102,9 +102,12 @@ import torch
 
 from isthmus.comm.session import Round
 from isthmus.strategies.base import Strategy
+from isthmus.strategies.island_messages import IslandGather, island_of
 from isthmus.strategies.model_state import SharedBuffers
+from isthmus.strategies.zo.catch_up import Replayer
 from isthmus.strategies.zo.math import (
     ScalarCodec,
+    Span,
     distinct,
     perturb_,
     perturbation,
@@ -115,10 +118,7 @@ from isthmus.strategies.zo.replay import (
     LoggedRound,
     RoundLog,
     apply_round,
-    decode_rounds,
-    encode_rounds,
     nonzero_estimates,
-    replay_is_cheaper,
 )
 
 __all__ = ["ZO", "ZOConfig"]
@@ -236,11 +236,7 @@ class ZO(Strategy):
     """
 
     name = "zo"
-    islands: ClassVar[str] = (
-        "each perturbation is drawn from one seed over whole tensors and measured by forward "
-        "passes that every rank of an island would have to run together on its perturbed "
-        "shards (not built)"
-    )
+    islands: ClassVar[str] = ""  # shards perturbed by their slices of z, the island's mean loss
     Config = ZOConfig
     config: ZOConfig
     first_round_uses_work = True  # the forward passes run inside the round, on its batch
@@ -255,7 +251,23 @@ class ZO(Strategy):
                 "drop compression= and aggregator= (choose the bits with the bits option)"
             )
         self.codec = self.config.codec()
+        self.island = island_of(self.session)
+        if self.island is not None and self.config.pairing != "none":
+            raise ValueError(
+                "zo on islands: pairing='perturbation' splits a perturbation's two passes "
+                "between two peers, point to point; it is not built for islands: use "
+                "pairing='none'"
+            )
+        # FSDP2 keeps the root's parameters gathered after a forward pass without backward:
+        # every pass must gather the shards as perturbed (or updated) since, so they are let go
+        self.fsdp = [
+            m for m in self.model.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")
+        ]
         self.keep = distinct(self.params)
+        # on a rank of an island each parameter is a shard: z is drawn whole and sliced
+        self.spans: list[Span | None] = [
+            None if x is None else (x.full_shape, x.start, x.stop) for x in self.placements
+        ]
         self._device = self.params[0].device if self.params else torch.device("cpu")
         self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.share_model([p.data for p in self.params], "model", self.buffers)
@@ -280,8 +292,8 @@ class ZO(Strategy):
         self.replay_bytes = 0
         """Bytes of round log this peer received for its replays."""
         self._seconds_per_estimate: float | None = None  # measured while applying rounds
-        if self.session is not None:
-            self.session.state.catch_up = _Replayer(self)
+        if self.session is not None and self.island is None:  # islands resync by transfer
+            self.session.state.catch_up = Replayer(self)
 
     @property
     def payload_bytes(self) -> int:
@@ -315,7 +327,11 @@ class ZO(Strategy):
                         codes = self._codes(loss_fn, rnd.number, rnd.rank)
                     rnd.check_faults("collective", step=self.step_count)
                     # on the parameters' device: NCCL moves only accelerator tensors
-                    flat = rnd.group.all_gather_flat(codec.pack(codes).to(self._device))
+                    mine = codec.pack(codes).to(self._device)
+                    if self.island is not None:  # the island's codes, sent by its leader
+                        flat = IslandGather(self.island, rnd, mine).wait()
+                    else:
+                        flat = rnd.group.all_gather_flat(mine)
                     raw = bytes(flat.to(device="cpu").reshape(-1).tolist())
                     return LoggedRound(rnd.number, rnd.world, raw)
 
@@ -403,16 +419,24 @@ class ZO(Strategy):
         devices = {p.device for p in params}
         codes: list[int] = []
         losses: list[float] = []
+        measured: list[float] = []
         try:
             for k in range(cfg.perturbations):
                 seed = perturbation_seed(cfg.seed, number, rank, k)
                 rng = _rng_state(devices)
-                perturb_(params, keep, seed, cfg.eps)
-                plus = float(loss_fn())
+                perturb_(params, keep, seed, cfg.eps, self.spans)
+                measured.append(self._loss(loss_fn))
                 _set_rng_state(rng)  # the same dropout masks for both passes
-                perturb_(params, keep, seed, -2.0 * cfg.eps)
-                minus = float(loss_fn())
+                perturb_(params, keep, seed, -2.0 * cfg.eps, self.spans)
+                measured.append(self._loss(loss_fn))
                 self._restore(backup)
+            if self.island is not None:
+                # the island's losses: the mean over its ranks' batches (every rank ran the same
+                # passes together), the same bits on every rank, so the codes are the island's
+                mean = self.island.mean([torch.tensor(measured, dtype=torch.float64)])[0]
+                measured = [float(x) for x in mean.tolist()]
+            for k in range(cfg.perturbations):
+                plus, minus = measured[2 * k], measured[2 * k + 1]
                 g = projected_gradient(plus, minus, cfg.eps)
                 code = codec.encode(g)
                 if not math.isfinite(g):
@@ -432,6 +456,11 @@ class ZO(Strategy):
                 b.copy_(saved)
         finite = [x for x in losses if math.isfinite(x)]
         return codes, (sum(finite) / len(finite) if finite else math.nan)
+
+    def _loss(self, loss_fn: LossFn) -> float:
+        for m in self.fsdp:  # the next forward gathers the shards as they are now
+            m.reshard()
+        return float(loss_fn())
 
     def _restore(self, backup: list[torch.Tensor]) -> None:
         for i, saved in zip(self.keep, backup, strict=True):
@@ -458,6 +487,7 @@ class ZO(Strategy):
             seed=cfg.seed,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
+            spans=self.spans,
         )
 
     def seconds_per_estimate(self) -> float:
@@ -489,66 +519,3 @@ class ZO(Strategy):
             "zo_replay_bytes": self.replay_bytes,
             "zo_log_rounds": len(self.log),
         }
-
-
-class _Replayer:
-    """:class:`~isthmus.comm.state.CatchUp` for :class:`ZO`: a stale peer replays the rounds it
-    missed from the source's :class:`~isthmus.strategies.zo.replay.RoundLog` (the choice and the
-    exchange are described in :mod:`isthmus.strategies.zo.replay` and :mod:`isthmus.comm.transfer`).
-    The replay runs on copies of the parameters (one extra copy of the model while catching
-    up); the source waits for the destination's verdict while it replays (a point-to-point wait:
-    the session's ``late_s`` plus the message's bytes at 1 Mbit/s)."""
-
-    _WISH: ClassVar[dict[str, int]] = {"transfer": 0, "replay": 1, "auto": 2}
-
-    def __init__(self, zo: ZO) -> None:
-        self.zo = zo
-        self._covers = frozenset([f"model/{zo.names[i]}" for i in zo.keep] + ["meta/step"])
-
-    def revision(self) -> int:
-        assert self.zo.session is not None
-        return self.zo.session.revision
-
-    def wish(self) -> int:
-        return self._WISH[self.zo.config.catch_up]
-
-    def covers(self) -> frozenset[str]:
-        return self._covers
-
-    def offer(self, since: int, upto: int, transfer_bytes: int, wish: int) -> bytes | None:
-        zo = self.zo
-        rounds = zo.log.span(since, upto)
-        if wish == 0 or rounds is None:
-            return None
-        raw = encode_rounds(rounds)
-        if wish == 2 and not replay_is_cheaper(
-            transfer_bytes=transfer_bytes,
-            log_bytes=len(raw),
-            estimates=nonzero_estimates(rounds, zo.codec, zo.config.perturbations),
-            seconds_per_estimate=zo.seconds_per_estimate(),
-            link_bytes_per_s=zo.config.link_mbps * 1e6 / 8,
-        ):
-            return None
-        return raw
-
-    def replay(self, log: bytes, since: int, upto: int) -> dict[str, torch.Tensor]:
-        zo = self.zo
-        rounds = decode_rounds(log, zo.codec.payload_bytes(zo.config.perturbations))
-        if [r.round for r in rounds] != list(range(since, upto)):
-            raise ValueError(f"the log does not hold exactly rounds {since} to {upto - 1}")
-        copies = [p.detach().clone() for p in zo.params]
-        with torch.no_grad():
-            for entry in rounds:
-                zo._apply_to(copies, entry)
-        out = {f"model/{zo.names[i]}": copies[i] for i in zo.keep}
-        out["meta/step"] = zo.global_step + len(rounds)
-        return out
-
-    def adopt(self, log: bytes) -> None:
-        zo = self.zo
-        rounds = decode_rounds(log, zo.codec.payload_bytes(zo.config.perturbations))
-        for entry in rounds:
-            zo.log.append(entry)
-        zo.replays += 1
-        zo.replayed_rounds += len(rounds)
-        zo.replay_bytes += len(log)

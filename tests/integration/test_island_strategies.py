@@ -1,0 +1,125 @@
+"""SparseLoCo, DeMo and ZO on islands of 2 ranks and 1 (`isthmus run --nproc-per-peer 2,1`,
+FSDP2 on Gloo inside), against two unsharded peers computed in this process (threads over
+in-process Gloo groups, stand-in sessions whose rounds commit).
+
+Each rank of an island draws its island's batch, so an island's mean gradient, loss and buffers
+are exactly one unsharded peer's on that batch. The whole-tensor messages (SparseLoCo's chunked
+top-k with its quantizer over a chunk grid that the shards' bounds cut, DeMo's DCT tile that
+the shards' rows cut in two, ZO's perturbations drawn over whole tensors) are then the unsharded
+peers' bytes, and every rank of both islands ends with the unsharded peers' full state bit for
+bit. One run checks: every rank of every island holds the same full state and island digest;
+that state equals the unsharded peers', every tensor to the bit; the model trained; the
+message has the unsharded size; only each island's leader sends it across islands.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import isthmus
+from isthmus.testing import local_groups, run_parallel
+from support.sessions import CommittedRound, Rounds
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the peers' processes run one thread too
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_strategy_peer.py"
+STEPS = 4
+
+
+def _script() -> Any:
+    spec = importlib.util.spec_from_file_location("island_strategy_peer", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class PipelinedRounds(Rounds):
+    """:class:`Rounds` with the begin/commit pair the round pipeline (SparseLoCo) uses."""
+
+    def begin(self) -> CommittedRound:
+        rnd = CommittedRound(self.group, self.revision)
+
+        def commit(ok: bool = True, error: str = "") -> bool:
+            assert ok, error
+            self.revision += 1
+            for hook in self.hooks:
+                hook(rnd.plan)
+            return True
+
+        rnd.commit = commit  # type: ignore[attr-defined]
+        return rnd
+
+
+def _unsharded(name: str) -> tuple[dict[str, torch.Tensor], int]:
+    """The shared state two unsharded peers end with, peer ``p`` training on batches ``p``,
+    and the size of their message."""
+    script = _script()
+    groups = local_groups(2)
+    models = []
+    for _ in groups:  # built here, one after the other: one global RNG
+        torch.manual_seed(0)
+        models.append(script.Net())
+
+    def peer(g: Any) -> tuple[dict[str, torch.Tensor], int]:
+        model = models[g.rank]
+        session = PipelinedRounds(g)
+        opt = script.optimizer(model)
+        strategy = isthmus.make_strategy(name, session, model, opt, **script.OPTIONS[name])
+        script.train(strategy, model, opt, name, g.rank, STEPS)
+        return session.state.snapshot(), strategy.payload_bytes
+
+    (state, size), (other, _) = run_parallel(groups, peer)
+    for n, t in other.items():
+        assert torch.equal(t, state[n]), n
+    return state, size
+
+
+def _islands(tmp: Path, name: str) -> dict[str, dict[str, Any]]:
+    out, run_dir = tmp / "out", tmp / "run"
+    out.mkdir()
+    p = subprocess.run(
+        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
+         "--run-dir", str(run_dir), "--peers", "2", "--nproc-per-peer", "2,1", str(SCRIPT),
+         "--out", str(out), "--strategy", name, "--steps", str(STEPS)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
+    assert p.returncode == 0, p.stdout + p.stderr + logs
+    return {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
+
+
+@pytest.mark.parametrize("name", ["sparseloco", "decoupled_momentum", "zo"])
+def test_whole_tensor_strategies_on_islands_have_the_unsharded_bits(
+    tmp_path: Path, name: str
+) -> None:
+    recs = _islands(tmp_path, name)
+    assert sorted(recs) == ["0.0", "0.1", "1.0"]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert len({r["digest"] for r in recs.values()}) == 1
+    ref, size = _unsharded(name)
+    full = recs["0.0"]["full"]
+    assert sorted(full) == sorted(ref)
+    for n, t in ref.items():
+        assert full[n].shape == t.shape, n
+        assert torch.equal(full[n], t), f"{n}: {(full[n].double() - t.double()).abs().max()}"
+    prefix = "global" if name == "sparseloco" else "model"
+    for key in ("a.weight", "b.weight", "norm.weight"):  # it trained: equality means something
+        assert not torch.equal(full[f"{prefix}/{key}"], recs["0.0"]["init"][key]), key
+    assert all(r["step"] == STEPS for r in recs.values())
+    key = "zo_payload_bytes" if name == "zo" else "payload_bytes"
+    # the whole tensors' message, whatever the island's size
+    assert {r["metrics"][key] for r in recs.values()} == {size}
+    # the island's message crosses islands once, from its leader
+    assert recs["0.0"]["island_bytes"][0] > 0 and recs["0.1"]["island_bytes"] == [
+        recs["0.0"]["island_bytes"][0],
+        0,
+    ]
+    assert recs["1.0"]["bytes"] > 0
