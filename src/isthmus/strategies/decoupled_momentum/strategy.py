@@ -49,6 +49,15 @@ message and counted once. A **dead peer's residual** (its ``m``, never sent) is 
 absent message, and that step's gradient is dropped. A resynced peer likewise sends nothing and
 keeps its ``m``; a peer whose momentum or buffers are not finite sends nothing (logged).
 
+Islands (:mod:`isthmus.strategies.island_messages`): each rank keeps its shards of the momenta
+and adds its shard of the island's gradient (FSDP2's mean over the island's ranks); the
+island's leader gathers the whole momenta, encodes the message as an unsharded peer would (the
+tiles of whole tensors, which a shard's rows may cut) and gives it to its ranks; the leaders
+all-gather the messages; every rank inverts the summed coefficients of each whole tensor (one at
+a time) and applies, and subtracts from its momenta, the part that falls in its shards. The
+result is an unsharded peer's to the bit, for islands of any sizes. The inverse transform runs
+on every rank over whole tensors: its compute is not divided by the island's size.
+
 Bit parity: every peer applies the same bytes in the same order with the same operations (see
 :mod:`isthmus.strategies.decoupled_momentum.math` on CPU kinds). Refuses ``compression=`` and
 ``aggregator=``.

@@ -72,6 +72,15 @@ Faults, joins and the accumulator (per fragment, each round alike):
 * A peer whose accumulator or buffers are not finite sends an absent message (logged), and its
   accumulator stays as before the round.
 
+**Islands** (:mod:`isthmus.strategies.island_messages`): each rank keeps its shards of the
+accumulators and computes ``e <- beta e + delta`` on them (elementwise); the island's leader
+gathers them into whole tensors, encodes the message exactly as an unsharded peer holding them
+would (the same chunks, the same quantizer statistics over the whole tensor's kept values) and
+gives it to its ranks; the leaders all-gather the messages across islands; every rank sums
+them over its own shards' elements and keeps its part of the residual. The result is an
+unsharded peer's to the bit, for islands of any sizes; the whole accumulators of one fragment
+exist on the leader, once per round (the state stays sharded).
+
 Refuses ``compression=`` and ``aggregator=`` (ValueError): the message is already compressed,
 and robust rules do not apply to sparse sums. Not composed with DiLoCo's time budget
 (``inner_budget="time"`` is refused) or its token weighting (``step(tokens=n)`` is accepted,

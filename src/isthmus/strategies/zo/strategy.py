@@ -62,6 +62,18 @@ Fine-tuning LLMs with Distributed Parallel Computing"): with
 :attr:`ZOConfig.pairing`): a step takes one forward pass per perturbation per peer instead of
 two, and the run makes ``ceil(world / 2)`` estimates per step instead of ``world``.
 
+Islands: every rank perturbs its shards with their slices of each whole ``z`` (drawn whole
+from the seed: the generator cannot skip ahead, so each rank draws the whole tensor once per
+perturbation and keeps its rows), the island's ranks run the forward passes together through
+FSDP2 (resharded before each pass, since FSDP2 keeps the root's parameters gathered after a
+forward pass without backward), and the island's losses are the mean of its ranks' (each on
+its own batch); the codes computed from them are the same on every rank, the leaders
+all-gather them (:mod:`isthmus.strategies.island_messages`) and every rank applies the update
+to its shards. That is an unsharded peer's update to the bit for the same losses (an unsharded
+peer's loss on the island's batches together equals the mean of the ranks' to fp32 rounding).
+``pairing="perturbation"`` is refused on islands (ValueError), and an island is resynced by
+state transfer, never by replay.
+
 Shared state: the model's trainable parameters (``model/<name>``), its frozen parameters and
 integer buffers (``model/<name>``), a copy of its floating buffers (``global/<name>``) and the
 step counter. No optimizer state: the optimizer passed in is not used and gradients are never
@@ -114,6 +126,7 @@ from isthmus.strategies.zo.math import (
     perturbation_seed,
     projected_gradient,
 )
+from isthmus.strategies.zo.pairs import paired_codes
 from isthmus.strategies.zo.replay import (
     LoggedRound,
     RoundLog,
@@ -122,8 +135,6 @@ from isthmus.strategies.zo.replay import (
 )
 
 __all__ = ["ZO", "ZOConfig"]
-
-_PAIR_TAG = 7000  # the point-to-point message of a pair (apart from catch-up transfers' tags)
 
 log = logging.getLogger("isthmus.zo")
 
@@ -319,7 +330,7 @@ class ZO(Strategy):
 
                 def exchange(rnd: Round) -> LoggedRound:
                     if self.config.pairing == "perturbation" and rnd.world > 1:
-                        codes = self._paired_codes(loss_fn, rnd)
+                        codes = paired_codes(self, loss_fn, rnd)
                     elif rnd.resynced:
                         codes = [codec.absent] * per
                         self.last_loss = math.nan
@@ -341,63 +352,6 @@ class ZO(Strategy):
         self._cache = None
         self.global_step += 1
         self.local_steps += 1
-
-    def _paired_codes(self, loss_fn: LossFn, rnd: Round) -> list[int]:
-        """Perturbation parallelism (DistZO2): this member's half of its pair's estimates, the
-        pair's codes from the lead (the even rank), absent codes from its partner. A partner
-        lost mid-exchange raises CollectiveError: the round aborts and is retried."""
-        cfg, codec, per = self.config, self.codec, self.config.perturbations
-        rank, world = rnd.rank, rnd.world
-        shards, shard, partner = (world + 1) // 2, rank // 2, rank ^ 1
-        plan = rnd.plan
-        resynced = {r for r, pid in enumerate(plan.members) if pid in plan.resynced}
-        if partner >= world:  # the odd one out runs both passes alone
-            if rank in resynced:
-                self.last_loss = math.nan
-                return [codec.absent] * per
-            return self._codes(lambda: loss_fn(shard, shards), rnd.number, rank)  # type: ignore[call-arg]
-        self.last_loss = math.nan
-        if rank in resynced or partner in resynced:
-            return [codec.absent] * per  # both members know: neither runs a pass
-        lead = rank - rank % 2
-        sign = 1.0 if rank == lead else -1.0
-        mine = torch.tensor(
-            self._half(loss_fn, rnd.number, lead, sign, shard, shards),
-            dtype=torch.float32,
-            device=self._device,
-        )
-        self.last_loss = float(mine.mean())
-        if rank != lead:
-            rnd.group.send(mine, lead, _PAIR_TAG)
-            return [codec.absent] * per
-        theirs = torch.empty_like(mine)
-        rnd.group.recv(theirs, partner, _PAIR_TAG)
-        self.last_loss = float((mine.mean() + theirs.mean()) / 2)
-        return [
-            codec.encode(projected_gradient(float(a), float(b), cfg.eps))
-            for a, b in zip(mine, theirs, strict=True)
-        ]
-
-    def _half(
-        self, loss_fn: LossFn, number: int, lead: int, sign: float, shard: int, shards: int
-    ) -> list[float]:
-        """The losses at ``theta + sign * eps * z_k`` for the pair's perturbations (seeded by
-        the lead's rank) on the pair's data shard; parameters and buffers restored after."""
-        cfg, params, keep = self.config, self.params, self.keep
-        backup = [params[i].detach().clone() for i in keep]
-        others = [b.detach().clone() for _, b in self.model_state.other_buffers]
-        out: list[float] = []
-        try:
-            for k in range(cfg.perturbations):
-                perturb_(params, keep, perturbation_seed(cfg.seed, number, lead, k), sign * cfg.eps)
-                out.append(float(loss_fn(shard, shards)))  # type: ignore[call-arg]
-                self._restore(backup)
-        finally:
-            self._restore(backup)
-            self.buffers.restart()
-            for (_, b), saved in zip(self.model_state.other_buffers, others, strict=True):
-                b.copy_(saved)
-        return out
 
     def _codes(self, loss_fn: LossFn, number: int, rank: int) -> list[int]:
         """This member's codes for round ``number`` at ``rank`` (computed once per pair)."""
