@@ -10,11 +10,15 @@ peers' bytes, and every rank of both islands ends with the unsharded peers' full
 bit. One run checks: every rank of every island holds the same full state and island digest;
 that state equals the unsharded peers', every tensor to the bit; the model trained; the
 message has the unsharded size; only each island's leader sends it across islands.
+
+Slow (``make test-slow``): a follower of an island killed while its leader's exchange is in
+flight; the island leaves, restarts and rejoins, and every rank ends on one state.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +127,33 @@ def test_whole_tensor_strategies_on_islands_have_the_unsharded_bits(
         0,
     ]
     assert recs["1.0"]["bytes"] > 0
+
+
+# the failure of an island is covered for every strategy by test_islands (DiLoCo); this adds
+# the leaders' exchange of a whole-tensor message aborted on both islands
+@pytest.mark.slow
+def test_sparseloco_island_with_a_follower_killed_in_the_exchange_rejoins(tmp_path: Path) -> None:
+    """Rank 1 of island 1 (a follower, which sends nothing across islands) SIGKILLs itself
+    while its leader's all-gather of the island's message is in flight: its island leaves, the
+    other island's leader sees its exchange fail and tells its follower, both abort and retry
+    the round alone, island 1 restarts, rejoins, and every rank ends on one state."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    p = subprocess.run(
+        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
+         "--run-dir", str(run_dir), "--summary-json", str(tmp_path / "s.json"), "--peers", "2",
+         "--nproc-per-peer", "2", "--max-restarts", "1", str(SCRIPT), "--out", str(out),
+         "--strategy", "sparseloco", "--steps", "16", "--delay", "0.3",
+         "--fault", "kill@collective:step=5", "--fault-rank", "peer1.1"],
+        capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
+    assert p.returncode == 0, p.stdout + p.stderr + logs
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["restarts"] == 1 and summary["rounds_aborted"] >= 1, summary
+    assert summary["peers_final"] == 2 and summary["parity_failures"] == 0, summary
+    recs = {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
+    assert sorted(recs) == ["0.0", "0.1", "1.0", "1.1"]
+    assert len({r["full_digest"] for r in recs.values()}) == 1
+    assert len({r["digest"] for r in recs.values()}) == 1
+    assert all(r["step"] == 16 for r in recs.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ def train(
     name: str,
     peer: int,
     steps: int,
+    delay: float = 0.0,
 ) -> None:
     """The training loop of peer ``peer`` (every rank of it draws the same batch), finished."""
     w = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
@@ -69,11 +71,12 @@ def train(
         x = torch.randn(8, 6, generator=gen)
         if name == "zo":
             strategy.step(lambda x=x: torch.nn.functional.mse_loss(model(x), x @ w))
-            continue
-        loss = torch.nn.functional.mse_loss(model(x), x @ w)
-        loss.backward()
-        strategy.step()
-        opt.zero_grad()
+        else:
+            loss = torch.nn.functional.mse_loss(model(x), x @ w)
+            loss.backward()
+            strategy.step()
+            opt.zero_grad()
+        time.sleep(delay)
     strategy.finish()
 
 
@@ -87,6 +90,9 @@ def main() -> None:
     ap.add_argument("--strategy", choices=sorted(OPTIONS), required=True)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fault", default=None, help="a fault spec fired by --fault-rank")
+    ap.add_argument("--fault-rank", default="peer1.1", help="NAME.RANK (first incarnation)")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds per step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:  # started as an island (of any size) by isthmus run
@@ -102,11 +108,13 @@ def main() -> None:
         fully_shard(model.b)
         fully_shard(model)
     config = isthmus.SessionConfig.from_env(collective_timeout=30.0, round_timeout=120.0)
-    session = isthmus.Session(config)
+    mine = args.fault and f"{config.name}.{rank}" == args.fault_rank
+    faults = isthmus.FaultInjector([isthmus.Fault.parse(args.fault)] if mine else [])
+    session = isthmus.Session(config, faults=faults)
     opt = optimizer(model)
     strategy = isthmus.make_strategy(args.strategy, session, model, opt, **OPTIONS[args.strategy])
     peer = int(os.environ["ISTHMUS_PEER"])
-    train(strategy, model, opt, args.strategy, peer, args.steps)
+    train(strategy, model, opt, args.strategy, peer, args.steps, args.delay)
     state = session.state
     full = state.gathered() if hasattr(state, "gathered") else state.snapshot()
     h = xxhash.xxh3_64()
