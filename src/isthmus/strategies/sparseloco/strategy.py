@@ -299,7 +299,10 @@ class SparseRound:
 
     def start(self, rnd: Round, contribute: bool) -> PendingMean:
         """All-gather this attempt's message (from the training thread, so every member issues
-        its collectives in one order); decoding and summing run on the reducer's worker."""
+        its collectives in one order); decoding and summing run on the reducer's worker. On a
+        rank of an island the leader's all-gather runs in the background, and the handing of its
+        result to the island's ranks, the decoding and the sum run when the round is waited for,
+        on the training thread (the island's collectives keep one order on every rank)."""
         world = rnd.world
         group = self.group
         if group.island is not None:  # the leaders exchange; waited for on the training thread
