@@ -117,6 +117,15 @@ class Island:
             out.append(whole)
         return out
 
+    def all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (a CPU tensor of the same size and dtype on every rank), in rank
+        order, on every rank."""
+        if self.size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.control)
+        return out
+
     def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a CPU tensor of the same size and dtype on every rank) overwritten in place
         with the leader's values, and returned."""

@@ -11,16 +11,18 @@ the state, so an island builds it the way an unsharded peer does and exchanges i
 2. the leader encodes the message, as an unsharded peer holding those whole tensors would, and
    :func:`leader_message` gives its bytes to every rank, so the island's ranks hold one message
    whatever their arithmetic (nothing is computed twice and compared);
-3. the leaders all-gather the islands' messages in the group every island's rank 0 shares
-   (their primary group: it holds the tuple of owners ``(0, ..., 0)`` whatever the islands'
-   sizes), and :class:`IslandGather` hands the result to the followers; a failed collective
-   fails the round on every rank of the island alike;
+3. :class:`IslandGather` exchanges the messages across islands: with islands of one size,
+   rank ``i`` of every island all-gathers the ``i``-th run of the message's bytes, so every
+   link of an island carries a part, and the ranks share their parts inside the island; with
+   islands of different sizes (whose ranks' groups do not line up) the leaders all-gather whole
+   messages in the group every island's rank 0 shares (their primary group: it holds the tuple
+   of owners ``(0, ..., 0)`` whatever the sizes) and hand the result to their ranks. A failed
+   collective fails the round on every rank of the island alike;
 4. every rank decodes the messages and applies the part of the result that falls in its own
    shards (:func:`windows`).
 
-The cross-island bytes are the message's alone, sent by each island's leader: the followers'
-links carry nothing in these rounds. With one message per island that is what an unsharded peer
-sends; cutting it across the island's ranks would save no bytes, only spread them.
+The cross-island bytes are the message's alone, what an unsharded peer sends: spread over the
+island's ranks with equal sizes, all on the leader's link with different sizes.
 """
 
 from __future__ import annotations
@@ -72,34 +74,71 @@ def leader_message(island: Any, message: torch.Tensor | None, size: int) -> torc
 
 
 class IslandGather:
-    """One round's all-gather of fixed-size messages by the island's leader, and its result on
-    every rank of the island. Built on every rank at the same point (the leader issues its
-    collective here, from the training thread); :meth:`wait` (every rank, at the same point)
-    returns the messages in member order, ``[world, size]``, or raises
-    :class:`~isthmus.comm.group.CollectiveError` on every rank when the leader's collective
-    failed (at issue or later), so the island fails the round as one."""
+    """One round's all-gather of fixed-size messages across islands, and its result on every
+    rank of the island. Built on every rank at the same point (the collectives are issued here,
+    from the training thread); :meth:`wait` (every rank, at the same point) returns the
+    messages in member order, ``[world, size]``, or raises
+    :class:`~isthmus.comm.group.CollectiveError` on every rank when any rank's collective
+    failed (at issue or later), so that the island fails the round as one.
+
+    With islands of one size, the message is cut into one contiguous run of bytes per local
+    rank and rank ``i`` all-gathers run ``i`` with rank ``i`` of the other islands, so all of
+    an island's links carry a part; the ranks then share their parts inside the island. With
+    islands of different sizes the runs would not line up, so the leaders all-gather whole
+    messages in the group every island's rank 0 shares and hand the result to their ranks."""
 
     def __init__(self, island: Any, rnd: Any, mine: torch.Tensor) -> None:
         self.island, self.world = island, rnd.world
         self.handle: Any = None
         self.error = ""
-        if island.leader:
+        self.size = mine.numel()
+        self.split = island.size > 1 and not getattr(rnd, "pieces", None)
+        send: torch.Tensor | None = mine
+        if self.split:
+            self.run = -(-self.size // island.size)  # bytes per rank (the last run shorter)
+            a, b = self.span(island.rank)
+            send = torch.zeros(self.run, dtype=mine.dtype, device=mine.device)
+            send[: b - a] = mine.reshape(-1)[a:b]
+        elif not island.leader:
+            send = None
+        if send is not None:
             try:
-                self.handle = rnd.group.all_gather_flat(mine, async_op=True)
-            except CollectiveError as e:  # told to the followers in wait(), not raised here
+                self.handle = rnd.group.all_gather_flat(send, async_op=True)
+            except CollectiveError as e:  # told to the island in wait(), not raised here
                 self.error = str(e)
 
+    def span(self, rank: int) -> tuple[int, int]:
+        """The bytes ``[a, b)`` of the message local rank ``rank`` exchanges (split mode)."""
+        a = min(rank * self.run, self.size)
+        return a, min(a + self.run, self.size)
+
+    def _mine(self) -> torch.Tensor | None:
+        if self.handle is None or self.error:
+            return None
+        try:
+            return self.handle.wait().cpu()  # type: ignore[no-any-return]
+        except CollectiveError as e:
+            self.error = str(e)
+            return None
+
     def wait(self) -> torch.Tensor:
-        if self.island.leader:
-            flat: torch.Tensor | None = None
-            if not self.error:
-                try:
-                    flat = self.handle.wait().cpu()
-                except CollectiveError as e:
-                    self.error = str(e)
-            self.island.broadcast(("error", self.error) if self.error else ("ok", flat))
+        island = self.island
+        flat = self._mine()
+        if self.split:
+            errors = [e for e in island.gather(self.error) if e]  # one verdict for the island
+            if errors:
+                raise CollectiveError(f"the island's exchange failed: {'; '.join(errors)}")
+            assert flat is not None
+            parts = island.all_gather_tensor(flat.view(self.world, self.run))
+            out = torch.empty(self.world, self.size, dtype=flat.dtype)
+            for r, part in enumerate(parts):
+                a, b = self.span(r)
+                out[:, a:b] = part[:, : b - a]
+            return out
+        if island.leader:
+            island.broadcast(("error", self.error) if self.error else ("ok", flat))
         else:
-            kind, payload = self.island.broadcast()
+            kind, payload = island.broadcast()
             if kind == "error":
                 self.error = str(payload)
             else:
