@@ -96,10 +96,10 @@ class Island:
         buf[: flat.numel()] = flat
         leader = self.rank == 0
         bufs = [torch.empty_like(buf) for _ in range(self.size)] if leader else None
-        if self.size > 1:
+        if self.size > 1 and longest:  # (nothing to gather when every tensor is held whole)
             dist.gather(buf, bufs, group=self.control, group_dst=0)
-        else:
-            bufs = [buf]
+        elif leader:
+            bufs = [buf] * self.size
         if not leader:
             return None
         assert bufs is not None
