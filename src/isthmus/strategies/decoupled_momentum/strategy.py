@@ -52,8 +52,9 @@ keeps its ``m``; a peer whose momentum or buffers are not finite sends nothing (
 Islands (:mod:`isthmus.strategies.island_messages`): each rank keeps its shards of the momenta
 and adds its shard of the island's gradient (FSDP2's mean over the island's ranks); the
 island's leader gathers the whole momenta, encodes the message as an unsharded peer would (the
-tiles of whole tensors, which a shard's rows may cut) and gives it to its ranks; the leaders
-all-gather the messages; every rank inverts the summed coefficients of each whole tensor (one at
+tiles of whole tensors, which a shard's rows may cut) and gives it to its ranks; the islands
+all-gather their messages (cut across the ranks between islands of one size, through the
+leaders otherwise); every rank inverts the summed coefficients of each whole tensor (one at
 a time) and applies, and subtracts from its momenta, the part that falls in its shards. The
 result is an unsharded peer's to the bit, for islands of any sizes. The inverse transform runs
 on every rank over whole tensors: its compute is not divided by the island's size.

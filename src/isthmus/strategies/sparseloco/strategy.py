@@ -76,7 +76,8 @@ Faults, joins and the accumulator (per fragment, each round alike):
 accumulators and computes ``e <- beta e + delta`` on them (elementwise); the island's leader
 gathers them into whole tensors, encodes the message exactly as an unsharded peer holding them
 would (the same chunks, the same quantizer statistics over the whole tensor's kept values) and
-gives it to its ranks; the leaders all-gather the messages across islands; every rank sums
+gives it to its ranks; the islands all-gather their messages (cut across the ranks between
+islands of one size, through the leaders otherwise); every rank sums
 them over its own shards' elements and keeps its part of the residual. The result is an
 unsharded peer's to the bit, for islands of any sizes; the whole accumulators of one fragment
 exist on the leader, once per round (the state stays sharded).
@@ -183,9 +184,9 @@ def gather_messages(
     same size). A failed collective is retried by :meth:`Session.run_round` with the same
     message; nothing is returned before a commit. Without a session the one message is returned.
     On a rank of an island ``message`` is the island's (the same on every rank, see
-    :func:`~isthmus.strategies.island_messages.leader_message`): its leader exchanges it
-    (:class:`~isthmus.strategies.island_messages.IslandGather`) and every rank returns the
-    same messages.
+    :func:`~isthmus.strategies.island_messages.leader_message`): its ranks exchange it
+    together (:class:`~isthmus.strategies.island_messages.IslandGather`) and every rank
+    returns the same messages.
     """
     if session is None:
         return [message if message is not None else absent], message is not None
@@ -197,7 +198,7 @@ def gather_messages(
         mine = absent if message is None or rnd.resynced else message
         used["present"] = mine is message
         rnd.check_faults("collective", step=step())
-        if island is not None:  # the leaders exchange the island's one message
+        if island is not None:  # the island's one message, exchanged by its ranks together
             return list(IslandGather(island, rnd, mine).wait())
         flat = rnd.group.all_gather_flat(mine)
         return list(flat.view(rnd.world, -1))
@@ -300,12 +301,12 @@ class SparseRound:
     def start(self, rnd: Round, contribute: bool) -> PendingMean:
         """All-gather this attempt's message (from the training thread, so every member issues
         its collectives in one order); decoding and summing run on the reducer's worker. On a
-        rank of an island the leader's all-gather runs in the background, and the handing of its
-        result to the island's ranks, the decoding and the sum run when the round is waited for,
+        rank of an island the all-gather across islands runs in the background, and sharing its
+        result inside the island, the decoding and the sum run when the round is waited for,
         on the training thread (the island's collectives keep one order on every rank)."""
         world = rnd.world
         group = self.group
-        if group.island is not None:  # the leaders exchange; waited for on the training thread
+        if group.island is not None:  # waited for on the training thread (see above)
             gathered = IslandGather(group.island, rnd, self._mine(contribute))
             return Later(lambda: group.mean(list(gathered.wait())))  # type: ignore[return-value]
         handle = rnd.group.all_gather_flat(self._mine(contribute), async_op=True)

@@ -67,7 +67,7 @@ from the seed: the generator cannot skip ahead, so each rank draws the whole ten
 perturbation and keeps its rows), the island's ranks run the forward passes together through
 FSDP2 (resharded before each pass, since FSDP2 keeps the root's parameters gathered after a
 forward pass without backward), and the island's losses are the mean of its ranks' (each on
-its own batch); the codes computed from them are the same on every rank, the leaders
+its own batch); the codes computed from them are the same on every rank, the islands
 all-gather them (:mod:`isthmus.strategies.island_messages`) and every rank applies the update
 to its shards. That is an unsharded peer's update to the bit for the same losses (an unsharded
 peer's loss on the island's batches together equals the mean of the ranks' to fp32 rounding).
