@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--fault", default=None, help="a fault spec fired by --fault-rank")
     ap.add_argument("--fault-rank", default="peer1.1", help="NAME.RANK (first incarnation)")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds per step")
+    ap.add_argument("--checkpoint-dir", default=None, help="a checkpoint every round")
+    ap.add_argument("--resume", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:  # started as an island (of any size) by isthmus run
@@ -107,7 +109,13 @@ def main() -> None:
         fully_shard(model.a)
         fully_shard(model.b)
         fully_shard(model)
-    config = isthmus.SessionConfig.from_env(collective_timeout=30.0, round_timeout=120.0)
+    config = isthmus.SessionConfig.from_env(
+        collective_timeout=30.0,
+        round_timeout=120.0,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=1 if args.checkpoint_dir else 0,
+        resume=args.resume,
+    )
     mine = args.fault and f"{config.name}.{rank}" == args.fault_rank
     faults = isthmus.FaultInjector([isthmus.Fault.parse(args.fault)] if mine else [])
     session = isthmus.Session(config, faults=faults)
@@ -133,6 +141,7 @@ def main() -> None:
         "island_bytes": island_bytes,
         "revision": session.revision,
         "step": strategy.step_count,
+        "resumed_from": strategy.resumed_from,
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))},
     }
     torch.save(record, Path(args.out) / f"{peer}.{rank}.pt")
