@@ -13,7 +13,8 @@ message has the unsharded size; it crosses islands cut across the ranks of islan
 size, through the leaders between islands of different sizes.
 
 Slow (``make test-slow``): a follower of an island killed while its part of the exchange is in
-flight; both islands abort, the island restarts and rejoins, and every rank ends on one state.
+flight (both islands abort, the island restarts and rejoins, every rank ends on one state); a
+SparseLoCo checkpoint of 2 x 2 islands resumed on islands of 2 ranks and 1.
 """
 
 from __future__ import annotations
@@ -87,13 +88,15 @@ def _unsharded(name: str) -> tuple[dict[str, torch.Tensor], int]:
     return state, size
 
 
-def _islands(tmp: Path, name: str, sizes: str) -> dict[str, dict[str, Any]]:
+def _islands(
+    tmp: Path, name: str, sizes: str, *extra: str, steps: int = STEPS
+) -> dict[str, dict[str, Any]]:
     out, run_dir = tmp / "out", tmp / "run"
-    out.mkdir()
+    out.mkdir(parents=True)
     p = subprocess.run(
         [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
          "--run-dir", str(run_dir), "--peers", "2", "--nproc-per-peer", sizes, str(SCRIPT),
-         "--out", str(out), "--strategy", name, "--steps", str(STEPS)],
+         "--out", str(out), "--strategy", name, "--steps", str(steps), *extra],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
@@ -162,3 +165,20 @@ def test_sparseloco_island_with_a_rank_killed_in_the_exchange_rejoins(tmp_path: 
     assert len({r["full_digest"] for r in recs.values()}) == 1
     assert len({r["digest"] for r in recs.values()}) == 1
     assert all(r["step"] == 16 for r in recs.values())
+
+
+@pytest.mark.slow
+def test_a_sparseloco_island_checkpoint_resumes_on_islands_of_other_sizes(tmp_path: Path) -> None:
+    """2 islands x 2 ranks write a checkpoint every round (each rank its shards, its own
+    accumulators as local state); 2 islands of 2 ranks and 1 resume from it (the shared state
+    by layout, the accumulators afresh on the shapes that changed) and train on to one state."""
+    ck = tmp_path / "ck"
+    first = _islands(tmp_path / "a", "sparseloco", "2", "--checkpoint-dir", str(ck), steps=8)
+    assert len({r["full_digest"] for r in first.values()}) == 1
+    revision = first["0.0"]["revision"]
+    later = _islands(tmp_path / "b", "sparseloco", "2,1", "--resume", str(ck), steps=12)
+    assert sorted(later) == ["0.0", "0.1", "1.0"]
+    assert {r["resumed_from"] for r in later.values()} == {revision}
+    assert len({r["full_digest"] for r in later.values()}) == 1
+    assert len({r["digest"] for r in later.values()}) == 1
+    assert all(r["step"] == 12 and r["revision"] > revision for r in later.values())
