@@ -21,6 +21,9 @@ the state, so an island builds it the way an unsharded peer does and exchanges i
 4. every rank decodes the messages and applies the part of the result that falls in its own
    shards (:func:`windows`).
 
+ZO gathers nothing: its message is a few codes of the island's mean losses, which every rank
+computes alike, so only steps 3 and 4 apply to it.
+
 The cross-island bytes are the message's alone, what an unsharded peer sends: spread over the
 island's ranks with equal sizes, all on the leader's link with different sizes.
 """
