@@ -81,7 +81,7 @@ def test_diloco_on_two_islands_of_two_ranks_one_killed_and_rejoining(tmp_path: P
         # traffic by shard: each rank sent its own part, the island counts them all
         rank = int(key.split(".")[1])
         assert r["bytes"] > 0 and r["island_bytes"][rank] == r["bytes"], r
-        assert "sparseloco cannot run on islands" in r["refusals"]["sparseloco"]
+        assert "gossip cannot run on islands" in r["refusals"]["gossip"]
         assert "needs whole tensors" in r["refusals"]["compressed"]
     # rank 0 of an island also carries the replicated tensors (buffers, counter): more bytes
     assert recs["0.0"]["bytes"] > recs["0.1"]["bytes"]

@@ -5,13 +5,14 @@ an island is :class:`isthmus.comm.island.IslandSession`."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
 
-from isthmus.comm.layout import Placement, hash_hex, layout_hash
+from isthmus.comm.layout import Placement, hash_hex, layout_hash, shard_placement
 from isthmus.comm.state import SharedState
 from isthmus.coordinator.protocol import TensorSpec
 
@@ -65,6 +66,72 @@ class Island:
             out.append(part)
             off += t.numel()
         return out
+
+    def gather_whole(
+        self, shards: Sequence[torch.Tensor], placements: Sequence[Placement | None]
+    ) -> list[torch.Tensor] | None:
+        """The whole tensors of the island's shards, flat fp32 on the CPU, on the leader (None
+        on the other ranks, which send their shards): ``shards[k]`` is this rank's part of
+        tensor ``k`` as ``placements[k]`` says (FSDP2's ``Shard(0)`` split over the island's
+        ranks; None: held whole by every rank, the leader's copy is taken). Every rank calls
+        it at the same point with the same tensors. Raises ValueError for a placement other
+        than this rank's ``Shard(0)`` part."""
+        for k, p in enumerate(placements):
+            if p is not None and p != shard_placement(p.full_shape, self.size, self.rank):
+                raise ValueError(f"tensor {k}: {p} is not rank {self.rank}'s Shard(0) part")
+
+        def part(r: int) -> list[tuple[int, int]]:
+            return [
+                (0, 0) if p is None else
+                ((q := shard_placement(p.full_shape, self.size, r)).start, q.stop)
+                for p in placements
+            ]  # fmt: skip
+
+        spans = [part(r) for r in range(self.size)]
+        longest = max(sum(b - a for a, b in s) for s in spans)
+        mine = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+                for t, p in zip(shards, placements, strict=True) if p is not None]  # fmt: skip
+        buf = torch.zeros(longest, dtype=torch.float32)
+        flat = torch.cat(mine) if mine else buf[:0]
+        buf[: flat.numel()] = flat
+        leader = self.rank == 0
+        bufs = [torch.empty_like(buf) for _ in range(self.size)] if leader else None
+        if self.size > 1 and longest:  # (nothing to gather when every tensor is held whole)
+            dist.gather(buf, bufs, group=self.control, group_dst=0)
+        elif leader:
+            bufs = [buf] * self.size
+        if not leader:
+            return None
+        assert bufs is not None
+        out = []
+        offsets = [0] * self.size
+        for k, (t, p) in enumerate(zip(shards, placements, strict=True)):
+            if p is None:
+                out.append(t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).clone())
+                continue
+            whole = torch.empty(p.numel_full, dtype=torch.float32)
+            for r in range(self.size):
+                a, b = spans[r][k]
+                whole[a:b] = bufs[r][offsets[r] : offsets[r] + b - a]
+                offsets[r] += b - a
+            out.append(whole)
+        return out
+
+    def all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (a CPU tensor of the same size and dtype on every rank), in rank
+        order, on every rank."""
+        if self.size == 1:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t.contiguous(), group=self.control)
+        return out
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a CPU tensor of the same size and dtype on every rank) overwritten in place
+        with the leader's values, and returned."""
+        if self.size > 1:
+            dist.broadcast(t, group=self.control, group_src=0)
+        return t
 
     def sum_int64(self, values: torch.Tensor) -> torch.Tensor:
         """The island's elementwise sum of an int64 tensor (wrapping mod 2**64)."""

@@ -102,8 +102,8 @@ def main() -> None:
     refusals = {}
     if hasattr(session, "island"):  # what cannot run on islands says so, before touching anything
         for name, build in (
-            ("sparseloco", lambda: isthmus.SparseLoCo(session, model, torch.optim.SGD(
-                model.parameters(), lr=0.1))),
+            ("gossip", lambda: isthmus.make_strategy("gossip", session, model, torch.optim.SGD(
+                model.parameters(), lr=0.1), total_steps=4)),
             ("compressed", lambda: isthmus.DiLoCo(session, model, torch.optim.SGD(
                 model.parameters(), lr=0.1), compression="topk:0.1+ef")),
         ):  # fmt: skip

@@ -49,6 +49,16 @@ message and counted once. A **dead peer's residual** (its ``m``, never sent) is 
 absent message, and that step's gradient is dropped. A resynced peer likewise sends nothing and
 keeps its ``m``; a peer whose momentum or buffers are not finite sends nothing (logged).
 
+Islands (:mod:`isthmus.strategies.island_messages`): each rank keeps its shards of the momenta
+and adds its shard of the island's gradient (FSDP2's mean over the island's ranks); the
+island's leader gathers the whole momenta, encodes the message as an unsharded peer would (the
+tiles of whole tensors, which a shard's rows may cut) and gives it to its ranks; the islands
+all-gather their messages (cut across the ranks between islands of one size, through the
+leaders otherwise); every rank inverts the summed coefficients of each whole tensor (one at
+a time) and applies, and subtracts from its momenta, the part that falls in its shards. The
+result is an unsharded peer's to the bit, for islands of any sizes. The inverse transform runs
+on every rank over whole tensors: its compute is not divided by the island's size.
+
 Bit parity: every peer applies the same bytes in the same order with the same operations (see
 :mod:`isthmus.strategies.decoupled_momentum.math` on CPU kinds). Refuses ``compression=`` and
 ``aggregator=``.
@@ -66,7 +76,14 @@ import torch
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.strategies.base import Strategy
 from isthmus.strategies.decoupled_momentum.math import DCTCodec
+from isthmus.strategies.island_messages import (
+    island_of,
+    leader_message,
+    whole_on_leader,
+    windows,
+)
 from isthmus.strategies.model_state import SharedBuffers, load_tensors
+from isthmus.strategies.sharded import island_snapshot
 from isthmus.strategies.sparseloco import gather_messages
 
 __all__ = ["DeMo", "DeMoConfig"]
@@ -98,11 +115,7 @@ class DeMo(Strategy):
     """DeMo: call :meth:`step` after every backward (instead of ``optimizer.step()``)."""
 
     name = "decoupled_momentum"
-    islands: ClassVar[str] = (
-        "it sends the top-k DCT coefficients of 2-D tiles of whole tensors: a shard's rows cut "
-        "through the tiles its transform mixes unless they fall on the tile grid, and each "
-        "rank would need a message of its own (not built)"
-    )
+    islands: ClassVar[str] = ""  # whole momenta encoded on the island's leader (see _step)
     Config = DeMoConfig
     config: DeMoConfig
     first_round_uses_work = True  # the first step trains on its batch, as DDP's
@@ -113,21 +126,27 @@ class DeMo(Strategy):
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 groups[id(p)] = g
-        missing = [n for n, p in zip(self.names, self.params, strict=True) if id(p) not in groups]
+        # on a rank of an island the optimizer holds the sharded (DTensor) parameters
+        self.sources = [
+            self.model_state.sources.get(n, p) for n, p in zip(self.names, self.params, strict=True)
+        ]
+        missing = [n for n, p in zip(self.names, self.sources, strict=True) if id(p) not in groups]
         if missing:
             raise ValueError(
                 f"decoupled_momentum reads each parameter's lr from the optimizer, which does "
                 f"not hold {missing[:3]}: pass an optimizer over all trainable parameters"
             )
-        self.groups = [groups[id(p)] for p in self.params]
+        self.groups = [groups[id(p)] for p in self.sources]
         self.buffers = SharedBuffers(self.model_state.float_buffers)
+        # on a rank of an island: its shards of the momenta; the codec over whole tensors
         self.momentum = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
+        shapes = [p.shape if x is None else torch.Size(x.full_shape)
+                  for p, x in zip(self.params, self.placements, strict=True)]  # fmt: skip
         self.codec = DCTCodec(
-            [p.shape for p in self.params],
-            self.config.chunk,
-            self.config.top_k,
-            exact=self.buffers.numel,
+            shapes, self.config.chunk, self.config.top_k, exact=self.buffers.numel
         )
+        self.island = island_of(self.session)
+        self.windows = windows(self.placements, [t.rows * t.cols for t in self.codec.tilings])
         self.absent = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8)
         self.absent_rounds = 0
         self.share_model([p.data for p in self.params], "model", self.buffers)
@@ -143,24 +162,44 @@ class DeMo(Strategy):
         lr = g["lr"]
         return float(lr), float(g.get("weight_decay", 0.0))
 
+    def _grad(self, i: int) -> torch.Tensor | None:
+        """Parameter ``i``'s gradient as a plain tensor (a DTensor's local shard on an island)."""
+        g = self.sources[i].grad
+        if g is None:
+            return None
+        return g.to_local() if hasattr(g, "to_local") else g  # type: ignore[no-any-return]
+
+    def _part(self, whole: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's elements of whole tensor ``i`` (all of them on a plain peer)."""
+        a, b = self.windows[i]
+        return whole if (a, b) == (0, whole.numel()) else whole[a:b]
+
     def _step(self) -> None:
         self.check_faults("step")
-        cfg, codec = self.config, self.codec
-        snap = self.buffers.snapshot()
+        cfg, codec, island = self.config, self.codec, self.island
+        snap = island_snapshot(self.session, self.buffers.snapshot())
         accumulated = []
-        for i, (m, p) in enumerate(zip(self.momentum, self.params, strict=True)):
+        for i, m in enumerate(self.momentum):
             lr, _ = self._hyper(i)
             a = m.mul(cfg.decay)
-            if p.grad is not None:
-                a.add_(p.grad.detach().reshape(-1).to(torch.float32), alpha=lr)
+            grad = self._grad(i)
+            if grad is not None:
+                a.add_(grad.detach().reshape(-1).to(torch.float32), alpha=lr)
             accumulated.append(a)
         message: torch.Tensor | None = None
-        finite = all(map(all_finite, accumulated))
-        if not finite:
-            self.reducer.nonfinite_skips += 1
-            log.warning("non-finite values in this peer's momentum: sending nothing")
-        if finite and self.buffers.finite(snap):
-            message = codec.encode(accumulated, self.buffers.flat(snap) if self.buffers else None)
+        # on an island the leader encodes the whole momenta as an unsharded peer would
+        whole = (
+            accumulated if island is None else whole_on_leader(island, accumulated, self.placements)
+        )
+        if whole is not None:
+            finite = all(map(all_finite, whole))
+            if not finite:
+                self.reducer.nonfinite_skips += 1
+                log.warning("non-finite values in this peer's momentum: sending nothing")
+            if finite and self.buffers.finite(snap):
+                message = codec.encode(whole, self.buffers.flat(snap) if self.buffers else None)
+        if island is not None:
+            message = leader_message(island, message, codec.payload_bytes)
         messages, present = gather_messages(
             self.session, message, self.absent, lambda: self.step_count
         )
@@ -168,7 +207,7 @@ class DeMo(Strategy):
             assert message is not None
             sent = codec.coefficients(codec.decode(message))
             for i, (m, a, q) in enumerate(zip(self.momentum, accumulated, sent, strict=True)):
-                m.copy_(a.sub_(codec.inverse(q, i)))
+                m.copy_(a.sub_(self._part(codec.inverse(q, i), i)))
         else:
             self.absent_rounds += 1
         sums, exact, n = codec.sum(messages)
@@ -185,7 +224,7 @@ class DeMo(Strategy):
         with torch.no_grad():
             for i, (p, s) in enumerate(zip(self.params, sums, strict=True)):
                 lr, wd = self._hyper(i)
-                update = self.codec.inverse(s, i)
+                update = self._part(self.codec.inverse(s, i), i)
                 update = update.sign_() if self.config.sign else update.div_(n)
                 if wd:
                     p.mul_(1.0 - lr * wd)

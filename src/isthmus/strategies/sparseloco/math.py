@@ -47,6 +47,8 @@ import torch
 __all__ = [
     "Decoded",
     "SparseCodec",
+    "Windows",
+    "in_window",
     "pack_codes",
     "quantize",
     "read_header",
@@ -277,22 +279,38 @@ class SparseCodec:
             assert off == self.header_bytes + sum(self.param_bytes(j) for j in range(i + 1))
         return Decoded(bool(head[0] == 1.0), head[1:].clone(), entries)
 
-    def dense(self, decoded: Decoded) -> list[torch.Tensor]:
+    def dense(self, decoded: Decoded, windows: Windows | None = None) -> list[torch.Tensor]:
         """One decoded message as dense fp32 tensors (flat): what its sender removes from its
-        accumulator."""
+        accumulator; with ``windows``, only the flat elements ``[a, b)`` of each tensor (a
+        shard's part of it)."""
+        wins = windows or [(0, lay.numel) for lay in self.layouts]
         out = []
-        for (pos, vals), lay in zip(decoded.entries, self.layouts, strict=True):
-            out.append(torch.zeros(lay.numel).index_put_((pos,), vals))
+        for (pos, vals), (a, b) in zip(decoded.entries, wins, strict=True):
+            pos, vals = in_window(pos, vals, a, b)
+            out.append(torch.zeros(b - a).index_put_((pos,), vals))
         return out
 
 
+Windows = Sequence[tuple[int, int]]
+"""Per tensor, the flat elements ``[a, b)`` of the whole tensor that a rank holds."""
+
+
+def in_window(
+    pos: torch.Tensor, vals: torch.Tensor, a: int, b: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries at flat positions ``[a, b)``, their positions made relative to ``a``."""
+    keep = (pos >= a) & (pos < b)
+    return pos[keep] - a, vals[keep]
+
+
 def sum_messages(
-    codec: SparseCodec, messages: Sequence[torch.Tensor]
+    codec: SparseCodec, messages: Sequence[torch.Tensor], windows: Windows | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """Decode a round's messages (in rank order) and sum the present ones, in that order, into
-    dense flat fp32 tensors (one per parameter) and the exact values. Returns (sums, exact sum,
-    number present)."""
-    return sum_present(codec.decode, [lay.numel for lay in codec.layouts], codec.exact, messages)
+    dense flat fp32 tensors (one per parameter; with ``windows``, each one's elements ``[a,
+    b)`` only) and the exact values. Returns (sums, exact sum, number present)."""
+    sizes = [lay.numel for lay in codec.layouts]
+    return sum_present(codec.decode, sizes, codec.exact, messages, windows)
 
 
 def sum_present(
@@ -300,13 +318,16 @@ def sum_present(
     sizes: Sequence[int],
     exact_len: int,
     messages: Sequence[torch.Tensor],
+    windows: Windows | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """Sum the present messages' entries (``decode``: a message's positions and values, one
     pair per dense fp32 vector of ``sizes``) and exact values, in the messages' order. Returns
     (sums, exact sum, number present). Positions are distinct within one message, so each
     addition is a plain sum per element and the result depends only on the bytes and their
-    order."""
-    sums = [torch.zeros(n) for n in sizes]
+    order; with ``windows`` (a shard's flat elements ``[a, b)`` of each vector) every element
+    of a window gets the same additions in the same order, so its bits are the whole sum's."""
+    wins = windows or [(0, n) for n in sizes]
+    sums = [torch.zeros(b - a) for a, b in wins]
     exact = torch.zeros(exact_len)
     present = 0
     for msg in messages:
@@ -315,6 +336,6 @@ def sum_present(
             continue
         present += 1
         exact += d.exact
-        for s, (pos, vals) in zip(sums, d.entries, strict=True):
-            s.index_add_(0, pos, vals)
+        for s, (pos, vals), (a, b) in zip(sums, d.entries, wins, strict=True):
+            s.index_add_(0, *in_window(pos, vals, a, b))
     return sums, exact, present

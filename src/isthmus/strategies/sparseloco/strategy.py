@@ -72,6 +72,16 @@ Faults, joins and the accumulator (per fragment, each round alike):
 * A peer whose accumulator or buffers are not finite sends an absent message (logged), and its
   accumulator stays as before the round.
 
+**Islands** (:mod:`isthmus.strategies.island_messages`): each rank keeps its shards of the
+accumulators and computes ``e <- beta e + delta`` on them (elementwise); the island's leader
+gathers them into whole tensors, encodes the message exactly as an unsharded peer holding them
+would (the same chunks, the same quantizer statistics over the whole tensor's kept values) and
+gives it to its ranks; the islands all-gather their messages (cut across the ranks between
+islands of one size, through the leaders otherwise); every rank sums
+them over its own shards' elements and keeps its part of the residual. The result is an
+unsharded peer's to the bit, for islands of any sizes; the whole accumulators of one fragment
+exist on the leader, once per round (the state stays sharded).
+
 Refuses ``compression=`` and ``aggregator=`` (ValueError): the message is already compressed,
 and robust rules do not apply to sparse sums. Not composed with DiLoCo's time budget
 (``inner_budget="time"`` is refused) or its token weighting (``step(tokens=n)`` is accepted,
@@ -88,9 +98,18 @@ from typing import Any, ClassVar
 
 import torch
 
+from isthmus.comm.layout import Placement
 from isthmus.comm.session import Round, Session
 from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import PendingMean, Reduced, Reducer
+from isthmus.strategies.island_messages import (
+    IslandGather,
+    Later,
+    island_of,
+    leader_message,
+    whole_on_leader,
+    windows,
+)
 from isthmus.strategies.model_state import load_tensors
 from isthmus.strategies.pipeline import Planned
 from isthmus.strategies.sparseloco.math import SparseCodec, sum_messages
@@ -164,15 +183,23 @@ def gather_messages(
     ``message`` None, or a round that resynced this peer at its begin, sends ``absent`` (the
     same size). A failed collective is retried by :meth:`Session.run_round` with the same
     message; nothing is returned before a commit. Without a session the one message is returned.
+    On a rank of an island ``message`` is the island's (the same on every rank, see
+    :func:`~isthmus.strategies.island_messages.leader_message`): its ranks exchange it
+    together (:class:`~isthmus.strategies.island_messages.IslandGather`) and every rank
+    returns the same messages.
     """
     if session is None:
         return [message if message is not None else absent], message is not None
     used: dict[str, bool] = {}
 
+    island = island_of(session)
+
     def exchange(rnd: Round) -> list[torch.Tensor]:
         mine = absent if message is None or rnd.resynced else message
         used["present"] = mine is message
         rnd.check_faults("collective", step=step())
+        if island is not None:  # the island's one message, exchanged by its ranks together
+            return list(IslandGather(island, rnd, mine).wait())
         flat = rnd.group.all_gather_flat(mine)
         return list(flat.view(rnd.world, -1))
 
@@ -190,12 +217,20 @@ class SparseGroup:
         shapes: Sequence[torch.Size],
         config: SparseLoCoConfig,
         exact: int,
+        *,
+        placements: Sequence[Placement | None] = (),
+        island: Any = None,
     ) -> None:
+        """``shapes`` are the whole tensors'; on a rank of an ``island``, ``error`` holds this
+        rank's shards of the accumulators, ``placements`` where they lie in the whole ones."""
         self.error = error  # the strategy's own tensors (flat fp32), updated in place
         self.decay = config.error_decay
         self.codec = SparseCodec(shapes, config.chunk, config.top_k, config.bits, exact=exact)
         self.absent = torch.zeros(self.codec.payload_bytes, dtype=torch.uint8)
         self.absent_rounds = 0  # committed rounds this peer took part in without a message
+        self.island = island
+        self.placements = list(placements) or [None] * len(error)
+        self.windows = windows(self.placements, [lay.numel for lay in self.codec.layouts])
 
     def round(
         self,
@@ -208,7 +243,7 @@ class SparseGroup:
 
     def mean(self, messages: Sequence[torch.Tensor]) -> Reduced | None:
         """The round's result from every member's message, in rank order (None: none present)."""
-        sums, exact, n = sum_messages(self.codec, messages)
+        sums, exact, n = sum_messages(self.codec, messages, self.windows)
         if not n:
             return None
         return Reduced([s.div_(n) for s in sums], exact.div_(n), n)
@@ -220,7 +255,13 @@ class SparseRound:
     retried attempt sends the same bytes; the accumulators change only in :meth:`commit`.
 
     A non-finite accumulator is not sent (``reducer.nonfinite_skips``, logged): the round sends
-    an absent message and the accumulators stay as they were."""
+    an absent message and the accumulators stay as they were.
+
+    On a rank of an island the accumulators are shards: their whole tensors are gathered on the
+    island's leader, which encodes the message (an unsharded peer's bytes for the same whole
+    accumulators) and gives it to every rank
+    (:mod:`~isthmus.strategies.island_messages`); each rank keeps its shards' part of the
+    residual and of the result."""
 
     def __init__(
         self,
@@ -240,12 +281,18 @@ class SparseRound:
             e.mul(group.decay).add_(d.reshape(-1).to(torch.float32))
             for e, d in zip(group.error, deltas, strict=True)
         ]
-        if all(map(all_finite, acc)):
+        island = group.island
+        whole = acc if island is None else whole_on_leader(island, acc, group.placements)
+        if whole is not None:  # a plain peer, or the island's leader
+            if all(map(all_finite, whole)):
+                self.message = group.codec.encode(whole, exact)
+            else:
+                reducer.nonfinite_skips += 1
+                log.warning("non-finite values in this peer's accumulator: sending nothing")
+        if island is not None:
+            self.message = leader_message(island, self.message, group.codec.payload_bytes)
+        if self.message is not None:
             self.accumulated = acc
-            self.message = group.codec.encode(acc, exact)
-        else:
-            reducer.nonfinite_skips += 1
-            log.warning("non-finite values in this peer's accumulator: sending nothing")
 
     def _mine(self, contribute: bool) -> torch.Tensor:
         self.sent = contribute and self.message is not None
@@ -253,10 +300,16 @@ class SparseRound:
 
     def start(self, rnd: Round, contribute: bool) -> PendingMean:
         """All-gather this attempt's message (from the training thread, so every member issues
-        its collectives in one order); decoding and summing run on the reducer's worker."""
+        its collectives in one order); decoding and summing run on the reducer's worker. On a
+        rank of an island the all-gather across islands runs in the background, and sharing its
+        result inside the island, the decoding and the sum run when the round is waited for,
+        on the training thread (the island's collectives keep one order on every rank)."""
         world = rnd.world
-        handle = rnd.group.all_gather_flat(self._mine(contribute), async_op=True)
         group = self.group
+        if group.island is not None:  # waited for on the training thread (see above)
+            gathered = IslandGather(group.island, rnd, self._mine(contribute))
+            return Later(lambda: group.mean(list(gathered.wait())))  # type: ignore[return-value]
+        handle = rnd.group.all_gather_flat(self._mine(contribute), async_op=True)
         return self.reducer.background(lambda: group.mean(list(handle.wait().view(world, -1))))
 
     def alone(self, contribute: bool) -> Reduced | None:
@@ -269,7 +322,7 @@ class SparseRound:
             self.group.absent_rounds += 1
             return
         codec = self.group.codec
-        sent = codec.dense(codec.decode(self.message))
+        sent = codec.dense(codec.decode(self.message), self.group.windows)
         for e, a, s in zip(self.group.error, self.accumulated, sent, strict=True):
             e.copy_(a.sub_(s))
 
@@ -280,12 +333,7 @@ class SparseLoCo(StreamingDiLoCo):
     once; see :meth:`StreamingDiLoCo.final_round` for the steps a round in flight leaves out)."""
 
     name = "sparseloco"
-    islands: ClassVar[str] = (
-        "its quantizer's statistics (the mean, standard deviation and level means of the "
-        "values kept in a whole tensor) would need every rank's partial sums combined across "
-        "the island, and each rank a message of its own cut on the tensor's chunk grid (not "
-        "built)"
-    )
+    islands: ClassVar[str] = ""  # whole accumulators encoded on the leader (SparseRound)
     Config = SparseLoCoConfig
     config: SparseLoCoConfig
 
@@ -296,14 +344,19 @@ class SparseLoCo(StreamingDiLoCo):
         # Streaming's state (theta, buffers, counters, fragments; its outer SGD has no momentum
         # and no state, and is not used: _outer_update is this class's)
         super().setup()
+        # on a rank of an island: its shards of the accumulators, the codec over whole tensors
         self.error = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
+        shapes = [p.shape if x is None else torch.Size(x.full_shape)
+                  for p, x in zip(self.params, self.placements, strict=True)]  # fmt: skip
         exact = 1 + self.buffers.numel  # the step and every floating buffer ride in the header
         self.groups = [
             SparseGroup(
                 [self.error[i] for i in idx],
-                [self.params[i].shape for i in idx],
+                [shapes[i] for i in idx],
                 self.config,
                 exact,
+                placements=[self.placements[i] for i in idx],
+                island=island_of(self.session),
             )
             for idx in self.fragments
         ]
@@ -365,10 +418,11 @@ class SparseLoCo(StreamingDiLoCo):
 
     def metrics(self) -> dict[str, Any]:
         kept = sum(lay.kept for g in self.groups for lay in g.codec.layouts)
+        whole = sum(lay.numel for g in self.groups for lay in g.codec.layouts)
         return {
             **super().metrics(),
             "payload_bytes": self.payload_bytes,
             "fragment_payload_bytes": self.fragment_payload_bytes,
-            "density": round(kept / max(1, sum(p.numel() for p in self.params)), 6),
+            "density": round(kept / max(1, whole), 6),
             "absent_rounds": self.absent_rounds,
         }

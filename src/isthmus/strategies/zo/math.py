@@ -42,6 +42,7 @@ import torch
 
 __all__ = [
     "ScalarCodec",
+    "Span",
     "apply_update",
     "decayed",
     "distinct",
@@ -114,24 +115,46 @@ def distinct(params: Sequence[torch.Tensor]) -> list[int]:
     return keep
 
 
-def perturbation(seed: int, index: int, like: torch.Tensor) -> torch.Tensor:
+Span = tuple[tuple[int, ...], int, int]
+"""A shard of a parameter: the whole tensor's shape and the flat elements ``[start, stop)`` of
+it that the shard holds (FSDP2's ``Shard(0)`` rows are one such run)."""
+
+
+def perturbation(
+    seed: int, index: int, like: torch.Tensor, span: Span | None = None
+) -> torch.Tensor:
     """``z`` for the ``index``-th distinct parameter under ``seed``: standard normal, shaped like
     ``like``, in its dtype, on its device; the same bits on every device (see the module
-    docstring). A fresh tensor the caller may change in place."""
+    docstring). With ``span``, ``like`` is a shard of a whole tensor: ``z`` is drawn over the
+    whole tensor (the generator cannot skip ahead) and the shard's elements are kept, so each
+    shard's ``z`` has the bits of the whole ``z`` there. A fresh tensor the caller may change
+    in place."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(tensor_seed(seed, index))
-    z = torch.randn(like.shape, generator=gen, dtype=torch.float64)
+    if span is None:
+        z = torch.randn(like.shape, generator=gen, dtype=torch.float64)
+    else:
+        shape, start, stop = span
+        z = torch.randn(shape, generator=gen, dtype=torch.float64).reshape(-1)[start:stop]
+        z = z.reshape(like.shape)
     return z.to(dtype=like.dtype).to(device=like.device)
 
 
-def perturb_(params: Sequence[torch.Tensor], keep: Sequence[int], seed: int, scale: float) -> None:
+def perturb_(
+    params: Sequence[torch.Tensor],
+    keep: Sequence[int],
+    seed: int,
+    scale: float,
+    spans: Sequence[Span | None] | None = None,
+) -> None:
     """``p += scale * z`` in place for every parameter in ``keep`` (from :func:`distinct`), each
-    with its own slice of ``z`` under ``seed``. Used for the loss evaluations only: the shared
-    state is restored from a copy afterwards, so this arithmetic need not agree across devices.
-    Call it under ``torch.no_grad()`` (autograd refuses in-place changes of leaf parameters)."""
+    with its own slice of ``z`` under ``seed`` (``spans[i]``: parameter ``i`` is a shard, see
+    :func:`perturbation`). Used for the loss evaluations only: the shared state is restored
+    from a copy afterwards, so this arithmetic need not agree across devices. Call it under
+    ``torch.no_grad()`` (autograd refuses in-place changes of leaf parameters)."""
     for j, i in enumerate(keep):
         p = params[i]
-        p.add_(perturbation(seed, j, p), alpha=scale)
+        p.add_(perturbation(seed, j, p, spans[i] if spans else None), alpha=scale)
 
 
 def projected_gradient(loss_plus: float, loss_minus: float, eps: float) -> float:
@@ -293,6 +316,7 @@ def apply_update(
     lr: float,
     weight_decay: float = 0.0,
     decay: Sequence[bool] | None = None,
+    spans: Sequence[Span | None] | None = None,
 ) -> int:
     """Apply one round's update in place and return ``N``, the number of estimates applied.
 
@@ -310,8 +334,9 @@ def apply_update(
     That is ``theta <- (1 - lr wd) theta - lr/N sum_m g_m z_m`` (MeZO's ``theta - lr (g z + wd
     theta)`` for one estimate, up to rounding), each step a separately rounded elementwise float
     operation on a float32 coefficient, so CPU and CUDA give the same bits (no fused
-    multiply-add can merge them). Call under ``torch.no_grad()``. Raises ValueError if
-    ``seeds`` and ``estimates`` differ in length."""
+    multiply-add can merge them). Every operation is elementwise, so a shard (``spans[i]``, see
+    :func:`perturbation`) lands the bits of the whole tensor's update there. Call under
+    ``torch.no_grad()``. Raises ValueError if ``seeds`` and ``estimates`` differ in length."""
     if len(seeds) != len(estimates):
         raise ValueError(f"{len(seeds)} seeds but {len(estimates)} estimates")
     present = [(s, g) for s, g in zip(seeds, estimates, strict=True) if g is not None]
@@ -330,7 +355,7 @@ def apply_update(
         coef = float32(lr * g / n)
         for j, i in enumerate(keep):
             p = params[i]
-            z = perturbation(seed, j, p)
+            z = perturbation(seed, j, p, spans[i] if spans else None)
             z.mul_(coef)
             p.sub_(z)
     return n

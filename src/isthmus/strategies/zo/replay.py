@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.strategies.zo.math import ScalarCodec, apply_update, perturbation_seed
+from isthmus.strategies.zo.math import ScalarCodec, Span, apply_update, perturbation_seed
 
 __all__ = [
     "LoggedRound",
@@ -137,9 +137,11 @@ def apply_round(
     seed: int,
     lr: float,
     weight_decay: float,
+    spans: Sequence[Span | None] | None = None,
 ) -> tuple[int, int]:
     """Apply one committed round to ``params`` in place (the live step and a replay both call
-    this, so both do the same arithmetic). Returns (estimates applied, estimates in the round).
+    this, so both do the same arithmetic; ``spans``: parameters that are shards, see
+    :func:`~isthmus.strategies.zo.math.perturbation`). Returns (estimates applied, estimates in the round).
     Raises ValueError for codes of the wrong length or out of range."""
     rows = _rows(entry, codec, per)
     seeds = [
@@ -148,7 +150,7 @@ def apply_round(
         for k in range(per)
     ]
     estimates = [codec.decode(c) for row in rows for c in row]
-    n = apply_update(params, keep, seeds, estimates, lr=lr, weight_decay=weight_decay)
+    n = apply_update(params, keep, seeds, estimates, lr=lr, weight_decay=weight_decay, spans=spans)
     return n, len(estimates)
 
 

@@ -62,6 +62,18 @@ Fine-tuning LLMs with Distributed Parallel Computing"): with
 :attr:`ZOConfig.pairing`): a step takes one forward pass per perturbation per peer instead of
 two, and the run makes ``ceil(world / 2)`` estimates per step instead of ``world``.
 
+Islands: every rank perturbs its shards with their slices of each whole ``z`` (drawn whole
+from the seed: the generator cannot skip ahead, so each rank draws the whole tensor once per
+perturbation and keeps its rows), the island's ranks run the forward passes together through
+FSDP2 (resharded before each pass, since FSDP2 keeps the root's parameters gathered after a
+forward pass without backward), and the island's losses are the mean of its ranks' (each on
+its own batch); the codes computed from them are the same on every rank, the islands
+all-gather them (:mod:`isthmus.strategies.island_messages`) and every rank applies the update
+to its shards. That is an unsharded peer's update to the bit for the same losses (an unsharded
+peer's loss on the island's batches together equals the mean of the ranks' to fp32 rounding).
+``pairing="perturbation"`` is refused on islands (ValueError), and an island is resynced by
+state transfer, never by replay.
+
 Shared state: the model's trainable parameters (``model/<name>``), its frozen parameters and
 integer buffers (``model/<name>``), a copy of its floating buffers (``global/<name>``) and the
 step counter. No optimizer state: the optimizer passed in is not used and gradients are never
@@ -102,28 +114,27 @@ import torch
 
 from isthmus.comm.session import Round
 from isthmus.strategies.base import Strategy
+from isthmus.strategies.island_messages import IslandGather, island_of
 from isthmus.strategies.model_state import SharedBuffers
+from isthmus.strategies.zo.catch_up import Replayer
 from isthmus.strategies.zo.math import (
     ScalarCodec,
+    Span,
     distinct,
     perturb_,
     perturbation,
     perturbation_seed,
     projected_gradient,
 )
+from isthmus.strategies.zo.pairs import paired_codes
 from isthmus.strategies.zo.replay import (
     LoggedRound,
     RoundLog,
     apply_round,
-    decode_rounds,
-    encode_rounds,
     nonzero_estimates,
-    replay_is_cheaper,
 )
 
 __all__ = ["ZO", "ZOConfig"]
-
-_PAIR_TAG = 7000  # the point-to-point message of a pair (apart from catch-up transfers' tags)
 
 log = logging.getLogger("isthmus.zo")
 
@@ -236,11 +247,7 @@ class ZO(Strategy):
     """
 
     name = "zo"
-    islands: ClassVar[str] = (
-        "each perturbation is drawn from one seed over whole tensors and measured by forward "
-        "passes that every rank of an island would have to run together on its perturbed "
-        "shards (not built)"
-    )
+    islands: ClassVar[str] = ""  # shards perturbed by their slices of z, the island's mean loss
     Config = ZOConfig
     config: ZOConfig
     first_round_uses_work = True  # the forward passes run inside the round, on its batch
@@ -255,7 +262,23 @@ class ZO(Strategy):
                 "drop compression= and aggregator= (choose the bits with the bits option)"
             )
         self.codec = self.config.codec()
+        self.island = island_of(self.session)
+        if self.island is not None and self.config.pairing != "none":
+            raise ValueError(
+                "zo on islands: pairing='perturbation' splits a perturbation's two passes "
+                "between two peers, point to point; it is not built for islands: use "
+                "pairing='none'"
+            )
+        # FSDP2 keeps the root's parameters gathered after a forward pass without backward:
+        # every pass must gather the shards as perturbed (or updated) since, so they are let go
+        self.fsdp = [
+            m for m in self.model.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")
+        ]
         self.keep = distinct(self.params)
+        # on a rank of an island each parameter is a shard: z is drawn whole and sliced
+        self.spans: list[Span | None] = [
+            None if x is None else (x.full_shape, x.start, x.stop) for x in self.placements
+        ]
         self._device = self.params[0].device if self.params else torch.device("cpu")
         self.buffers = SharedBuffers(self.model_state.float_buffers)
         self.share_model([p.data for p in self.params], "model", self.buffers)
@@ -280,8 +303,8 @@ class ZO(Strategy):
         self.replay_bytes = 0
         """Bytes of round log this peer received for its replays."""
         self._seconds_per_estimate: float | None = None  # measured while applying rounds
-        if self.session is not None:
-            self.session.state.catch_up = _Replayer(self)
+        if self.session is not None and self.island is None:  # islands resync by transfer
+            self.session.state.catch_up = Replayer(self)
 
     @property
     def payload_bytes(self) -> int:
@@ -307,7 +330,7 @@ class ZO(Strategy):
 
                 def exchange(rnd: Round) -> LoggedRound:
                     if self.config.pairing == "perturbation" and rnd.world > 1:
-                        codes = self._paired_codes(loss_fn, rnd)
+                        codes = paired_codes(self, loss_fn, rnd)
                     elif rnd.resynced:
                         codes = [codec.absent] * per
                         self.last_loss = math.nan
@@ -315,7 +338,11 @@ class ZO(Strategy):
                         codes = self._codes(loss_fn, rnd.number, rnd.rank)
                     rnd.check_faults("collective", step=self.step_count)
                     # on the parameters' device: NCCL moves only accelerator tensors
-                    flat = rnd.group.all_gather_flat(codec.pack(codes).to(self._device))
+                    mine = codec.pack(codes).to(self._device)
+                    if self.island is not None:  # the island's codes, sent by its leader
+                        flat = IslandGather(self.island, rnd, mine).wait()
+                    else:
+                        flat = rnd.group.all_gather_flat(mine)
                     raw = bytes(flat.to(device="cpu").reshape(-1).tolist())
                     return LoggedRound(rnd.number, rnd.world, raw)
 
@@ -325,63 +352,6 @@ class ZO(Strategy):
         self._cache = None
         self.global_step += 1
         self.local_steps += 1
-
-    def _paired_codes(self, loss_fn: LossFn, rnd: Round) -> list[int]:
-        """Perturbation parallelism (DistZO2): this member's half of its pair's estimates, the
-        pair's codes from the lead (the even rank), absent codes from its partner. A partner
-        lost mid-exchange raises CollectiveError: the round aborts and is retried."""
-        cfg, codec, per = self.config, self.codec, self.config.perturbations
-        rank, world = rnd.rank, rnd.world
-        shards, shard, partner = (world + 1) // 2, rank // 2, rank ^ 1
-        plan = rnd.plan
-        resynced = {r for r, pid in enumerate(plan.members) if pid in plan.resynced}
-        if partner >= world:  # the odd one out runs both passes alone
-            if rank in resynced:
-                self.last_loss = math.nan
-                return [codec.absent] * per
-            return self._codes(lambda: loss_fn(shard, shards), rnd.number, rank)  # type: ignore[call-arg]
-        self.last_loss = math.nan
-        if rank in resynced or partner in resynced:
-            return [codec.absent] * per  # both members know: neither runs a pass
-        lead = rank - rank % 2
-        sign = 1.0 if rank == lead else -1.0
-        mine = torch.tensor(
-            self._half(loss_fn, rnd.number, lead, sign, shard, shards),
-            dtype=torch.float32,
-            device=self._device,
-        )
-        self.last_loss = float(mine.mean())
-        if rank != lead:
-            rnd.group.send(mine, lead, _PAIR_TAG)
-            return [codec.absent] * per
-        theirs = torch.empty_like(mine)
-        rnd.group.recv(theirs, partner, _PAIR_TAG)
-        self.last_loss = float((mine.mean() + theirs.mean()) / 2)
-        return [
-            codec.encode(projected_gradient(float(a), float(b), cfg.eps))
-            for a, b in zip(mine, theirs, strict=True)
-        ]
-
-    def _half(
-        self, loss_fn: LossFn, number: int, lead: int, sign: float, shard: int, shards: int
-    ) -> list[float]:
-        """The losses at ``theta + sign * eps * z_k`` for the pair's perturbations (seeded by
-        the lead's rank) on the pair's data shard; parameters and buffers restored after."""
-        cfg, params, keep = self.config, self.params, self.keep
-        backup = [params[i].detach().clone() for i in keep]
-        others = [b.detach().clone() for _, b in self.model_state.other_buffers]
-        out: list[float] = []
-        try:
-            for k in range(cfg.perturbations):
-                perturb_(params, keep, perturbation_seed(cfg.seed, number, lead, k), sign * cfg.eps)
-                out.append(float(loss_fn(shard, shards)))  # type: ignore[call-arg]
-                self._restore(backup)
-        finally:
-            self._restore(backup)
-            self.buffers.restart()
-            for (_, b), saved in zip(self.model_state.other_buffers, others, strict=True):
-                b.copy_(saved)
-        return out
 
     def _codes(self, loss_fn: LossFn, number: int, rank: int) -> list[int]:
         """This member's codes for round ``number`` at ``rank`` (computed once per pair)."""
@@ -403,16 +373,24 @@ class ZO(Strategy):
         devices = {p.device for p in params}
         codes: list[int] = []
         losses: list[float] = []
+        measured: list[float] = []
         try:
             for k in range(cfg.perturbations):
                 seed = perturbation_seed(cfg.seed, number, rank, k)
                 rng = _rng_state(devices)
-                perturb_(params, keep, seed, cfg.eps)
-                plus = float(loss_fn())
+                perturb_(params, keep, seed, cfg.eps, self.spans)
+                measured.append(self._loss(loss_fn))
                 _set_rng_state(rng)  # the same dropout masks for both passes
-                perturb_(params, keep, seed, -2.0 * cfg.eps)
-                minus = float(loss_fn())
+                perturb_(params, keep, seed, -2.0 * cfg.eps, self.spans)
+                measured.append(self._loss(loss_fn))
                 self._restore(backup)
+            if self.island is not None:
+                # the island's losses: the mean over its ranks' batches (every rank ran the same
+                # passes together), the same bits on every rank, so the codes are the island's
+                mean = self.island.mean([torch.tensor(measured, dtype=torch.float64)])[0]
+                measured = [float(x) for x in mean.tolist()]
+            for k in range(cfg.perturbations):
+                plus, minus = measured[2 * k], measured[2 * k + 1]
                 g = projected_gradient(plus, minus, cfg.eps)
                 code = codec.encode(g)
                 if not math.isfinite(g):
@@ -432,6 +410,11 @@ class ZO(Strategy):
                 b.copy_(saved)
         finite = [x for x in losses if math.isfinite(x)]
         return codes, (sum(finite) / len(finite) if finite else math.nan)
+
+    def _loss(self, loss_fn: LossFn) -> float:
+        for m in self.fsdp:  # the next forward gathers the shards as they are now
+            m.reshard()
+        return float(loss_fn())
 
     def _restore(self, backup: list[torch.Tensor]) -> None:
         for i, saved in zip(self.keep, backup, strict=True):
@@ -458,6 +441,7 @@ class ZO(Strategy):
             seed=cfg.seed,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
+            spans=self.spans,
         )
 
     def seconds_per_estimate(self) -> float:
@@ -489,66 +473,3 @@ class ZO(Strategy):
             "zo_replay_bytes": self.replay_bytes,
             "zo_log_rounds": len(self.log),
         }
-
-
-class _Replayer:
-    """:class:`~isthmus.comm.state.CatchUp` for :class:`ZO`: a stale peer replays the rounds it
-    missed from the source's :class:`~isthmus.strategies.zo.replay.RoundLog` (the choice and the
-    exchange are described in :mod:`isthmus.strategies.zo.replay` and :mod:`isthmus.comm.transfer`).
-    The replay runs on copies of the parameters (one extra copy of the model while catching
-    up); the source waits for the destination's verdict while it replays (a point-to-point wait:
-    the session's ``late_s`` plus the message's bytes at 1 Mbit/s)."""
-
-    _WISH: ClassVar[dict[str, int]] = {"transfer": 0, "replay": 1, "auto": 2}
-
-    def __init__(self, zo: ZO) -> None:
-        self.zo = zo
-        self._covers = frozenset([f"model/{zo.names[i]}" for i in zo.keep] + ["meta/step"])
-
-    def revision(self) -> int:
-        assert self.zo.session is not None
-        return self.zo.session.revision
-
-    def wish(self) -> int:
-        return self._WISH[self.zo.config.catch_up]
-
-    def covers(self) -> frozenset[str]:
-        return self._covers
-
-    def offer(self, since: int, upto: int, transfer_bytes: int, wish: int) -> bytes | None:
-        zo = self.zo
-        rounds = zo.log.span(since, upto)
-        if wish == 0 or rounds is None:
-            return None
-        raw = encode_rounds(rounds)
-        if wish == 2 and not replay_is_cheaper(
-            transfer_bytes=transfer_bytes,
-            log_bytes=len(raw),
-            estimates=nonzero_estimates(rounds, zo.codec, zo.config.perturbations),
-            seconds_per_estimate=zo.seconds_per_estimate(),
-            link_bytes_per_s=zo.config.link_mbps * 1e6 / 8,
-        ):
-            return None
-        return raw
-
-    def replay(self, log: bytes, since: int, upto: int) -> dict[str, torch.Tensor]:
-        zo = self.zo
-        rounds = decode_rounds(log, zo.codec.payload_bytes(zo.config.perturbations))
-        if [r.round for r in rounds] != list(range(since, upto)):
-            raise ValueError(f"the log does not hold exactly rounds {since} to {upto - 1}")
-        copies = [p.detach().clone() for p in zo.params]
-        with torch.no_grad():
-            for entry in rounds:
-                zo._apply_to(copies, entry)
-        out = {f"model/{zo.names[i]}": copies[i] for i in zo.keep}
-        out["meta/step"] = zo.global_step + len(rounds)
-        return out
-
-    def adopt(self, log: bytes) -> None:
-        zo = self.zo
-        rounds = decode_rounds(log, zo.codec.payload_bytes(zo.config.perturbations))
-        for entry in rounds:
-            zo.log.append(entry)
-        zo.replays += 1
-        zo.replayed_rounds += len(rounds)
-        zo.replay_bytes += len(log)
