@@ -6,10 +6,10 @@ GPT, 40 steps; DiLoCo with H = 5), runs ``isthmus lab run`` on it with the waiti
 with the pipelined commit, back to back (``--reps N`` pairs, the order alternating from pair to
 pair: waiting first, then pipelined first, ...), with ``--step-delay`` seconds of emulated
 compute after every step, and prints the median interval between two steps of a peer (all
-peers, steps 5 and later) and the coordinator's count of aborted rounds: for DDP every step is
-a round; for DiLoCo the round's cost is a boundary step's interval minus an inner step's. Every
-run of a strategy and round trip must end on the same digest (the math is the same), which it
-checks.
+peers, steps 5 and later), the coordinator's count of aborted rounds and the 1-minute load
+average as the run started: for DDP every step is a round; for DiLoCo the round's cost is a
+boundary step's interval minus an inner step's. Every run of a strategy and round trip must
+end on the same digest (the math is the same), which it checks.
 
     sudo .venv/bin/python benchmarks/commit_latency.py --rtt-ms 50,100 --strategies ddp,diloco
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,10 +83,12 @@ def main() -> int:
                     argv = [sys.executable, "-m", "isthmus.cli", "lab", "run", str(sc)]
                     argv += ["--no-progress", "--run-dir", str(run_dir)]
                     argv += ["--step-delay", str(a.step_delay), *extra]
+                    load = os.getloadavg()[0]  # the box's 1-minute load as the run starts
                     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
                     summary = json.loads((run_dir / "summary.json").read_text())
                     digests[f"{mode}{rep}"] = summary["final_digest"]
                     figures = {**intervals(run_dir, every), "aborted": summary["rounds_aborted"]}
+                    figures["load"] = round(load, 1)
                     print(strategy, rtt, rep, mode, json.dumps(figures), flush=True)
             if len(set(digests.values())) != 1:
                 print(f"  digests differ: {digests}", flush=True)
