@@ -242,9 +242,9 @@ class Strategy(ABC):
         self.run_steps: int | None = None
         """The run's length in steps, where the training loop knows it (``while
         strategy.step_count < run_steps``; the built-in job sets it). With ``pipeline_commit``
-        the round that brings :attr:`step_count` to it waits for its verdict (an abort is
-        retried with the same work, as on the waiting path) and begins no other, so no round
-        forms that this peer's leaving would abort. None: unknown; the last round's vote then
+        the round that brings :attr:`step_count` to it (and any round after) waits for its
+        verdict (an abort is retried with the same work, as on the waiting path) and begins no
+        other, so no round forms that this peer's leaving would abort. None: unknown; the last round's vote then
         carries the begin of a round that the peers' leaving aborts."""
         self.reducer = reducer or Reducer(
             compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
