@@ -1,12 +1,15 @@
-"""Round latency with and without ``--pipeline-commit``, in the lab (run as root).
+"""Round latency with the waiting path (``--no-pipeline-commit``) and the pipelined commit
+(the default), in the lab (run as root).
 
 For each strategy and round trip it writes a scenario (4 peers, 100 Mbit/s links, the tiny
 GPT, 40 steps; DiLoCo with H = 5), runs ``isthmus lab run`` on it with the waiting path and
-then with the pipelined commit, back to back, with ``--step-delay`` seconds of emulated compute
-after every step, and prints the median interval between two steps of a peer (all peers, steps
-5 and later): for DDP every step is a round; for DiLoCo the round's cost is a boundary step's
-interval minus an inner step's. Both runs of a pair must end on the same digest (the math is
-the same), which it checks.
+with the pipelined commit, back to back (``--reps N`` pairs, the order alternating from pair to
+pair: waiting first, then pipelined first, ...), with ``--step-delay`` seconds of emulated
+compute after every step, and prints the median interval between two steps of a peer (all
+peers, steps 5 and later), the coordinator's count of aborted rounds and the 1-minute load
+average as the run started: for DDP every step is a round; for DiLoCo the round's cost is a
+boundary step's interval minus an inner step's. Every run of a strategy and round trip must
+end on the same digest (the math is the same), which it checks.
 
     sudo .venv/bin/python benchmarks/commit_latency.py --rtt-ms 50,100 --strategies ddp,diloco
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -59,6 +63,7 @@ def main() -> int:
     ap.add_argument("--strategies", default="ddp,diloco")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--step-delay", type=float, default=0.3)
+    ap.add_argument("--reps", type=int, default=1, help="pairs per strategy and round trip")
     ap.add_argument("--out", default="runs/commit-latency")
     a = ap.parse_args()
     out = Path(a.out)
@@ -71,13 +76,20 @@ def main() -> int:
             text = SCENARIO.format(strategy=strategy, rtt=rtt, steps=a.steps, options=options)
             sc.write_text(text)
             digests = {}
-            for mode, extra in (("waiting", []), ("pipelined", ["--pipeline-commit"])):
-                run_dir = out / f"{strategy}_{rtt}_{mode}"
-                argv = [sys.executable, "-m", "isthmus.cli", "lab", "run", str(sc), "--no-progress"]
-                argv += ["--run-dir", str(run_dir), "--step-delay", str(a.step_delay), *extra]
-                subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-                digests[mode] = json.loads((run_dir / "summary.json").read_text())["final_digest"]
-                print(strategy, rtt, mode, json.dumps(intervals(run_dir, every)), flush=True)
+            modes = [("waiting", ["--no-pipeline-commit"]), ("pipelined", [])]
+            for rep in range(a.reps):
+                for mode, extra in modes[:: 1 if rep % 2 == 0 else -1]:
+                    run_dir = out / f"{strategy}_{rtt}_{mode}_{rep}"
+                    argv = [sys.executable, "-m", "isthmus.cli", "lab", "run", str(sc)]
+                    argv += ["--no-progress", "--run-dir", str(run_dir)]
+                    argv += ["--step-delay", str(a.step_delay), *extra]
+                    load = os.getloadavg()[0]  # the box's 1-minute load as the run starts
+                    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+                    summary = json.loads((run_dir / "summary.json").read_text())
+                    digests[f"{mode}{rep}"] = summary["final_digest"]
+                    figures = {**intervals(run_dir, every), "aborted": summary["rounds_aborted"]}
+                    figures["load"] = round(load, 1)
+                    print(strategy, rtt, rep, mode, json.dumps(figures), flush=True)
             if len(set(digests.values())) != 1:
                 print(f"  digests differ: {digests}", flush=True)
                 return 1

@@ -56,6 +56,7 @@ def main() -> None:
     )
     # DiLoCo: 20 local AdamW steps, then one averaged outer step (Nesterov SGD, lr 0.7).
     strategy = isthmus.DiLoCo(session, model, inner, isthmus.DiLoCoConfig(sync_every=20))
+    strategy.run_steps = args.steps  # the last round begins no other
     with session:
         while strategy.step_count < args.steps:
             x, y = corpus.batch(

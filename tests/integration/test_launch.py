@@ -57,6 +57,8 @@ def test_the_demo_digest_is_unchanged_by_the_rebuild(tmp_path: Path) -> None:
     s = json.loads(out.read_text())
     # all three ended together (else the digest is another run's), first: it says why
     assert s["peers_final"] == 3 and s["parity_failures"] == 0, s
+    # the commit is pipelined (the default), and the last round began no other
+    assert s["rounds_aborted"] == 0, s
     assert (s["final_digest"], s["final_model_digest"]) == GOLDEN[cap], s
 
 

@@ -56,8 +56,11 @@ def test_ddp_with_one_peer_equals_plain_training_bit_for_bit(session, corpus):
             else:
                 ddp.step()
             opt.zero_grad()
+    # the commit is pipelined (the default): the last round's verdict is settled by finish()
+    assert session.revision == 7 and session.pending_revision == 8
+    ddp.finish()
     assert params_equal(plain, wrapped)
-    assert session.revision == 8 and ddp.step_count == 8
+    assert session.revision == 8 and ddp.step_count == 8 and session.pending_revision is None
     assert session.stats.bytes_sent == 0  # one peer communicates nothing
 
 
@@ -108,13 +111,14 @@ def test_diloco_with_one_peer_equals_hand_computed_composition(session, corpus):
     model = GPT(GPTConfig.tiny(), seed=3)
     opt = adamw(model)
     dl = DiLoCo(session, model, opt, DiLoCoConfig(sync_every=h))
+    dl.run_steps = h * outer_steps  # the last round waits for its verdict: nothing to settle
     # the loop of isthmus.job: the first step() is the catch-up round and drops its gradient
     while dl.step_count < h * outer_steps:
         model(*batch(corpus, dl.step_count))[1].backward()
         dl.step()
         opt.zero_grad()
     assert dl.outer_rounds == outer_steps + 1  # + the catch-up round
-    assert session.revision == outer_steps + 1
+    assert session.revision == outer_steps + 1 and session.pending_revision is None
     for got, want in zip(dl.global_params, theta, strict=True):
         assert torch.equal(got, want)
     assert params_equal(model, local)

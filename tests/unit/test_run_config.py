@@ -130,6 +130,13 @@ def test_command_line_flags_are_generated_from_the_config() -> None:
     switched = from_flat(**overrides_from(p.parse_args(["--probe-links", "--connections", "3"])))
     assert switched.strategy.probe_links is True and switched.strategy.connections == 3
     assert from_flat().strategy.probe_links is False
+    # on by default: its negation turns it off, and its old switch still parses (hidden)
+    assert from_flat().strategy.pipeline_commit is True
+    off = from_flat(**overrides_from(p.parse_args(["--no-pipeline-commit"])))
+    on = from_flat(**overrides_from(p.parse_args(["--pipeline-commit"])))
+    assert (off.strategy.pipeline_commit, on.strategy.pipeline_commit) == (False, True)
+    assert "--no-pipeline-commit" in p.format_help()
+    assert "--pipeline-commit " not in p.format_help()
     with pytest.raises(SystemExit):
         p.parse_args(["--model", "huge"])
     with pytest.raises(SpecError, match="--kill takes PEER@STEP"):

@@ -242,3 +242,111 @@ def test_a_carried_vote_answered_aborted_is_undone_and_begins_nothing() -> None:
     _apply(s)
     assert s.settle(begin=True) is None
     assert _bits(s.state) == before and s.revision == 7 and s._void
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_the_last_round_sends_its_vote_alone_and_begins_nothing(carry: bool) -> None:
+    # applied(last=True): the run ends after this round, so no begin may form another
+    fake = _Coordinator({"/v1/commit": [msgs.Wait(), msgs.Committed()], "/v1/begin": []})
+    s = _Session(fake, carry=carry)
+    assert s._vote_ahead(_Round())
+    with torch.no_grad():
+        s.state["meta/step"].add_(1)
+    s.applied(last=True)
+    s.applied()  # a later call changes nothing: the first decided
+    assert s.settle(begin=True) is None  # committed, and no begin went
+    assert s.revision == 8 and s.hooked == [7] and s.pending_revision is None
+    assert [p for p, _ in fake.got] == ["/v1/commit"] * 2
+    assert all(m.ok for _, m in fake.got)
+
+
+def test_a_vote_settled_outside_a_begin_goes_alone() -> None:
+    # the end of a run (Strategy.finish, Session.close) settles without having applied():
+    # the vote is reported as a commit, and an abort loses no work (nothing was computed)
+    fake = _Coordinator({"/v1/commit": [msgs.Aborted()], "/v1/begin": []})
+    s = _Session(fake, carry=True)
+    before = _bits(s.state)
+    assert s._vote_ahead(_Round())
+    with torch.no_grad():
+        s.state["global/w"].add_(1)
+    s.settle()
+    assert [p for p, _ in fake.got] == ["/v1/commit"]
+    assert _bits(s.state) == before and s.revision == 7 and not s._void
+
+
+class _RoundSession(_Session):
+    """The stand-in session with the part of :meth:`Session.run_round` a pipelined round
+    takes: the round's function, then the vote sent ahead."""
+
+    def __init__(self, client: _Coordinator) -> None:
+        super().__init__(client, carry=True)
+        self.config = SimpleNamespace(
+            pipeline_commit=True, round_timeout=5.0, resume=None, checkpoint_dir=None
+        )
+
+    def add_commit_hook(self, fn: Any) -> None:
+        self._commit_hooks.append(fn)
+
+    def run_round(self, fn: Any, *, pipelined: bool = False) -> Any:
+        assert pipelined
+        out = fn(_Round())
+        assert self._vote_ahead(_Round())
+        return out
+
+
+def _counting_strategy(session: _RoundSession, run_steps: int) -> Any:
+    from isthmus.strategies.base import Strategy
+    from isthmus.strategies.ddp import DDPConfig
+
+    class Counting(Strategy):
+        """A round per step whose result is the shared step counter plus one."""
+
+        name = "counting"
+        Config = DDPConfig
+
+        def setup(self) -> None:
+            self.global_step = session.state["meta/step"]
+
+        def pipelines_rounds(self) -> bool:
+            return True
+
+        def _step(self) -> None:
+            session.run_round(lambda rnd: None, **self.round_options())
+            with torch.no_grad():
+                self.global_step.add_(1)
+
+    st = Counting(session, torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    st.run_steps = run_steps
+    return st
+
+
+def test_the_step_that_reaches_run_steps_settles_its_round_without_a_begin() -> None:
+    s = _RoundSession(_Coordinator({"/v1/commit": [msgs.Committed()], "/v1/begin": []}))
+    st = _counting_strategy(s, run_steps=42)  # meta/step is 41: this step is the last
+    st.step()
+    assert st.step_count == 42 and s.revision == 8 and s.pending_revision is None
+    assert [p for p, _ in s._client.got] == ["/v1/commit"]
+    st.finish()  # nothing left to settle, nothing sent
+    assert len(s._client.got) == 1
+
+
+def test_an_aborted_last_round_leaves_the_step_to_be_run_again_with_its_work_counting() -> None:
+    s = _RoundSession(_Coordinator({"/v1/commit": [msgs.Aborted()], "/v1/begin": []}))
+    st = _counting_strategy(s, run_steps=42)
+    before = _bits(s.state)
+    st.step()
+    # undone within the step: the loop (while step_count < run_steps) runs the step again,
+    # and its next gradient, computed from the restored state, counts
+    assert st.step_count == 41 and _bits(s.state) == before and not s._void
+    assert [p for p, _ in s._client.got] == ["/v1/commit"]
+
+
+def test_the_round_known_to_end_the_run_takes_the_waiting_path() -> None:
+    st = _counting_strategy(_RoundSession(_Coordinator({})), run_steps=42)
+    assert st.round_options(step_after=41) == {"pipelined": True}
+    assert st.round_options(step_after=42) == {}  # its verdict before the step returns
+    assert st.round_options() == {"pipelined": True}  # not known: the step settles after
+    st.run_steps = None
+    assert st.round_options(step_after=10**6) == {"pipelined": True}
+    st.session.config.pipeline_commit = False
+    assert st.round_options(step_after=1) == {}

@@ -120,14 +120,17 @@ class SessionConfig:
     this peer's own local state if the checkpoint has its slot)."""
     max_attempts: int = 100
     """How many times one round may abort and retry before :class:`RoundFailed`."""
-    pipeline_commit: bool = False
+    pipeline_commit: bool = True
     """Send a round's commit vote and the next round's begin from a background thread while
     the next step computes, instead of waiting for them between steps (one request carrying
-    both where the coordinator offers it, else two: :mod:`isthmus.comm.vote`). A strategy that can (DDP, DiLoCo: the shared state changes only
-    in rounds) applies the result tentatively, with an undo copy of the shared state, and
-    learns the verdict at its next round: committed, it goes on; aborted, its shared state is
-    restored bit for bit and its local work since counts in no round. Costs one copy of the
-    shared state per round; every peer may choose on its own."""
+    both where the coordinator offers it, else two: :mod:`isthmus.comm.vote`). A strategy that
+    can (DDP, DiLoCo, local SGD: the shared state changes only in rounds) applies the result
+    tentatively, with an undo copy of the shared state, and learns the verdict at its next
+    round: committed, it goes on; aborted, its shared state is restored bit for bit and its
+    local work since counts in no round. Costs one copy of the shared state per round; a
+    corrupted tensor is caught one round later than on the waiting path (the hashes sent with a
+    vote are taken when its round is applied). False: every round waits for its verdict.
+    Every peer may choose on its own."""
     tensorboard: str | None = None
     """Write :meth:`Session.log_scalars` (loss, learning rate, ...) with the world size and bytes
     sent as TensorBoard event files under ``DIR/<name>/`` (one run per peer). Needs the

@@ -11,6 +11,11 @@ coordinator's verdict on the training thread. The session instead:
 3. returns the round's result, which the strategy applies *tentatively* while the next step
    computes.
 
+A round the caller knows to be its last (:meth:`VoteAhead.applied` with ``last=True``: the
+strategy's step budget is reached), and a vote settled outside a ``begin`` (the end of the run,
+leaving), sends the vote alone (``commit``) and no ``begin``: no round forms for a peer that
+will not take part in it.
+
 Before the next round runs anything that leaves the peer (or before a checkpoint, the end of
 the run, leaving), the session *settles* the vote: ``committed`` raises its revision; anything
 else (``aborted``, ``evicted``, a coordinator that cannot be reached or restarted) restores the
@@ -113,6 +118,9 @@ class PendingVote:
     unknown. A failure of the begin after it only leaves :attr:`answer` None."""
     settled: bool = False
     """The training thread has taken the outcome (revision raised, or the undo restored)."""
+    ahead: bool = False
+    """The training thread went on computing from the tentative state (it prepared a begin):
+    that work is void if the vote does not commit."""
     decided: threading.Event = dataclasses.field(default_factory=threading.Event)
     prepared: threading.Event = dataclasses.field(default_factory=threading.Event)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -128,10 +136,11 @@ class PendingVote:
         ).start()
 
     def prepare(self, begin: msgs.Begin | None) -> None:
-        """Hand the thread the next round's begin (None: send none). Idempotent: the first
-        call counts."""
+        """Hand the thread the next round's begin (None: send none, the vote goes alone).
+        Idempotent: the first call counts."""
         if not self.prepared.is_set():
             self.next_begin = begin
+            self.ahead = begin is not None
             self.prepared.set()
 
     def _poll(self, client: CoordinatorClient, path: str, msg: Any) -> msgs.Decision:
@@ -305,27 +314,35 @@ class VoteAhead:
         v = self._vote
         return None if v is None or v.settled else v.plan.round + 1
 
-    def applied(self) -> None:
+    def applied(self, *, last: bool = False) -> None:
         """The caller has applied the result of a pipelined round: the shared state is what the
         next round starts from. Takes its hashes now if the next begin carries them (they are
-        sent only once the round committed) and lets the background send that begin. Does
-        nothing without a pending vote."""
+        sent only once the round committed) and lets the background send that begin. With
+        ``last`` (the caller will run no further round: its run ends) the vote goes alone, as
+        a ``commit``, and no begin is sent, so the coordinator forms no round that this peer's
+        leaving would abort. Does nothing without a pending vote, or once a call decided."""
         v = self._vote
         if v is not None and not v.settled and not v.prepared.is_set():
-            v.prepare(self._next_begin(v.plan.round + 1))
+            v.prepare(None if last else self._next_begin(v.plan.round + 1))
 
     def settle(self, *, begin: bool = False) -> tuple[msgs.Begin, msgs.Decision] | None:
         """Wait for the verdict on the round applied tentatively. Committed: :attr:`revision`
         rises. Anything else: the shared state is restored from the undo copy (bit for bit) and
-        this peer's work since counts in no round (:attr:`Round.resynced`) until one commits.
-        ``begin=True`` also waits for the next round's begin that the background sent and
-        returns it with its last answer (None: it sent none). Raises what the background met
-        (a coordinator that cannot be reached), after the undo."""
+        this peer's work since (if it went on computing from the tentative state: it prepared
+        a begin) counts in no round (:attr:`Round.resynced`) until one commits.
+        ``begin=True`` first lets the background send the next round's begin (if it has not
+        yet), waits for it and returns it with its last answer (None: it sent none). Without
+        it, a vote whose begin was not prepared yet goes alone (the caller ends its run, or
+        checkpoints after :meth:`applied`). Raises what the background met (a coordinator that
+        cannot be reached), after the undo."""
         v = self._vote
         if v is None:
             return None
         if not v.settled:
-            self.applied()
+            if begin:
+                self.applied()
+            else:
+                v.prepare(None)  # no-op where applied() prepared the begin already
             v.decided.wait()
             v.settled = True
             committed = v.committed
@@ -335,7 +352,7 @@ class VoteAhead:
                     hook(v.plan)
             else:
                 self._undo.restore(self.state)
-                self._void = True
+                self._void = v.ahead  # nothing computed from the undone state: no work lost
                 log.warning("%s: round %d was not committed; undone", self.name, v.plan.round)
             reason = str(v.error) if v.error else (v.outcome.reason if v.outcome else "")
             self._record(v.plan, committed, "round", reason, v.started, v.decided_at)

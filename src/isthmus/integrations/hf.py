@@ -228,6 +228,7 @@ class IsthmusCallback(TrainerCallback):  # type: ignore[misc]
                 "start the peers with `isthmus run`, not torchrun or accelerate launch: each "
                 "peer is its own one-process Trainer and isthmus does the communication"
             )
+        self.strategy.run_steps = args.max_steps  # the last round begins no other
         return control
 
     def on_step_end(

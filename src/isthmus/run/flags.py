@@ -3,7 +3,9 @@
 Every leaf of the config becomes ``--<flat-name>`` (``data.batch_size`` is ``--batch-size``), with
 the help text its field declares (:func:`~isthmus.settings.setting`: it is in the field's metadata, so
 an installed package has it too) and its default shown; a bool that defaults to true gets its
-``negate`` name (``--no-progress``), one that defaults to false is a switch (``--probe-links``);
+``negate`` name (``--no-progress``; with ``switch`` in its metadata also its plain name, hidden
+from the help, for commands written before it was on), one that defaults to false is a switch
+(``--probe-links``);
 list and dict leaves repeat (``--kill 1@20 --kill 2@30``) through the parser in their metadata. Every flag's value is a string that
 :func:`~isthmus.run.config.apply_overrides` coerces through the field's type, so a flag, a
 ``--set data.batch_size=8`` and a scenario key are checked by the same code. Only flags the user
@@ -82,6 +84,15 @@ def add_config_flags(
         dest = _PREFIX + flat
         meta = leaf.field.metadata
         if leaf.hint is bool and "negate" in meta:
+            if meta.get("switch"):  # on by default, its switch kept: commands that name it parse
+                group.add_argument(
+                    "--" + flat.replace("_", "-"),
+                    dest=dest,
+                    action="store_const",
+                    const="true",
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                )
             group.add_argument(
                 "--" + meta["negate"].replace("_", "-"),
                 dest=dest,

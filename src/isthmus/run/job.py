@@ -293,6 +293,7 @@ def run_job(job: PeerJob) -> PeerResult:
         byzantine_f=s.byzantine_f,
         **options,
     )
+    strategy.run_steps = run.steps  # its last round begins no other (pipeline_commit)
     flip = install_attack(me.attack, strategy, me.attack_from_step) if me.attack else None
     # with a fixed global batch: global-stream position -> training window start
     order = GlobalOrder(len(corpus.train_data) - block_size, seed=run.data.seed)

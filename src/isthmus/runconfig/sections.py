@@ -179,10 +179,12 @@ class StrategyConfig(Checked):
         order).""",
     )
     pipeline_commit: bool = setting(
-        False,
+        True,
+        negate="no_pipeline_commit",
+        switch=True,
         help="""Peers send a round's commit vote and the next begin in the background while the
-        next step computes, applying the result tentatively with an undo copy (ddp, diloco;
-        docs/PROTOCOL.md).""",
+        next step computes, applying the result tentatively with an undo copy (ddp, diloco,
+        localsgd; docs/PROTOCOL.md). On by default.""",
     )
     mesh: bool = setting(
         False,

@@ -239,6 +239,13 @@ class Strategy(ABC):
         # The run's progress in inner steps, shared so that joiners pick it up.
         self.global_step = torch.zeros((), dtype=torch.int64)
         self.local_steps = 0
+        self.run_steps: int | None = None
+        """The run's length in steps, where the training loop knows it (``while
+        strategy.step_count < run_steps``; the built-in job sets it). With ``pipeline_commit``
+        the round that brings :attr:`step_count` to it (and any round after) waits for its
+        verdict (an abort is retried with the same work, as on the waiting path) and begins no
+        other, so no round forms that this peer's leaving would abort. None: unknown; the last round's vote then
+        carries the begin of a round that the peers' leaving aborts."""
         self.reducer = reducer or Reducer(
             compression=compression, aggregator=aggregator, byzantine_f=byzantine_f
         )
@@ -394,19 +401,23 @@ class Strategy(ABC):
         A round run with the session's ``pipeline_commit`` is applied tentatively here and
         settled by the next round (:meth:`Session.settle`); a checkpoint is only taken of a
         settled revision, so a step whose tentative revision is due for one waits for the
-        verdict first."""
+        verdict first. A pipelined round after which :attr:`step_count` reached :attr:`run_steps`
+        (the strategy expected more steps: a peer repaired to the run's step by the round) is
+        settled here too, its vote sent without a begin; if it aborted, the state is back where
+        it was and :attr:`step_count` below ``run_steps``, so the loop runs the step again."""
         self._step(*args, **kwargs)
         s = self.session
         pending = getattr(s, "pending_revision", None)  # None too for sessions without it
         if pending is not None:
-            s.applied()  # the result is in place: the next begin may go once it commits
-        ck = self.checkpointer
-        if ck is not None:
-            if pending is not None and pending % max(1, ck.every) == 0:
+            last = self.run_steps is not None and self.step_count >= self.run_steps
+            # the result is in place: the next begin may go once it commits (none after the last)
+            s.applied(last=last)
+            ck = self.checkpointer
+            if last or (ck is not None and pending % max(1, ck.every) == 0):
                 s.settle()
                 pending = None
-            if pending is None:
-                ck.maybe_save()
+        if pending is None and self.checkpointer is not None:
+            self.checkpointer.maybe_save()
 
     def finish(self) -> None:
         """Call once after the last step: the strategy's final round (the DiLoCo family syncs
@@ -437,13 +448,17 @@ class Strategy(ABC):
         steps. False here; DDP and DiLoCo say when they can."""
         return False
 
-    def round_options(self) -> dict[str, Any]:
+    def round_options(self, *, step_after: int | None = None) -> dict[str, Any]:
         """Keyword arguments for ``session.run_round``: ``pipelined=True`` when the session
-        pipelines commits and :meth:`pipelines_rounds`; else none (any session takes that)."""
+        pipelines commits and :meth:`pipelines_rounds`, unless ``step_after`` (what
+        :attr:`step_count` will be once the round is applied) reaches :attr:`run_steps`: the
+        run's last round waits for its verdict. Else none (any session takes that)."""
         cfg = getattr(self.session, "config", None)
-        if getattr(cfg, "pipeline_commit", False) and self.pipelines_rounds():
-            return {"pipelined": True}
-        return {}
+        if not (getattr(cfg, "pipeline_commit", False) and self.pipelines_rounds()):
+            return {}
+        if self.run_steps is not None and step_after is not None and step_after >= self.run_steps:
+            return {}  # the last round: nothing computes after it to hide its verdict behind
+        return {"pipelined": True}
 
     @abstractmethod
     def _step(self, *args: Any, **kwargs: Any) -> None:

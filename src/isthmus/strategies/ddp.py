@@ -206,7 +206,8 @@ class DDP(Strategy):
                 rnd.check_faults("collective", step=self.step_count)
                 return pending.wait()
 
-            result = self.session.run_round(reduce, **self.round_options())
+            options = self.round_options(step_after=self.step_count + 1)
+            result = self.session.run_round(reduce, **options)
             # Committed on every peer (or, pipelined, applied until the verdict settles); every peer holds the same result, so takes the same branch.
             if result is not None:
                 for grad, g in zip(grads, result.tensors, strict=True):

@@ -249,7 +249,10 @@ class DiLoCo(PhasedStrategy):
                 # the round may write the shared state (a repair as it begins, its result):
                 # the copy a checkpoint is making of it on its writer thread must be done first
                 self.checkpointer.settle()
-            result = self.session.run_round(reduce, **self.round_options())
+            # the round moves the inner steps into the shared counter: step_count stays
+            result = self.session.run_round(
+                reduce, **self.round_options(step_after=self.step_count)
+            )
             if gathered:
                 table = gathered[0].view(-1, 2)
                 self._fastest = float(table[:, 0].max())
