@@ -59,3 +59,15 @@ def test_a_launcher_names_its_peers(tmp_path: Path) -> None:
     assert bare.slots[0].next_name() == "peer0"  # the bare names, asked for
     with pytest.raises(ValueError, match="name prefix"):
         _launcher(tmp_path, name_prefix="a.b")
+
+
+def test_a_launcher_that_cannot_start_gives_its_prefix_back(tmp_path: Path) -> None:
+    where = f"127.0.0.1:{id(object()) % 60000 + 1}"
+    failing = _launcher(
+        tmp_path, coordinator=where, token="t", coordinator_fingerprint="not-a-fingerprint"
+    )
+    with pytest.raises(ValueError, match="fingerprint"):
+        failing.run()
+    again = PrefixClaim(machine_prefix(), where)
+    assert again.prefix == failing.name_prefix  # not "-2": the failed launcher let it go
+    again.release()

@@ -346,7 +346,14 @@ class Launcher:
                 f"this machine's peers are named {peer_name(self.name_prefix, 0)}, ... "
                 "(choose with --name-prefix)"
             )
-        self._start_coordinator()
+        try:
+            self._start_coordinator()
+        except BaseException:
+            # nothing was started: the machine's peer names go back (a launcher started
+            # again in this process must get the same ones, or resumed peers miss their state)
+            if self._claim is not None:
+                self._claim.release()
+            raise
         try:
             for h in self.hooks:
                 h.start(self)

@@ -349,6 +349,9 @@ class ZO(Strategy):
                 entry = self.session.run_round(exchange)
                 self.log.append(entry)
             self._apply(entry)
+            # the last pass left FSDP2's root gathered at a perturbed point: a forward after
+            # this step (an evaluation, the user's) must gather the updated shards
+            self._let_go()
         self._cache = None
         self.global_step += 1
         self.local_steps += 1
@@ -411,9 +414,14 @@ class ZO(Strategy):
         finite = [x for x in losses if math.isfinite(x)]
         return codes, (sum(finite) / len(finite) if finite else math.nan)
 
-    def _loss(self, loss_fn: LossFn) -> float:
-        for m in self.fsdp:  # the next forward gathers the shards as they are now
+    def _let_go(self) -> None:
+        """Free FSDP2's gathered parameters, so the next forward gathers the shards as they are
+        now (FSDP2 keeps the root's parameters gathered after a forward pass without backward)."""
+        for m in self.fsdp:
             m.reshard()
+
+    def _loss(self, loss_fn: LossFn) -> float:
+        self._let_go()
         return float(loss_fn())
 
     def _restore(self, backup: list[torch.Tensor]) -> None:
