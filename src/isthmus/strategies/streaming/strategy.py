@@ -252,6 +252,7 @@ class StreamingDiLoCo(PhasedStrategy):
                 and (rnd is None or not rnd.resynced)
                 and (not self.buffers or self.buffers.finite(snap))
             )
+            flat = self.buffers.flat(snap)  # the step rides beside it, on its device
             plan = Planned(
                 items=[
                     (self.names[i], as_started(self.global_params[i], local[k]) - local[k])
@@ -259,7 +260,7 @@ class StreamingDiLoCo(PhasedStrategy):
                 ],
                 contribute=ok,
                 exact=torch.cat(
-                    [torch.tensor([float(apply_step - base)]), self.buffers.flat(snap)]
+                    [torch.tensor([float(apply_step - base)], device=flat.device), flat]
                 ),
                 tag=_Sync(frag, apply_step, base, tuple(snap) if ok else None),
                 placements=[self.placements[i] for i in idx],
