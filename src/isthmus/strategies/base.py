@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from isthmus.checkpoint.attach import checkpointer_for, restore_shared, resume_from
 from isthmus.checkpoint.save import Checkpointer
@@ -217,6 +218,7 @@ class Strategy(ABC):
             )
         self.session = session
         self.model = model
+        self._fsdp: list[FSDPModule] | None = None  # found at the first let_go_gathered
         self.optimizer = optimizer
         self.config = config if config is not None else self.Config()
         self.model_state = ModelState.of(model)
@@ -406,6 +408,7 @@ class Strategy(ABC):
         settled here too, its vote sent without a begin; if it aborted, the state is back where
         it was and :attr:`step_count` below ``run_steps``, so the loop runs the step again."""
         self._step(*args, **kwargs)
+        self.let_go_gathered()
         s = self.session
         pending = getattr(s, "pending_revision", None)  # None too for sessions without it
         if pending is not None:
@@ -431,6 +434,7 @@ class Strategy(ABC):
         self._finish()
         if getattr(self.session, "pending_revision", None) is not None:
             self.session.settle()  # the run ends on a final revision
+        self.let_go_gathered()
         if self.checkpointer is not None and self.session is not None:
             self.checkpointer.maybe_save(force=True)
             s = self.session
@@ -441,6 +445,17 @@ class Strategy(ABC):
                 limit_s=final_checkpoint_limit_s(nbytes, floor),
                 unseen_min_s=final_checkpoint_wait_s(nbytes, floor),
             )
+
+    def let_go_gathered(self) -> None:
+        """Drop FSDP2's gathered copies of the model's parameters, so that the next forward
+        gathers the shards as the strategy left them. FSDP2 keeps a root module's parameters
+        gathered after a forward pass without backward (an evaluation); a round that writes
+        the shards after one would otherwise not be seen. A no-op without FSDP2 modules, and
+        for modules already sharded."""
+        if self._fsdp is None:
+            self._fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in self._fsdp:
+            m.reshard()
 
     def pipelines_rounds(self) -> bool:
         """Whether a round's result may be applied before its verdict (the session's

@@ -269,11 +269,6 @@ class ZO(Strategy):
                 "between two peers, point to point; it is not built for islands: use "
                 "pairing='none'"
             )
-        # FSDP2 keeps the root's parameters gathered after a forward pass without backward:
-        # every pass must gather the shards as perturbed (or updated) since, so they are let go
-        self.fsdp = [
-            m for m in self.model.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")
-        ]
         self.keep = distinct(self.params)
         # on a rank of an island each parameter is a shard: z is drawn whole and sliced
         self.spans: list[Span | None] = [
@@ -415,10 +410,9 @@ class ZO(Strategy):
         return codes, (sum(finite) / len(finite) if finite else math.nan)
 
     def _let_go(self) -> None:
-        """Free FSDP2's gathered parameters, so the next forward gathers the shards as they are
-        now (FSDP2 keeps the root's parameters gathered after a forward pass without backward)."""
-        for m in self.fsdp:
-            m.reshard()
+        # every pass gathers the shards as perturbed (or updated) since: FSDP2 keeps the
+        # root's parameters gathered after a forward pass without backward
+        self.let_go_gathered()
 
     def _loss(self, loss_fn: LossFn) -> float:
         self._let_go()
