@@ -3,7 +3,8 @@ loopback (``coordinator_swarm.py``: registration, heartbeats over the websocket,
 commit with hashes, the same messages real peers send, no torch).
 
     python benchmarks/coordinator_scale.py [--peers 10,100,1000] [--rounds 30] [--procs 2]
-        [--idle 5] [--mode two|one|both] [--profile DIR] [--json FILE]
+        [--idle 5] [--mode two|one|both] [--transport frames|http] [--profile DIR]
+        [--json FILE]
 
 For each size: a coordinator in a process of its own (its defaults, but ``start_peers`` = the
 size so that the first round waits for everyone), and the peers spread over ``--procs`` client
@@ -13,7 +14,10 @@ coordinator's CPU per heartbeat); then every peer runs ``--rounds`` rounds back 
 with hashes, commit at once, begin again), the first ``--warmup`` of them not counted. With
 ``--mode one`` each peer's ``ok`` rides in its next begin (``Begin.prev``: one request per
 member and round; the last round is committed with a commit); ``--mode both`` measures the two
-modes back to back for each size.
+modes back to back for each size. With ``--transport frames`` (the default) begin and commit
+go as frames on each peer's heartbeat websocket where the coordinator lists ``ws-rounds`` (as
+a real peer's client sends them), else as HTTP requests; ``--transport http`` always uses
+HTTP. The ``transport`` of each result says which one the peers used.
 
 Figures (per counted round): formation latency, from the last member's begin sent to the last
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
@@ -137,11 +141,18 @@ def _rss_mb(pid: int) -> float:
 
 # -- a client process ------------------------------------------------------------------------
 def client_main(
-    base: str, names: list[str], rounds: int, limit_s: float, conn: Any, carry: bool = False
+    base: str,
+    names: list[str],
+    rounds: int,
+    limit_s: float,
+    conn: Any,
+    carry: bool = False,
+    frames: bool = True,
 ) -> None:
     """Host the peers ``names`` in this process: register them, connect their heartbeats, say
     ``ready``, wait for ``go``, run ``rounds`` rounds and send back every peer's round times.
-    ``carry``: each vote rides in the next begin (one request per round)."""
+    ``carry``: each vote rides in the next begin (one request per round); ``frames``: begin
+    and commit as websocket frames where the coordinator offers them."""
     import asyncio
 
     from coordinator_swarm import ProtoPeer, SwarmConfig, open_session
@@ -150,7 +161,7 @@ def client_main(
 
     async def main() -> None:
         async with open_session() as session:
-            cfg = SwarmConfig(vote_in_begin=carry)
+            cfg = SwarmConfig(vote_in_begin=carry, frames=frames)
             peers = [ProtoPeer(base, join_token(TOKEN, n), n, session, cfg) for n in names]
             for i in range(0, len(peers), 50):  # not all at once: the loop's accept backlog
                 await asyncio.gather(*(p.register() for p in peers[i : i + 50]))
@@ -168,7 +179,8 @@ def client_main(
             await asyncio.gather(*(p.run_until(rounds, deadline) for p in peers))
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
-            conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], lost)))
+            framed = sum(p.frames_sent for p in peers)
+            conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], lost, framed)))
             await asyncio.gather(*(p.close() for p in peers))
 
     asyncio.run(main())
@@ -196,6 +208,7 @@ def measure(
     limit_s: float,
     profile: Path | None,
     carry: bool = False,
+    frames: bool = True,
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
@@ -224,7 +237,7 @@ def measure(
         a, b = ctx.Pipe()
         w = ctx.Process(
             target=client_main,
-            args=(base, names[j::k], rounds, limit_s, b, carry),
+            args=(base, names[j::k], rounds, limit_s, b, carry, frames),
             daemon=True,
         )
         w.start()
@@ -248,13 +261,14 @@ def measure(
     for a in pipes:
         a.send("go")
     records: list[dict[str, Any]] = []
-    evicted = failed = 0
+    evicted = failed = framed = 0
     t_rounds = time.monotonic()
     for a in pipes:
-        kind, (per_peer, (ev, fails)) = a.recv()
+        kind, (per_peer, (ev, fails), sent) = a.recv()
         assert kind == "rounds"
         evicted += ev
         failed += fails
+        framed += sent
         for rs in per_peer:
             records.extend(rs)
     t_rounds = time.monotonic() - t_rounds
@@ -303,6 +317,8 @@ def measure(
     return {
         "peers": n,
         "mode": "one" if carry else "two",
+        "transport": "frames" if framed else "http",
+        "frames_sent": framed,
         "procs": k,
         "rounds": len(counted),
         "world": statistics.median(len(by_round[r]) for r in counted),
@@ -345,7 +361,7 @@ def _row(r: dict[str, Any]) -> str:
         r["rss_mb"],
     )
     return (
-        f"| {r['peers']} | {r['mode']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
+        f"| {r['peers']} | {r['mode']} | {r['transport']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
         f"| {w['median']:.1f} / {w['p99']:.1f} | {cpu['median']:.1f} / {cpu['p99']:.1f} "
         f"| {r['heartbeats_per_s']:.0f} | {r['cpu_us_per_heartbeat']:.0f} | {r['idle_cpu_pct']:.1f} "
         f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} / {r['request_failures']} |"
@@ -353,9 +369,9 @@ def _row(r: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "| peers | requests | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
+    "| peers | requests | transport | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
     "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -381,6 +397,13 @@ def main() -> None:
         help="two requests per member and round (commit, then begin), one (the vote in the "
         "next begin), or both back to back for each size",
     )
+    ap.add_argument(
+        "--transport",
+        choices=("frames", "http"),
+        default="frames",
+        help="begin and commit as websocket frames where the coordinator offers them, or "
+        "always as HTTP requests",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     results = []
@@ -399,6 +422,7 @@ def main() -> None:
             limit_s=a.limit,
             profile=prof,
             carry=carry,
+            frames=a.transport == "frames",
         )
         results.append(r)
         print(json.dumps(r), flush=True)
