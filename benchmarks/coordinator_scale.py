@@ -24,7 +24,9 @@ member's ``go`` received; commit latency, from the last commit sent to the last 
 received (with the vote in the begin: from the last carrying begin sent to the last answer
 that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
 CPU time (user + system of its whole process, sampled in the process at every commit); and its
-RSS at the end. ``--profile DIR`` runs the coordinator under cProfile and writes
+RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
+round ``--warmup`` on (the counted rounds only: not the registrations nor the first rounds) and
+writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
 
 Join tokens: each peer registers with a join token of its own (a realistic large run; the
@@ -69,7 +71,7 @@ TOKEN = "scale-bench-token"
 
 
 # -- the coordinator's process ---------------------------------------------------------------
-def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
+def serve(port: int, peers: int, out: Path, profile: Path | None, warmup: int = 0) -> None:
     """Run a coordinator on ``port`` until stdin closes, then write what it measured to
     ``out`` (JSON): the CPU time and clock at every commit, RSS, counters."""
     import cProfile
@@ -90,9 +92,13 @@ def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
     m = coord.membership
     commit_round = m.commit_round
 
+    prof = cProfile.Profile() if profile is not None else None
+
     def timed_commit(now: float) -> None:
         commit_round(now)
         commits.append((m.revision, time.process_time(), time.monotonic()))
+        if prof is not None and m.revision == warmup:
+            prof.enable()  # on the loop's thread, which runs the rounds
 
     m.commit_round = timed_commit  # type: ignore[method-assign]
 
@@ -119,9 +125,6 @@ def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
         coord.stop()
 
     threading.Thread(target=stop_on_eof, daemon=True).start()
-    prof = cProfile.Profile() if profile is not None else None
-    if prof is not None:
-        prof.enable()
     coord.serve_forever()
     if prof is not None:
         prof.disable()
@@ -180,7 +183,12 @@ def client_main(
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
             framed = sum(p.frames_sent for p in peers)
-            conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], lost, framed)))
+            kinds: dict[str, int] = {}
+            for p in peers:
+                for k, v in p.failure_kinds.items():
+                    kinds[k] = kinds.get(k, 0) + v
+            rounds_of = [[vars(r) for r in p.rounds] for p in peers]
+            conn.send(("rounds", (rounds_of, lost, framed, kinds)))
             await asyncio.gather(*(p.close() for p in peers))
 
     asyncio.run(main())
@@ -214,7 +222,12 @@ def measure(
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     server = subprocess.Popen(
-        [sys.executable, __file__, "serve", str(port), str(n), str(out), str(profile or "")],
+        [
+            sys.executable,
+            __file__,
+            "serve",
+            *(str(x) for x in (port, n, out, profile or "", warmup)),
+        ],
         stdin=subprocess.PIPE,
         env=env,
     )
@@ -262,13 +275,16 @@ def measure(
         a.send("go")
     records: list[dict[str, Any]] = []
     evicted = failed = framed = 0
+    failure_kinds: dict[str, int] = {}
     t_rounds = time.monotonic()
     for a in pipes:
-        kind, (per_peer, (ev, fails), sent) = a.recv()
+        kind, (per_peer, (ev, fails), sent, kinds) = a.recv()
         assert kind == "rounds"
         evicted += ev
         failed += fails
         framed += sent
+        for k, v in kinds.items():
+            failure_kinds[k] = failure_kinds.get(k, 0) + v
         for rs in per_peer:
             records.extend(rs)
     t_rounds = time.monotonic() - t_rounds
@@ -297,6 +313,7 @@ def measure(
             "failed": f"{len(by_round)} rounds committed in {t_rounds:.0f} s",
             "evicted": evicted,
             "request_failures": failed,
+            "failure_kinds": failure_kinds,
         }
     form = [
         max(x["go"] for x in by_round[r]) - max(x["begin_sent"] for x in by_round[r])
@@ -343,6 +360,7 @@ def measure(
         "rounds_s": t_rounds,
         "evicted": evicted,
         "request_failures": failed,
+        "failure_kinds": failure_kinds,
         "counters": {k: stats["counters"][k] for k in ("rounds_committed", "rounds_aborted")},
     }
 
@@ -377,8 +395,8 @@ HEADER = (
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        _, _, port, n, out, prof = sys.argv
-        serve(int(port), int(n), Path(out), Path(prof) if prof else None)
+        _, _, port, n, out, prof, warmup = sys.argv
+        serve(int(port), int(n), Path(out), Path(prof) if prof else None, int(warmup))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", default="10,100,1000")

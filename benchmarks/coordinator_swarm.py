@@ -131,6 +131,8 @@ class ProtoPeer:
     _formed_at: tuple[float, float] = (0.0, 0.0)
     frames_sent: int = 0
     """Begins and commits sent as websocket frames."""
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+    """How many of :attr:`failures` each kind of error was."""
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _hb_task: asyncio.Task[None] | None = None
     _replies: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
@@ -381,13 +383,16 @@ class ProtoPeer:
             last = self.revision + (2 if pending else 1) >= revision
             try:
                 await self.run_round(last=last)
-            except (asyncio.TimeoutError, aiohttp.ClientError, ProtocolError, ConnectionError):
+            except (asyncio.TimeoutError, aiohttp.ClientError, ProtocolError, ConnectionError) as e:
                 # an overloaded coordinator: a request past read_timeout, a dropped
                 # connection; a real peer retries, and so does this one (counted)
                 self.failures += 1
+                self.failure_kinds[type(e).__name__] = (
+                    self.failure_kinds.get(type(e).__name__, 0) + 1
+                )
                 if self._ws is None or self._ws.closed:
                     with contextlib.suppress(
-                        asyncio.TimeoutError, aiohttp.ClientError, ProtocolError
+                        asyncio.TimeoutError, aiohttp.ClientError, ProtocolError, ConnectionError
                     ):
                         await self.rejoin()
 
