@@ -71,9 +71,17 @@ TOKEN = "scale-bench-token"
 
 
 # -- the coordinator's process ---------------------------------------------------------------
-def serve(port: int, peers: int, out: Path, profile: Path | None, warmup: int = 0) -> None:
+def serve(
+    port: int,
+    peers: int,
+    out: Path,
+    profile: Path | None,
+    warmup: int = 0,
+    heartbeat_timeout: float = 0.0,
+) -> None:
     """Run a coordinator on ``port`` until stdin closes, then write what it measured to
-    ``out`` (JSON): the CPU time and clock at every commit, RSS, counters."""
+    ``out`` (JSON): the CPU time and clock at every commit, RSS, counters.
+    ``heartbeat_timeout``: the membership's bound, where positive (else its default)."""
     import cProfile
     import resource
     import threading
@@ -85,7 +93,11 @@ def serve(port: int, peers: int, out: Path, profile: Path | None, warmup: int = 
         token=TOKEN,
         host="127.0.0.1",
         port=port,
-        membership=MembershipConfig(start_peers=peers, start_timeout=600.0),
+        membership=MembershipConfig(
+            start_peers=peers,
+            start_timeout=600.0,
+            **({"heartbeat_timeout": heartbeat_timeout} if heartbeat_timeout > 0 else {}),
+        ),
     )
     coord = Coordinator(cfg)
     commits: list[tuple[int, float, float]] = []
@@ -217,6 +229,7 @@ def measure(
     profile: Path | None,
     carry: bool = False,
     frames: bool = True,
+    heartbeat_timeout: float = 0.0,
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
@@ -226,7 +239,7 @@ def measure(
             sys.executable,
             __file__,
             "serve",
-            *(str(x) for x in (port, n, out, profile or "", warmup)),
+            *(str(x) for x in (port, n, out, profile or "", warmup, heartbeat_timeout)),
         ],
         stdin=subprocess.PIPE,
         env=env,
@@ -283,8 +296,8 @@ def measure(
         evicted += ev
         failed += fails
         framed += sent
-        for k, v in kinds.items():
-            failure_kinds[k] = failure_kinds.get(k, 0) + v
+        for what, v in kinds.items():
+            failure_kinds[what] = failure_kinds.get(what, 0) + v
         for rs in per_peer:
             records.extend(rs)
     t_rounds = time.monotonic() - t_rounds
@@ -395,8 +408,8 @@ HEADER = (
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        _, _, port, n, out, prof, warmup = sys.argv
-        serve(int(port), int(n), Path(out), Path(prof) if prof else None, int(warmup))
+        _, _, port, n, out, prof, warmup, hb = sys.argv
+        serve(int(port), int(n), Path(out), Path(prof) if prof else None, int(warmup), float(hb))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", default="10,100,1000")
@@ -422,6 +435,13 @@ def main() -> None:
         help="begin and commit as websocket frames where the coordinator offers them, or "
         "always as HTTP requests",
     )
+    ap.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="the coordinator's heartbeat_timeout in seconds (default: its own, 5 s); a "
+        "longer one keeps a machine that other work loads from evicting starved clients",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     results = []
@@ -441,6 +461,7 @@ def main() -> None:
             profile=prof,
             carry=carry,
             frames=a.transport == "frames",
+            heartbeat_timeout=a.heartbeat_timeout,
         )
         results.append(r)
         print(json.dumps(r), flush=True)
