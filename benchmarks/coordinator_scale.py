@@ -3,7 +3,8 @@ loopback (``coordinator_swarm.py``: registration, heartbeats over the websocket,
 commit with hashes, the same messages real peers send, no torch).
 
     python benchmarks/coordinator_scale.py [--peers 10,100,1000] [--rounds 30] [--procs 2]
-        [--idle 5] [--mode two|one|both] [--profile DIR] [--json FILE]
+        [--idle 5] [--mode two|one|both] [--transport frames|http] [--profile DIR]
+        [--json FILE]
 
 For each size: a coordinator in a process of its own (its defaults, but ``start_peers`` = the
 size so that the first round waits for everyone), and the peers spread over ``--procs`` client
@@ -13,14 +14,19 @@ coordinator's CPU per heartbeat); then every peer runs ``--rounds`` rounds back 
 with hashes, commit at once, begin again), the first ``--warmup`` of them not counted. With
 ``--mode one`` each peer's ``ok`` rides in its next begin (``Begin.prev``: one request per
 member and round; the last round is committed with a commit); ``--mode both`` measures the two
-modes back to back for each size.
+modes back to back for each size. With ``--transport frames`` (the default) begin and commit
+go as frames on each peer's heartbeat websocket where the coordinator lists ``ws-rounds`` (as
+a real peer's client sends them), else as HTTP requests; ``--transport http`` always uses
+HTTP. The ``transport`` of each result says which one the peers used.
 
 Figures (per counted round): formation latency, from the last member's begin sent to the last
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
 received (with the vote in the begin: from the last carrying begin sent to the last answer
 that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
 CPU time (user + system of its whole process, sampled in the process at every commit); and its
-RSS at the end. ``--profile DIR`` runs the coordinator under cProfile and writes
+RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
+round ``--warmup`` on (the counted rounds only: not the registrations nor the first rounds) and
+writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
 
 Join tokens: each peer registers with a join token of its own (a realistic large run; the
@@ -65,9 +71,17 @@ TOKEN = "scale-bench-token"
 
 
 # -- the coordinator's process ---------------------------------------------------------------
-def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
+def serve(
+    port: int,
+    peers: int,
+    out: Path,
+    profile: Path | None,
+    warmup: int = 0,
+    heartbeat_timeout: float = 0.0,
+) -> None:
     """Run a coordinator on ``port`` until stdin closes, then write what it measured to
-    ``out`` (JSON): the CPU time and clock at every commit, RSS, counters."""
+    ``out`` (JSON): the CPU time and clock at every commit, RSS, counters.
+    ``heartbeat_timeout``: the membership's bound, where positive (else its default)."""
     import cProfile
     import resource
     import threading
@@ -79,16 +93,24 @@ def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
         token=TOKEN,
         host="127.0.0.1",
         port=port,
-        membership=MembershipConfig(start_peers=peers, start_timeout=600.0),
+        membership=MembershipConfig(
+            start_peers=peers,
+            start_timeout=600.0,
+            **({"heartbeat_timeout": heartbeat_timeout} if heartbeat_timeout > 0 else {}),
+        ),
     )
     coord = Coordinator(cfg)
     commits: list[tuple[int, float, float]] = []
     m = coord.membership
     commit_round = m.commit_round
 
+    prof = cProfile.Profile() if profile is not None else None
+
     def timed_commit(now: float) -> None:
         commit_round(now)
         commits.append((m.revision, time.process_time(), time.monotonic()))
+        if prof is not None and m.revision == warmup:
+            prof.enable()  # on the loop's thread, which runs the rounds
 
     m.commit_round = timed_commit  # type: ignore[method-assign]
 
@@ -115,9 +137,6 @@ def serve(port: int, peers: int, out: Path, profile: Path | None) -> None:
         coord.stop()
 
     threading.Thread(target=stop_on_eof, daemon=True).start()
-    prof = cProfile.Profile() if profile is not None else None
-    if prof is not None:
-        prof.enable()
     coord.serve_forever()
     if prof is not None:
         prof.disable()
@@ -137,11 +156,18 @@ def _rss_mb(pid: int) -> float:
 
 # -- a client process ------------------------------------------------------------------------
 def client_main(
-    base: str, names: list[str], rounds: int, limit_s: float, conn: Any, carry: bool = False
+    base: str,
+    names: list[str],
+    rounds: int,
+    limit_s: float,
+    conn: Any,
+    carry: bool = False,
+    frames: bool = True,
 ) -> None:
     """Host the peers ``names`` in this process: register them, connect their heartbeats, say
     ``ready``, wait for ``go``, run ``rounds`` rounds and send back every peer's round times.
-    ``carry``: each vote rides in the next begin (one request per round)."""
+    ``carry``: each vote rides in the next begin (one request per round); ``frames``: begin
+    and commit as websocket frames where the coordinator offers them."""
     import asyncio
 
     from coordinator_swarm import ProtoPeer, SwarmConfig, open_session
@@ -150,7 +176,7 @@ def client_main(
 
     async def main() -> None:
         async with open_session() as session:
-            cfg = SwarmConfig(vote_in_begin=carry)
+            cfg = SwarmConfig(vote_in_begin=carry, frames=frames)
             peers = [ProtoPeer(base, join_token(TOKEN, n), n, session, cfg) for n in names]
             for i in range(0, len(peers), 50):  # not all at once: the loop's accept backlog
                 await asyncio.gather(*(p.register() for p in peers[i : i + 50]))
@@ -168,7 +194,13 @@ def client_main(
             await asyncio.gather(*(p.run_until(rounds, deadline) for p in peers))
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
-            conn.send(("rounds", ([[vars(r) for r in p.rounds] for p in peers], lost)))
+            framed = sum(p.frames_sent for p in peers)
+            kinds: dict[str, int] = {}
+            for p in peers:
+                for k, v in p.failure_kinds.items():
+                    kinds[k] = kinds.get(k, 0) + v
+            rounds_of = [[vars(r) for r in p.rounds] for p in peers]
+            conn.send(("rounds", (rounds_of, lost, framed, kinds)))
             await asyncio.gather(*(p.close() for p in peers))
 
     asyncio.run(main())
@@ -196,12 +228,19 @@ def measure(
     limit_s: float,
     profile: Path | None,
     carry: bool = False,
+    frames: bool = True,
+    heartbeat_timeout: float = 0.0,
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     server = subprocess.Popen(
-        [sys.executable, __file__, "serve", str(port), str(n), str(out), str(profile or "")],
+        [
+            sys.executable,
+            __file__,
+            "serve",
+            *(str(x) for x in (port, n, out, profile or "", warmup, heartbeat_timeout)),
+        ],
         stdin=subprocess.PIPE,
         env=env,
     )
@@ -224,7 +263,7 @@ def measure(
         a, b = ctx.Pipe()
         w = ctx.Process(
             target=client_main,
-            args=(base, names[j::k], rounds, limit_s, b, carry),
+            args=(base, names[j::k], rounds, limit_s, b, carry, frames),
             daemon=True,
         )
         w.start()
@@ -248,13 +287,17 @@ def measure(
     for a in pipes:
         a.send("go")
     records: list[dict[str, Any]] = []
-    evicted = failed = 0
+    evicted = failed = framed = 0
+    failure_kinds: dict[str, int] = {}
     t_rounds = time.monotonic()
     for a in pipes:
-        kind, (per_peer, (ev, fails)) = a.recv()
+        kind, (per_peer, (ev, fails), sent, kinds) = a.recv()
         assert kind == "rounds"
         evicted += ev
         failed += fails
+        framed += sent
+        for what, v in kinds.items():
+            failure_kinds[what] = failure_kinds.get(what, 0) + v
         for rs in per_peer:
             records.extend(rs)
     t_rounds = time.monotonic() - t_rounds
@@ -283,6 +326,7 @@ def measure(
             "failed": f"{len(by_round)} rounds committed in {t_rounds:.0f} s",
             "evicted": evicted,
             "request_failures": failed,
+            "failure_kinds": failure_kinds,
         }
     form = [
         max(x["go"] for x in by_round[r]) - max(x["begin_sent"] for x in by_round[r])
@@ -303,6 +347,8 @@ def measure(
     return {
         "peers": n,
         "mode": "one" if carry else "two",
+        "transport": "frames" if framed else "http",
+        "frames_sent": framed,
         "procs": k,
         "rounds": len(counted),
         "world": statistics.median(len(by_round[r]) for r in counted),
@@ -327,6 +373,7 @@ def measure(
         "rounds_s": t_rounds,
         "evicted": evicted,
         "request_failures": failed,
+        "failure_kinds": failure_kinds,
         "counters": {k: stats["counters"][k] for k in ("rounds_committed", "rounds_aborted")},
     }
 
@@ -345,7 +392,7 @@ def _row(r: dict[str, Any]) -> str:
         r["rss_mb"],
     )
     return (
-        f"| {r['peers']} | {r['mode']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
+        f"| {r['peers']} | {r['mode']} | {r['transport']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
         f"| {w['median']:.1f} / {w['p99']:.1f} | {cpu['median']:.1f} / {cpu['p99']:.1f} "
         f"| {r['heartbeats_per_s']:.0f} | {r['cpu_us_per_heartbeat']:.0f} | {r['idle_cpu_pct']:.1f} "
         f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} / {r['request_failures']} |"
@@ -353,16 +400,16 @@ def _row(r: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "| peers | requests | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
+    "| peers | requests | transport | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
     "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        _, _, port, n, out, prof = sys.argv
-        serve(int(port), int(n), Path(out), Path(prof) if prof else None)
+        _, _, port, n, out, prof, warmup, hb = sys.argv
+        serve(int(port), int(n), Path(out), Path(prof) if prof else None, int(warmup), float(hb))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", default="10,100,1000")
@@ -380,6 +427,20 @@ def main() -> None:
         default="two",
         help="two requests per member and round (commit, then begin), one (the vote in the "
         "next begin), or both back to back for each size",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=("frames", "http"),
+        default="frames",
+        help="begin and commit as websocket frames where the coordinator offers them, or "
+        "always as HTTP requests",
+    )
+    ap.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="the coordinator's heartbeat_timeout in seconds (default: its own, 5 s); a "
+        "longer one keeps a machine that other work loads from evicting starved clients",
     )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -399,6 +460,8 @@ def main() -> None:
             limit_s=a.limit,
             profile=prof,
             carry=carry,
+            frames=a.transport == "frames",
+            heartbeat_timeout=a.heartbeat_timeout,
         )
         results.append(r)
         print(json.dumps(r), flush=True)

@@ -6,7 +6,9 @@ keeps a heartbeat websocket (``GET /v1/ws``, a :class:`~protocol.Heartbeat` ever
 with the info a training peer sends: revision, byte counters, step, loss and its step's
 timing), and runs rounds: ``POST /v1/begin`` (schema on its first begin, hashes on parity
 rounds, again when asked with ``hashes``), then ``POST /v1/commit`` with ``ok``, each long-poll
-asked again while the answer is ``wait``; with :attr:`SwarmConfig.vote_in_begin` (and a
+asked again while the answer is ``wait``; with :attr:`SwarmConfig.frames` (and a coordinator
+that lists ``ws-rounds``) begin and commit go as frames on the heartbeat websocket instead
+(``coordinator/frames.py``), as a real peer's client sends them; with :attr:`SwarmConfig.vote_in_begin` (and a
 coordinator that lists ``vote-in-begin``) the ``ok`` rides in the next begin instead (one
 request per round, as a peer with ``pipeline_commit`` sends it), every message encoded and decoded with the shared
 codec (``coordinator/wire.py``). Every peer of a swarm holds the same "state" (the same hashes),
@@ -36,6 +38,10 @@ from isthmus.coordinator.wire import PROTOCOL_VERSION, decode, encode
 
 __all__ = ["ProtoPeer", "RoundTimes", "SwarmConfig", "open_session"]
 
+WS_ROUNDS = "ws-rounds"
+"""``coordinator/frames.py``'s feature, named here so that these clients also run against the
+source of a release from before frames (the benchmark's "before" rows)."""
+
 
 @dataclass(kw_only=True)
 class SwarmConfig:
@@ -54,6 +60,9 @@ class SwarmConfig:
     pipelining peer does) where the coordinator lists the feature; else commit, then begin.
     The last round of :meth:`ProtoPeer.run_until` is always reported with a commit (there is
     no next begin to carry it)."""
+    frames: bool = True
+    """Send begin and commit as frames on the heartbeat websocket where the coordinator lists
+    ``ws-rounds`` (else, or with False, as HTTP requests)."""
 
     def schema(self) -> tuple[msgs.TensorSpec, ...]:
         return tuple(
@@ -120,8 +129,14 @@ class ProtoPeer:
     """The round this peer finished whose ``ok`` rides in its next begin: its plan, when its
     begin was sent, when its go arrived, and when the carrying begin was sent."""
     _formed_at: tuple[float, float] = (0.0, 0.0)
+    frames_sent: int = 0
+    """Begins and commits sent as websocket frames."""
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+    """How many of :attr:`failures` each kind of error was."""
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _hb_task: asyncio.Task[None] | None = None
+    _replies: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    _next_id: int = 0
 
     async def _post(self, path: str, message: Any) -> dict[str, Any]:
         if time.monotonic() > self.deadline:
@@ -135,6 +150,39 @@ class ProtoPeer:
             if r.status != 200:
                 raise ProtocolError(f"{self.name}: {path} answered {r.status}: {await r.text()}")
             return dict(await r.json())
+
+    def framed(self) -> bool:
+        """Whether begin and commit go as websocket frames (asked, offered, socket open)."""
+        return (
+            self.config.frames
+            and WS_ROUNDS in self.features
+            and self._ws is not None
+            and not self._ws.closed
+        )
+
+    async def _ask(self, path: str, message: msgs.Begin | msgs.Commit) -> dict[str, Any]:
+        """A begin or commit, as a frame when :meth:`framed`, else over HTTP; the decision's
+        JSON. A frame's reply other than a decision raises :class:`ProtocolError`; a socket
+        that closes before the reply, :class:`ConnectionError`."""
+        if not self.framed():
+            return await self._post(path, message)
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(f"{self.name}: out of time asking {path}")
+        assert self._ws is not None
+        kind = "begin" if path == "/v1/begin" else "commit"
+        self._next_id += 1
+        fid = self._next_id
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[fid] = fut
+        try:
+            await self._ws.send_json({"type": kind, "id": fid, kind: encode(message)})
+            self.frames_sent += 1
+            raw = await asyncio.wait_for(fut, self.config.read_timeout)
+        finally:
+            self._replies.pop(fid, None)
+        if raw.get("status") == 200 and isinstance(raw.get("decision"), dict):
+            return raw["decision"]  # type: ignore[no-any-return]  # decoded by the caller
+        raise ProtocolError(f"{self.name}: {kind} frame answered {raw!r:.500}")
 
     async def register(self) -> None:
         reply = decode(
@@ -170,9 +218,20 @@ class ProtoPeer:
         assert ws is not None
 
         async def reader() -> None:
-            async for raw in ws:
-                if raw.type == aiohttp.WSMsgType.TEXT:
-                    self.pushes.append(decode(msgs.Push, raw.json()))
+            try:
+                async for raw in ws:
+                    if raw.type == aiohttp.WSMsgType.TEXT:
+                        frame = raw.json()
+                        if frame.get("type") == "reply":
+                            fut = self._replies.get(frame.get("id"))
+                            if fut is not None and not fut.done():
+                                fut.set_result(frame)
+                        else:
+                            self.pushes.append(decode(msgs.Push, frame))
+            finally:
+                for fut in self._replies.values():
+                    if not fut.done():
+                        fut.set_exception(ConnectionError("the heartbeat socket closed"))
 
         rtask = asyncio.ensure_future(reader())
         try:
@@ -238,7 +297,7 @@ class ProtoPeer:
             msg = dataclasses.replace(msg, prev=msgs.Vote(epoch=plan.epoch, round=plan.round))
             while True:
                 self.votes.append(("begin", plan.epoch, plan.round))
-                d = decode(msgs.Decision, await self._post("/v1/begin", msg))
+                d = decode(msgs.Decision, await self._ask("/v1/begin", msg))
                 if d.prev == "committed":
                     self._settled("committed")
                     if isinstance(d, msgs.Go) and d.plan is not None:
@@ -257,7 +316,7 @@ class ProtoPeer:
                     raise ProtocolError(f"{self.name}: begin with a vote answered {d}")
                 return await self.begin()
         while True:
-            d = decode(msgs.Decision, await self._post("/v1/begin", msg))
+            d = decode(msgs.Decision, await self._ask("/v1/begin", msg))
             msg = dataclasses.replace(msg, schema=None, hashes=None)
             if isinstance(d, msgs.SendHashes):
                 msg = dataclasses.replace(msg, hashes=self.config.hashes())
@@ -281,7 +340,7 @@ class ProtoPeer:
         )
         while True:
             self.votes.append(("commit", plan.epoch, plan.round))
-            d = decode(msgs.Decision, await self._post("/v1/commit", msg))
+            d = decode(msgs.Decision, await self._ask("/v1/commit", msg))
             if isinstance(d, msgs.Committed):
                 self.revision = plan.round + 1
                 return True
@@ -324,13 +383,16 @@ class ProtoPeer:
             last = self.revision + (2 if pending else 1) >= revision
             try:
                 await self.run_round(last=last)
-            except (asyncio.TimeoutError, aiohttp.ClientError, ProtocolError):
+            except (asyncio.TimeoutError, aiohttp.ClientError, ProtocolError, ConnectionError) as e:
                 # an overloaded coordinator: a request past read_timeout, a dropped
                 # connection; a real peer retries, and so does this one (counted)
                 self.failures += 1
+                self.failure_kinds[type(e).__name__] = (
+                    self.failure_kinds.get(type(e).__name__, 0) + 1
+                )
                 if self._ws is None or self._ws.closed:
                     with contextlib.suppress(
-                        asyncio.TimeoutError, aiohttp.ClientError, ProtocolError
+                        asyncio.TimeoutError, aiohttp.ClientError, ProtocolError, ConnectionError
                     ):
                         await self.rejoin()
 

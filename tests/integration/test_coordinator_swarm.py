@@ -3,7 +3,10 @@ clients, benchmarks/coordinator_swarm.py: registration, heartbeats on the websoc
 hashes, commit): the fan-in of fifty begins and commits forms and commits each round once with
 everyone, a peer whose heartbeat connection closes between rounds is left out of the next, and
 a member lost inside a round aborts it for all (each told by a push) before the survivors
-commit it. Then the survivors carry each vote in their next begin (``Begin.prev``, one request
+commit it. Half the peers send begin and commit as frames on their heartbeat websocket
+(``ws-rounds``, coordinator/frames.py), half as HTTP requests, in the same rounds; a member dies
+while the others' commit frames and requests are held, and each is answered aborted; a
+malformed frame is answered 400 naming the field, and its peer goes on. Then the survivors carry each vote in their next begin (``Begin.prev``, one request
 per round): a member lost after the others voted that way aborts the round (each carried vote
 answered aborted, no begin taken), the survivors form it again in a new epoch and commit it and
 the next with no commit request but the last. Checks correctness of the many-waiters path, never
@@ -12,6 +15,7 @@ time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +24,7 @@ import pytest
 
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.auth import join_token
+from isthmus.coordinator.frames import WS_ROUNDS
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 
@@ -48,14 +53,27 @@ async def _round(peers: list[ProtoPeer]) -> list[msgs.RoundPlan]:
     return list(await asyncio.gather(*(p.begin() for p in peers)))
 
 
+async def _raw_frame(peer: ProtoPeer, frame: dict[str, object]) -> dict[str, object]:
+    """Send ``frame`` as it is on ``peer``'s heartbeat socket; returns the reply naming its id."""
+    assert peer._ws is not None
+    fut: asyncio.Future[dict[str, object]] = asyncio.get_running_loop().create_future()
+    peer._replies[int(frame["id"])] = fut  # type: ignore[call-overload]
+    await peer._ws.send_json(frame)
+    return await asyncio.wait_for(fut, 30)
+
+
 async def _swarm(c: Coordinator) -> None:
     base = f"http://127.0.0.1:{c.port}"
     async with open_session() as session:
         peers = [
             ProtoPeer(base, join_token(TOKEN, f"s{i:02d}"), f"s{i:02d}", session) for i in range(N)
         ]
+        http = SwarmConfig(frames=False)
+        for p in peers[1::2]:  # every other peer asks over HTTP, the rest by frames
+            p.config = http
         await asyncio.gather(*(p.register() for p in peers))
         await asyncio.gather(*(p.connect() for p in peers))
+        assert all(WS_ROUNDS in p.features for p in peers)
 
         # three rounds, everyone in each: one plan per round, one commit each
         for r in range(3):
@@ -78,14 +96,26 @@ async def _swarm(c: Coordinator) -> None:
             await asyncio.gather(*(p.commit(pl) for p, pl in zip(peers, plans, strict=True)))
         )
 
-        # a member dies inside a round: the others' commits are answered aborted, each is pushed
-        # the abort, and the survivors retry the same round in a new epoch and commit it
+        # a malformed frame is answered 400 naming the field, and the socket stays open
+        asker = peers[0]
+        assert asker.framed() and not peers[1].framed()
+        reply = await _raw_frame(asker, {"type": "begin", "id": 99, "begin": {"peer": 0}})
+        assert (reply["id"], reply["status"]) == (99, 400)
+        assert "field 'begin.nonce' is missing" in reply["error"]
+
+        # a member dies inside a round while the others' commits (frames and requests) are
+        # held: each is answered aborted, each member is pushed the abort, and the survivors
+        # retry the same round in a new epoch and commit it
         plans = await _round(peers)
         victim = peers.pop()
-        await victim.close()
-        assert not any(
-            await asyncio.gather(*(p.commit(pl) for p, pl in zip(peers, plans[:-1], strict=True)))
-        )
+
+        async def die() -> None:
+            await asyncio.sleep(0.3)  # the others' commits are held by then
+            await victim.close()
+
+        held = [p.commit(pl) for p, pl in zip(peers, plans[:-1], strict=True)]
+        outcomes = await asyncio.gather(*held, die())
+        assert not any(outcomes[:-1])
         epoch = plans[0].epoch
         for _ in range(200):  # the pushes travel on the websockets, beside the answers
             if all(
@@ -117,9 +147,8 @@ async def _swarm(c: Coordinator) -> None:
         # the vote in the next begin: round 5 forms, every member leaves its ok for the next
         # begin, one member dies before sending it; the carried votes are answered aborted and
         # the survivors' next requests form round 5 again without it
-        carry = SwarmConfig(vote_in_begin=True)
         for p in peers:
-            p.config = carry
+            p.config = dataclasses.replace(p.config, vote_in_begin=True)
         assert all(p.carries() for p in peers)  # the coordinator lists vote-in-begin
         left = [None] * len(peers)  # run_round's answer when the vote waits for the next begin
         assert await asyncio.gather(*(p.run_round() for p in peers)) == left
@@ -147,6 +176,9 @@ async def _swarm(c: Coordinator) -> None:
         assert st["revision"] == 7
         assert (counters["rounds_committed"], counters["rounds_aborted"]) == (7, 2)
         assert (counters["parity_failures"], counters["evictions"]) == (0, 3)
+        framed = [p for p in peers if p.config.frames]
+        assert framed and all(p.frames_sent > 0 for p in framed)
+        assert all(p.frames_sent == 0 for p in peers if not p.config.frames)
         # the heartbeats carried every live peer's info (its step) to the coordinator
         steps = {p["name"]: p["info"].get("step") for p in st["peers"] if p["state"] == "active"}
         assert sorted(steps) == sorted(p.name for p in peers)

@@ -54,6 +54,21 @@ def test_a_join_token_acts_only_for_its_own_peers_and_the_admin_for_all() -> Non
     assert not ids.may_act_for(alice, 1)
 
 
+def test_the_peers_of_a_name_follow_binds_and_forgets() -> None:
+    ids = Identities(ADMIN_TOKEN)
+    alice, bob = Identity("alice", False), Identity("bob", False)
+    for pid, who in [(7, alice), (2, bob), (4, alice), (9, alice)]:
+        ids.bind(pid, who)
+    assert (ids.peers_of("alice"), ids.peers_of("bob"), ids.peers_of("carol")) == (
+        [4, 7, 9],
+        [2],
+        [],
+    )
+    ids.forget({2, 9})
+    assert (ids.peers_of("alice"), ids.peers_of("bob")) == ([9], [2])
+    assert ids.peers_of("alice") == [p for p, n in ids.owner.items() if n == "alice"]
+
+
 @pytest.mark.parametrize("name", ["", "admin", ".x", "a b", "x" * 65, "é"])
 def test_bad_names_are_refused_with_the_rule(name: str) -> None:
     with pytest.raises(ValueError, match="letters, digits"):

@@ -108,6 +108,7 @@ def test_dead_member_aborts_running_round_and_survivors_reform():
     r.advance(6)
     assert r.m.poll_commit(running.epoch, running.round).kind == "aborted"
     assert r.m.peers[c].state.value == "dead"
+    assert r.m.roster.live == {a, b}  # the live set follows every drop
     assert r.begin(c).kind == "evicted"
     plan3 = full_round(r, [a, b])
     assert plan3.members == (a, b) and plan3.round == plan.round + 1

@@ -99,6 +99,7 @@ class Identities:
         self.revoked: set[str] = set(revoked)
         self.owner: dict[int, str] = {}
         """Peer id -> the identity that registered it."""
+        self._owned: dict[str, set[int]] = {}  # identity -> its peer ids (the inverse of owner)
 
     # -- tokens -----------------------------------------------------------------------------------
     def check(self, token: str) -> Identity | str:
@@ -140,7 +141,11 @@ class Identities:
     # -- peers ------------------------------------------------------------------------------------
     def bind(self, pid: int, who: Identity) -> None:
         """Peer ``pid`` was registered by ``who``."""
+        old = self.owner.get(pid)
+        if old is not None:
+            self._owned.get(old, set()).discard(pid)
         self.owner[pid] = who.name
+        self._owned.setdefault(who.name, set()).add(pid)
 
     def may_act_for(self, who: Identity, pid: int) -> bool:
         """May ``who`` send requests in the name of peer ``pid``? The admin may act for anyone
@@ -148,8 +153,8 @@ class Identities:
         return who.admin or self.owner.get(pid) == who.name
 
     def peers_of(self, name: str) -> list[int]:
-        """The peer ids ``name`` registered (live or not)."""
-        return [pid for pid, n in self.owner.items() if n == name]
+        """The peer ids ``name`` registered (live or not), in the order registered."""
+        return sorted(self._owned.get(name, ()))
 
     def revoke(self, name: str) -> list[int]:
         """Refuse ``name``'s join token from now on; returns its peer ids (to evict).
@@ -167,3 +172,6 @@ class Identities:
     def forget(self, keep: set[int]) -> None:
         """Drop the owners of peer ids not in ``keep`` (peers long gone): bounds the table."""
         self.owner = {pid: n for pid, n in self.owner.items() if pid in keep}
+        self._owned = {}
+        for pid, n in self.owner.items():
+            self._owned.setdefault(n, set()).add(pid)

@@ -3,6 +3,10 @@
 All network I/O runs on one background asyncio loop (one aiohttp session); the calling thread
 blocks on each call with a deadline. Errors that the user must act on are raised as exceptions
 that name the coordinator's address and what went wrong.
+
+Begin and commit travel as frames on the heartbeat websocket (:mod:`.frames`) when the
+coordinator lists :data:`~.frames.WS_ROUNDS` and the socket is open, and as HTTP requests
+otherwise; :meth:`CoordinatorClient.call` chooses, so its callers see one answer either way.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
+import json
 import logging
 import ssl
 import threading
@@ -19,7 +25,15 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from isthmus.coordinator.protocol import Heartbeat, HeartbeatLost, Push, Register, Registered
+from isthmus.coordinator.frames import MAX_FRAME_BYTES, WS_ROUNDS, Downlink, RoundReply
+from isthmus.coordinator.protocol import (
+    Decision,
+    Heartbeat,
+    HeartbeatLost,
+    Push,
+    Register,
+    Registered,
+)
 from isthmus.coordinator.tls import format_fingerprint, normalize_fingerprint
 from isthmus.coordinator.wire import (
     PROTOCOL_VERSION,
@@ -42,6 +56,13 @@ __all__ = [
 
 log = logging.getLogger("isthmus.client")
 M = TypeVar("M")
+
+_FRAMES = {"/v1/begin": "begin", "/v1/commit": "commit"}
+"""The requests that may travel as websocket frames, and their frame ``type``."""
+
+
+class _SocketGone(ConnectionError):
+    """The websocket closed while a frame waited for its reply."""
 
 
 class CoordinatorError(RuntimeError):
@@ -90,6 +111,10 @@ class CoordinatorClient:
     reached (connection refused, reset, timeouts, 5xx). A 401 is never retried, nor is a
     certificate that is not the pinned ``fingerprint`` (or not signed by ``cafile``):
     :class:`TLSRefused` names what was expected and what was found.
+
+    After :meth:`register` with a coordinator that lists :data:`~.frames.WS_ROUNDS`, and while
+    the heartbeat websocket is open, :meth:`call` sends begin and commit as frames on it (see
+    :meth:`call` for what happens when the socket fails).
     """
 
     def __init__(
@@ -117,6 +142,13 @@ class CoordinatorClient:
         self._session: aiohttp.ClientSession | None = None
         self._hb_task: asyncio.Future[Any] | None = None
         self._closed = False
+        self.features: tuple[str, ...] = ()
+        """What the coordinator listed at the last :meth:`register`."""
+        self.frames_sent = 0
+        """Begins and commits sent as websocket frames (the rest went as HTTP requests)."""
+        self._ws: aiohttp.ClientWebSocketResponse | None = None  # the heartbeat socket, on the loop
+        self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # frame id -> its reply
+        self._ids = itertools.count(1)
 
     # -- loop helpers ---------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float) -> Any:
@@ -230,8 +262,23 @@ class CoordinatorClient:
     def call(self, path: str, message: Any, answer: type[M], *, read_timeout: float = 30.0) -> M:
         """POST ``message`` (a :mod:`~isthmus.coordinator.protocol` message) and decode the answer
         as an ``answer``, retrying as :meth:`post` does. Raises :class:`CoordinatorError` naming
-        the field when the answer is not a well-formed ``answer``."""
-        reply = self.post(path, encode(message), read_timeout=read_timeout)
+        the field when the answer is not a well-formed ``answer``.
+
+        A begin or commit goes as a frame on the heartbeat websocket instead when the
+        coordinator offers it (:data:`~.frames.WS_ROUNDS`), the socket is open and the frame
+        is at most :data:`~.frames.MAX_FRAME_BYTES`. Its reply is awaited at most
+        ``read_timeout`` seconds; when none comes by then, the socket closes meanwhile, or the
+        coordinator answers 429 or 5xx, the same message is sent again as an HTTP request (a
+        begin and a commit may be asked twice: the same nonce, the same vote). A reply of 400
+        or 403 raises :class:`CoordinatorError` with the coordinator's message, as the HTTP
+        answer would."""
+        body = encode(message)
+        kind = _FRAMES.get(path) if answer is Decision else None
+        if kind is not None and WS_ROUNDS in self.features and self._ws is not None:
+            bound = 2 * read_timeout + self.connect_timeout + 5
+            reply = self._run(self._ask(path, kind, body, read_timeout), bound)
+        else:
+            reply = self.post(path, body, read_timeout=read_timeout)
         try:
             return decode(answer, reply)
         except WireError as e:
@@ -239,6 +286,44 @@ class CoordinatorClient:
                 f"the coordinator at {self.base} answered {path} with a malformed "
                 f"{answer.__name__}: {e}"
             ) from None
+
+    async def _ask(
+        self, path: str, kind: str, body: dict[str, Any], read_timeout: float
+    ) -> dict[str, Any]:
+        """``body`` as a frame on the heartbeat socket, its reply's decision; falls back to an
+        HTTP request as :meth:`call` says."""
+        ws, fid = self._ws, next(self._ids)
+        text = json.dumps({"type": kind, "id": fid, kind: body})
+        if ws is None or ws.closed or len(text) > MAX_FRAME_BYTES:
+            return await self._post(path, body, read_timeout)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[fid] = fut
+        try:
+            await ws.send_str(text)
+            self.frames_sent += 1
+            raw = await asyncio.wait_for(fut, read_timeout)
+        except (asyncio.TimeoutError, ConnectionError, aiohttp.ClientError, RuntimeError) as e:
+            log.debug("%s by frame failed (%s); asking over HTTP", path, type(e).__name__)
+            return await self._post(path, body, read_timeout)
+        finally:
+            self._replies.pop(fid, None)
+        if raw.get("status") == 200 and isinstance(raw.get("decision"), dict):
+            return raw["decision"]  # type: ignore[no-any-return]  # call() decodes it
+        try:
+            reply = decode(RoundReply, raw)
+        except WireError as e:
+            raise CoordinatorError(
+                f"the coordinator at {self.base} answered a {kind} frame with a malformed "
+                f"reply: {e}"
+            ) from None
+        if reply.status == 200 and reply.decision is not None:
+            return encode(reply.decision)  # type: ignore[no-any-return]
+        if reply.status == 429 or reply.status >= 500:  # the HTTP path backs off, bounded
+            return await self._post(path, body, read_timeout)
+        raise CoordinatorError(
+            f"coordinator at {self.base} rejected {path} (a {kind} frame, {reply.status}): "
+            f"{reply.error[:500]}"
+        )
 
     def register(self, name: str, info: dict[str, Any] | None = None) -> Registered:
         """Register a peer called ``name`` (``info``: shown on the dashboard) with the
@@ -252,6 +337,7 @@ class CoordinatorClient:
                 f"refusing the coordinator at {self.base}: "
                 + version_mismatch(reply.protocol, PROTOCOL_VERSION, them="coordinator", us="peer")
             )
+        self.features = tuple(reply.features)
         return reply
 
     def get(self, path: str) -> dict[str, Any]:
@@ -288,9 +374,11 @@ class CoordinatorClient:
         Pushes from the coordinator (:class:`~isthmus.coordinator.protocol.AbortPush`,
         :class:`~isthmus.coordinator.protocol.EvictedPush`) are passed to ``on_push`` on the
         client's thread, and a :class:`~isthmus.coordinator.protocol.HeartbeatLost` when the
-        connection ends; a malformed push is logged and dropped. If the connection drops, the
-        coordinator evicts this peer; the next begin learns that and registers again, so
-        reconnecting here is only for a new peer id.
+        connection ends; a malformed push is logged and dropped. Replies to begin and commit
+        frames go to the :meth:`call` that waits for them. If the connection drops, the
+        coordinator evicts this peer; the frames still waiting go again over HTTP and learn
+        that (as the next begin does), and the peer registers again, so reconnecting here is
+        only for a new peer id.
         """
         self.stop_heartbeat()
         self._hb_task = asyncio.run_coroutine_threadsafe(
@@ -320,16 +408,12 @@ class CoordinatorClient:
                 async def reader() -> None:
                     async for msg in ws:
                         if msg.type == aiohttp.WSMsgType.TEXT:
-                            try:
-                                push = decode(Push, msg.json())
-                            except ValueError as e:  # not JSON, or not a push
-                                log.warning("malformed push from %s: %s", self.base, e)
-                                continue
-                            on_push(push)
+                            self._received(msg.data, on_push)
                         elif msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                             break
 
                 rtask = asyncio.ensure_future(reader())
+                self._ws = ws
                 try:
                     while not ws.closed and not rtask.done():
                         try:
@@ -340,6 +424,7 @@ class CoordinatorClient:
                         await asyncio.sleep(interval)
                 finally:
                     rtask.cancel()
+                    self._socket_closed(ws)
             reason = "the coordinator closed the heartbeat connection"
         except asyncio.CancelledError:
             raise
@@ -347,6 +432,33 @@ class CoordinatorClient:
             reason = f"{type(e).__name__}: {e}"
         log.warning("heartbeat connection to %s lost: %s", self.base, reason)
         on_push(HeartbeatLost(reason))
+
+    def _received(self, text: str, on_push: Callable[[Push], None]) -> None:
+        """One frame from the coordinator: a reply to the frame that waits for it, or a push."""
+        try:
+            raw = json.loads(text)
+            if isinstance(raw, dict) and raw.get("type") == "reply":
+                fid = raw.get("id")
+                fut = self._replies.get(fid) if isinstance(fid, int) else None
+                if fut is not None and not fut.done():
+                    fut.set_result(raw)  # decoded and checked by the call that waits
+                elif fid == -1:  # a frame of ours the coordinator could not read
+                    log.warning("the coordinator at %s refused a frame: %s", self.base, raw)
+                return  # else the reply to a call that gave up waiting for it
+            push = decode(Downlink, raw)
+        except ValueError as e:  # not JSON, or not a push
+            log.warning("malformed push from %s: %s", self.base, e)
+            return
+        if isinstance(push, Push):
+            on_push(push)
+
+    def _socket_closed(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """The heartbeat socket ``ws`` is gone: frames waiting on it go over HTTP."""
+        if self._ws is ws:
+            self._ws = None
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(_SocketGone("the heartbeat socket closed"))
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -144,8 +144,8 @@ class Hub:
     def live_peers(self, among: Iterable[int] | None = None) -> int:
         """How many peers (of ``among``, or of all) are active."""
         with self.lock:
-            roster = self.membership.roster
-            return len(roster.alive(roster.peers if among is None else among))
+            live = self.membership.roster.live
+            return len(live) if among is None else sum(1 for pid in among if pid in live)
 
     def peer_ids(self) -> set[int]:
         """Every peer id the membership knows (active or not)."""
@@ -158,6 +158,12 @@ class Hub:
         """Send ``msg`` on ``ws``; a peer that has gone is not an error."""
         with contextlib.suppress(Exception):
             await ws.send_json(msg)
+
+    @staticmethod
+    async def send_text(ws: web.WebSocketResponse, text: str) -> None:
+        """Send the frame ``text`` on ``ws``; a peer that has gone is not an error."""
+        with contextlib.suppress(Exception):
+            await ws.send_str(text)
 
     async def disconnect(self, pid: int, msg: dict[str, Any]) -> None:
         """Send ``msg`` to peer ``pid``'s heartbeat socket, if open, and close it (bounded: a

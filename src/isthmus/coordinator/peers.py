@@ -170,6 +170,8 @@ class Roster:
 
     def __init__(self) -> None:
         self.peers: dict[int, Peer] = {}
+        self.live: set[int] = set()
+        """The ids of the active peers (kept by :meth:`add` and :meth:`retire`)."""
         self._next_id = 0
 
     def add(self, name: str, now: float, info: dict[str, Any], *, uncounted: bool) -> int:
@@ -177,7 +179,13 @@ class Roster:
         pid = self._next_id
         self._next_id += 1
         self.peers[pid] = Peer(pid, name, now, now, info=dict(info), uncounted=uncounted)
+        self.live.add(pid)
         return pid
+
+    def retire(self, p: Peer, state: PeerState) -> None:
+        """Peer ``p`` is no longer active: it died, left or was refused (``state``)."""
+        p.state = state
+        self.live.discard(p.id)
 
     def active(self, pid: int) -> Peer | None:
         """Peer ``pid`` if it is registered and active, else None."""

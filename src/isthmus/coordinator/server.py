@@ -4,13 +4,14 @@ Endpoints (all but ``/healthz`` need ``Authorization: Bearer <token>``; bodies, 
 frames are the messages of :mod:`.protocol`, and a malformed field is answered 400 naming it):
 
 * ``POST /v1/register``: a peer of another protocol version is answered 426, naming both.
-* ``GET  /v1/ws?peer=<id>&run=<run_id>&protocol=<version>`` websocket: the peer sends
-  heartbeats, the coordinator pushes ``abort`` when a round the peer is in aborts. A closed
-  websocket evicts the peer at once (the kernel closes a crashed process's sockets), so a SIGKILL
-  is noticed in milliseconds; a stopped or partitioned peer is noticed after
-  ``heartbeat_timeout``.
+* ``GET  /v1/ws?peer=<id>&run=<run_id>&protocol=<version>`` websocket (:mod:`.peer_socket`):
+  the peer sends heartbeats, the coordinator pushes ``abort`` when a round the peer is in
+  aborts. A closed websocket evicts the peer at once (the kernel closes a crashed process's
+  sockets), so a SIGKILL is noticed in milliseconds; a stopped or partitioned peer is noticed
+  after ``heartbeat_timeout``. Begin and commit may come on it as frames (:mod:`.frames`).
 * ``POST /v1/begin`` and ``POST /v1/commit``: long-polls (held up to ``poll_s``, then answered
-  ``wait``; the client asks again). See :mod:`isthmus.coordinator.membership` for the rules.
+  ``wait``; the client asks again), handled by :mod:`.rounds` as their frames are. See
+  :mod:`isthmus.coordinator.membership` for the rules.
   Requests from peers also carry ``run`` (the run id from ``register``); one naming another
   run, from before a coordinator restart, is answered ``evicted``.
 * ``POST /v1/leave``, ``GET /v1/status`` (members, epoch, revision, heartbeats, counters, recent
@@ -31,18 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
-import json
 import logging
 import secrets
 import socket
 import threading
-import time
 from typing import Any
 
 import torch.distributed as dist
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from isthmus.coordinator import httplog, wire
 from isthmus.coordinator import protocol as msgs
@@ -50,11 +48,14 @@ from isthmus.coordinator.admin import AdminAPI
 from isthmus.coordinator.auth import Identities
 from isthmus.coordinator.bodies import read_json
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
+from isthmus.coordinator.frames import MAX_FRAME_BYTES, WS_ROUNDS
 from isthmus.coordinator.gate import BadRequest as _BadRequest
 from isthmus.coordinator.gate import Gate
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.membership import Membership
 from isthmus.coordinator.mesh_room import MeshRoom
+from isthmus.coordinator.peer_socket import PeerSockets
+from isthmus.coordinator.rounds import Rounds
 from isthmus.coordinator.server_config import CoordinatorConfig
 from isthmus.coordinator.store_service import RendezvousStore, StoreRoute
 from isthmus.coordinator.stragglers import StragglerDetector
@@ -86,8 +87,7 @@ class Coordinator:
             self.membership.set_restore_point(config.restore_from, 0.0)
         self.run_id = secrets.token_hex(4)
         self.hub = Hub(self.membership, self.run_id)
-        self._lock = self.hub.lock  # the handlers' own names for the hub's lock and sockets
-        self._sockets = self.hub.sockets
+        self._lock = self.hub.lock  # the handlers' own name for the hub's lock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -116,10 +116,20 @@ class Coordinator:
             poll_s=config.poll_s,
         )
         self.stragglers = StragglerDetector(config.stragglers)
-        self._go_json: tuple[msgs.RoundPlan, tuple[str, str], str] | None = (
-            None  # the last go, encoded
+        self.rounds = Rounds(self.hub, config.poll_s)
+        self.peer_sockets = PeerSockets(
+            hub=self.hub,
+            gate=self.gate,
+            rounds=self.rounds,
+            stragglers=self.stragglers,
+            limits=config.limits,
         )
-        self._departures = -1  # peers dropped so far, when the detector last forgot the gone
+        self.features: tuple[str, ...] = (msgs.VOTE_IN_BEGIN,)
+        """What :class:`~.protocol.Registered` lists: the vote in the begin, and begin and
+        commit as websocket frames where a frame of :data:`~.frames.MAX_FRAME_BYTES` fits
+        the websocket's message bound."""
+        if config.limits.max_ws_message_bytes >= MAX_FRAME_BYTES:
+            self.features += (WS_ROUNDS,)
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
@@ -197,7 +207,7 @@ class Coordinator:
             [
                 web.get("/healthz", self._healthz),
                 web.post("/v1/register", self._register),
-                web.get("/v1/ws", self._ws),
+                web.get("/v1/ws", self.peer_sockets.handle),
                 web.post("/v1/begin", self._begin),
                 web.post("/v1/commit", self._commit),
                 web.post("/v1/leave", self._leave),
@@ -265,9 +275,6 @@ class Coordinator:
 
     _json = staticmethod(read_json)
 
-    async def _hold(self, poll: Any, explain: Any = None) -> msgs.Decision:
-        return await self.hub.hold(poll, self.config.poll_s, explain)
-
     def _stale_run(self, run: object) -> str | None:
         return self.hub.stale_run(run)
 
@@ -282,14 +289,8 @@ class Coordinator:
             raise _BadRequest(str(e)) from None
 
     def _reply(self, msg: Any) -> web.Response:
-        if isinstance(msg, msgs.Go) and msg.plan is not None:
-            # every member is sent the same plan, which names every member: encode it once
-            # per round rather than once per member
-            cached = self._go_json
-            key = (msg.reason, msg.prev)
-            if cached is None or cached[0] is not msg.plan or cached[1] != key:
-                cached = self._go_json = (msg.plan, key, json.dumps(wire.encode(msg)))
-            return web.Response(text=cached[2], content_type="application/json")
+        if isinstance(msg, msgs.Decision):
+            return web.Response(text=self.rounds.text(msg), content_type="application/json")
         return web.json_response(wire.encode(msg))
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -328,128 +329,17 @@ class Coordinator:
                 min_peers=m.min_peers,
                 restore=restore,
                 protocol=wire.PROTOCOL_VERSION,
-                features=(msgs.VOTE_IN_BEGIN,),
+                features=self.features,
             )
         )
-
-    async def _ws(self, request: web.Request) -> web.StreamResponse:
-        try:
-            pid = int(request.query.get("peer", ""))
-            protocol = int(request.query.get("protocol", wire.UNVERSIONED))
-        except ValueError:
-            raise _BadRequest("query parameters 'peer' and 'protocol' must be integers") from None
-        ws = web.WebSocketResponse(
-            heartbeat=None, max_msg_size=self.config.limits.max_ws_message_bytes
-        )
-        bucket = self.gate.ws_bucket()
-        await ws.prepare(request)
-        refusal = self._stale_run(request.query.get("run"))
-        if refusal is None:
-            refusal = wire.refusal(protocol, them="peer", us="coordinator")
-        if refusal is None:
-            with self._lock:
-                if not self.membership.heartbeat(pid, self._now()):
-                    refusal = "unknown or removed peer"
-        if refusal is not None:
-            await ws.send_json(wire.encode(msgs.EvictedPush(refusal)))
-            await ws.close()
-            return ws
-        old = self._sockets.get(pid)
-        self._sockets[pid] = ws
-        if old is not None and not old.closed:
-            await old.close()
-        try:
-            async for raw in ws:
-                if raw.type != WSMsgType.TEXT or not bucket.take(time.monotonic()):
-                    break  # not a heartbeat, or a flood of them: the peer is dropped
-                try:
-                    info = dict(wire.decode(msgs.Heartbeat, raw.json()).info)
-                    # probes the coordinator asked for ride on heartbeats (isolation.py)
-                    probes = wire.decode(
-                        tuple[msgs.ProbeOutcome, ...], info.pop("probes", []), "info.probes"
-                    )
-                except ValueError:  # not JSON, or not a heartbeat: not counted as one
-                    continue
-                with self._lock:
-                    alive = self.membership.heartbeat(pid, self._now(), info, probes=probes)
-                    evicted = alive and self._watch_timing(pid, info)
-                if evicted or probes:
-                    self._mutated()
-                if not alive:
-                    await ws.send_json(wire.encode(msgs.EvictedPush("removed by the coordinator")))
-                    break
-        finally:
-            if self._sockets.get(pid) is ws:
-                del self._sockets[pid]
-                # The peer's heartbeat connection is gone: its process exited or crashed (a live
-                # process keeps it open for its whole life). Evict now rather than after a timeout.
-                with self._lock:
-                    self.membership.remove(
-                        pid, self._now(), "heartbeat connection closed (process exited or crashed)"
-                    )
-                self._mutated()
-        return ws
 
     async def _begin(self, request: web.Request) -> web.Response:
         msg: msgs.Begin = await self._read(request, msgs.Begin)
-        if (stale := self._stale_run(msg.run)) is not None:
-            return self._reply(msgs.Evicted(reason=stale))
-        pid, nonce = msg.peer, msg.nonce
-        if msg.prev is not None:  # the vote on the last round, exactly as a commit(ok) is
-            vote = msgs.Commit(
-                peer=pid, epoch=msg.prev.epoch, round=msg.prev.round, ok=True, run=msg.run
-            )
-            v = await self._vote(vote)
-            if not isinstance(v, msgs.Committed):
-                return self._reply(v)  # aborted, evicted, or still undecided (wait): no begin
-        with self._lock:
-            d = self.membership.begin(
-                pid,
-                self._now(),
-                nonce=nonce,
-                revision=msg.revision,
-                hashes=msg.hashes,
-                schema=None if msg.schema is None else list(msg.schema),
-                explain=False,
-            )
-        self._mutated()
-        if isinstance(d, msgs.Wait):
-            m = self.membership
-            d = await self._hold(
-                lambda: m.poll_begin(pid, nonce, explain=False),
-                lambda: m.poll_begin(pid, nonce, now=self._now()),
-            )
-        return self._reply(d if msg.prev is None else dataclasses.replace(d, prev="committed"))
+        return self._reply(await self.rounds.begin(msg))
 
     async def _commit(self, request: web.Request) -> web.Response:
         msg: msgs.Commit = await self._read(request, msgs.Commit)
-        if (stale := self._stale_run(msg.run)) is not None:
-            return self._reply(msgs.Evicted(reason=stale))
-        return self._reply(await self._vote(msg))
-
-    async def _vote(self, msg: msgs.Commit) -> msgs.Decision:
-        """Record a member's report of a round and hold until the round is decided (or the
-        long poll ends: a wait)."""
-        epoch, rnd = msg.epoch, msg.round
-        with self._lock:
-            d = self.membership.commit(
-                msg.peer,
-                self._now(),
-                epoch=epoch,
-                round=rnd,
-                ok=msg.ok,
-                error=msg.error[:2000],
-                unreached=msg.unreached[:64],
-                explain=False,
-            )
-        self._mutated()
-        if isinstance(d, msgs.Wait):
-            m = self.membership
-            d = await self._hold(
-                lambda: m.poll_commit(epoch, rnd, explain=False),
-                lambda: m.poll_commit(epoch, rnd),
-            )
-        return d
+        return self._reply(await self.rounds.commit(msg))
 
     async def _leave(self, request: web.Request) -> web.Response:
         msg: msgs.Leave = await self._read(request, msgs.Leave)
@@ -494,27 +384,6 @@ class Coordinator:
         with self._lock:
             answer = self.checkpoints.part(report, now)
         return web.json_response(answer)
-
-    def _watch_timing(self, pid: int, info: dict[str, Any]) -> bool:
-        """Feed a heartbeat's ``timing`` to the straggler detector (under the lock); record its
-        events and, with the ``evict`` policy, remove a flagged peer. True if one was removed."""
-        timing = info.get("timing")
-        if not isinstance(timing, dict):
-            return False
-        m, now = self.membership, self._now()
-        departures = sum(m.counters[k] for k in ("evictions", "leaves", "refusals"))
-        if departures != self._departures:  # only a drop makes a peer inactive
-            self._departures = departures
-            for gone in [q for q in self.stragglers.peers if not m.is_active(q)]:
-                self.stragglers.forget(gone)  # departed peers are nobody's reference
-        removed = False
-        for kind, detail in self.stragglers.observe(pid, m.peers[pid].name, timing):
-            m.note(now, kind, **detail)
-            if kind == "straggler" and self.stragglers.config.policy == "evict":
-                m.remove(pid, now, f"straggler: {detail['ratio']}x the others' work time")
-                self.stragglers.forget(pid)
-                removed = True
-        return removed
 
     async def _status(self, request: web.Request) -> web.Response:
         try:

@@ -152,7 +152,7 @@ class RunState:
         p = self.roster.active(pid)
         if p is None:
             return
-        p.state = state
+        self.roster.retire(p, state)
         p.reason = reason
         p.ready_nonce = None
         p.isolated = None

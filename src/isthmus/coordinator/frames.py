@@ -1,0 +1,151 @@
+"""Begin and commit as frames on the heartbeat websocket: the frames, and their one codec.
+
+A coordinator that lists :data:`WS_ROUNDS` in :attr:`~.protocol.Registered.features` takes a
+peer's :class:`~.protocol.Begin` and :class:`~.protocol.Commit` as frames on the websocket the
+peer already keeps for its heartbeats, instead of as HTTP requests: a :class:`BeginFrame` or
+:class:`CommitFrame` carries the message and an ``id`` the peer chose, and the coordinator
+answers each with one :class:`RoundReply` naming the same ``id``: the
+:class:`~.protocol.Decision` it would have answered over HTTP (held the same way, up to its
+``poll_s``), or a ``status`` and ``error`` where HTTP would have answered 400, 403 or 429. The
+frames from a peer form the union :class:`Uplink` (a :class:`~.protocol.Heartbeat` is one of
+them), the frames to it the union :class:`Downlink` (every :class:`~.protocol.Push`, and the
+replies).
+
+:func:`read_uplink` decodes a frame's text and says, for a malformed one, what is wrong and
+which ``id`` it named (if any); :func:`reply_text` writes a reply, with a decision's JSON
+already encoded (the coordinator encodes a round's ``go`` once for all its members).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from isthmus.coordinator.protocol import Begin, Commit, Decision, Heartbeat, Push
+from isthmus.coordinator.wire import WireError, decode, encode
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "WS_ROUNDS",
+    "BadFrame",
+    "BeginFrame",
+    "CommitFrame",
+    "Downlink",
+    "RoundReply",
+    "Uplink",
+    "read_uplink",
+    "reply_text",
+]
+
+WS_ROUNDS = "ws-rounds"
+"""The feature of a coordinator that takes begin and commit as websocket frames."""
+
+MAX_FRAME_BYTES = 64 * 1024
+"""The largest begin or commit a peer sends as a frame; a larger one (the schema of a model
+with thousands of tensors) goes as an HTTP request. A coordinator lists :data:`WS_ROUNDS` only
+when its websocket message bound is at least this."""
+
+
+@dataclass(frozen=True)
+class Uplink:
+    """A frame from a peer: decoding an Uplink gives the class its ``type`` names
+    (``"hb"``: :class:`~.protocol.Heartbeat`, ``"begin"``, ``"commit"``)."""
+
+    __wire_tag__: ClassVar[str] = "type"
+    __wire_tags__: ClassVar[dict[str, type]] = {}
+
+
+@dataclass(frozen=True)
+class BeginFrame(Uplink):
+    """``begin`` on the websocket, answered by the :class:`RoundReply` with the same ``id``."""
+
+    id: int
+    begin: Begin
+    __wire_tag_value__: ClassVar[str] = "begin"
+
+
+@dataclass(frozen=True)
+class CommitFrame(Uplink):
+    """``commit`` on the websocket, answered by the :class:`RoundReply` with the same ``id``."""
+
+    id: int
+    commit: Commit
+    __wire_tag_value__: ClassVar[str] = "commit"
+
+
+Uplink.__wire_tags__.update({"hb": Heartbeat, "begin": BeginFrame, "commit": CommitFrame})
+
+
+@dataclass(frozen=True)
+class RoundReply:
+    """The coordinator's answer to the frame ``id``: ``decision`` (``status`` 200), or
+    ``status`` 400 (malformed: ``error`` names the field), 403 (the frame names another peer
+    than the socket's) or 429 (over the peer's request rate: ask again later, as after an HTTP
+    429). ``id`` is -1 for a frame whose id could not be read."""
+
+    id: int
+    status: int = 200
+    decision: Decision | None = None
+    error: str = ""
+    __wire_tag_value__: ClassVar[str] = "reply"
+    __wire_tag__: ClassVar[str] = "type"
+    __wire_tags__: ClassVar[dict[str, type]] = {}
+
+
+@dataclass(frozen=True)
+class Downlink:
+    """A frame from the coordinator: a :class:`~.protocol.Push` (by its ``type``) or a
+    :class:`RoundReply` (``"reply"``)."""
+
+    __wire_tag__: ClassVar[str] = "type"
+    __wire_tags__: ClassVar[dict[str, type]] = {}
+
+
+RoundReply.__wire_tags__["reply"] = RoundReply
+Downlink.__wire_tags__.update({**Push.__wire_tags__, "reply": RoundReply})
+
+
+class BadFrame(ValueError):
+    """A frame that is not a well-formed :class:`Uplink`; :attr:`id` is the id it named, or
+    -1."""
+
+    def __init__(self, message: str, id: int = -1, type: object = None) -> None:
+        super().__init__(message)
+        self.id = id
+        self.type = type
+        """The frame's ``type`` field, as sent (None when it had none)."""
+
+
+def read_uplink(text: str) -> Heartbeat | BeginFrame | CommitFrame:
+    """The frame ``text`` as its message. Raises :class:`BadFrame` saying what is wrong (not
+    JSON, an unknown ``type``, a field missing or mistyped, named by its path) with the ``id``
+    the frame named where it named an integer one."""
+    try:
+        raw: Any = json.loads(text)
+    except ValueError as e:
+        raise BadFrame(f"frame is not JSON: {e}") from None
+    try:
+        return decode(Uplink, raw)  # type: ignore[return-value]
+    except WireError as e:
+        fid, kind = (raw.get("id"), raw.get("type")) if isinstance(raw, dict) else (None, None)
+        ok = isinstance(fid, int) and not isinstance(fid, bool)
+        raise BadFrame(f"bad frame: {e}", fid if ok else -1, kind) from None
+
+
+def reply_text(
+    id: int,
+    decision: Decision | None = None,
+    *,
+    status: int = 200,
+    error: str = "",
+    decision_json: str | None = None,
+) -> str:
+    """The text of a :class:`RoundReply`; ``decision_json``: the decision already encoded (it
+    is spliced in as it is, so a round's plan is encoded once for every member)."""
+    if decision_json is None and decision is not None:
+        decision_json = json.dumps(encode(decision))
+    if decision_json is not None:
+        head = f'{{"type":"reply","id":{int(id)},"status":{int(status)},"decision":'
+        return head + decision_json + "}"
+    return json.dumps({"type": "reply", "id": int(id), "status": int(status), "error": error})

@@ -1,0 +1,193 @@
+"""A peer's websocket (``GET /v1/ws?peer=<id>&run=<run_id>&protocol=<version>``): heartbeats in,
+pushes out, and, where the peer sends them, its begins and commits as frames (:mod:`.frames`).
+
+The gate let the socket in for peer ``peer`` (its token may act for it). Every frame is read
+with :func:`.frames.read_uplink`:
+
+* a heartbeat goes to the membership (and its ``timing`` to the straggler detector); a
+  malformed one is not counted as one;
+* a begin or commit frame must name the socket's peer (else 403) and is charged to the
+  identity's request bucket like an HTTP request (429 when empty, the socket stays open); it is
+  handled on a task of its own by :class:`~.rounds.Rounds`, exactly as the HTTP request would
+  be, and answered with a :class:`~.frames.RoundReply` naming its id. A frame that is not
+  JSON, names an unknown ``type`` or has a field missing or mistyped is answered 400 naming
+  the field (and the id it gave, or -1); the socket stays open.
+
+A frame that is not text, or more frames than the socket's message bucket allows (heartbeats
+and malformed frames), closes the socket. A closed socket evicts the peer at once (its
+process exited or crashed: a live one keeps it for its whole life); the socket's begins and
+commits still held are dropped with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from isthmus.coordinator import protocol as msgs
+from isthmus.coordinator import wire
+from isthmus.coordinator.auth import Identity
+from isthmus.coordinator.frames import BadFrame, BeginFrame, read_uplink, reply_text
+from isthmus.coordinator.gate import BadRequest, Gate
+from isthmus.coordinator.hub import Hub
+from isthmus.coordinator.limits import Limits
+from isthmus.coordinator.rounds import Rounds
+from isthmus.coordinator.stragglers import StragglerDetector
+
+__all__ = ["PeerSockets"]
+
+log = logging.getLogger("isthmus.coordinator")
+
+
+class PeerSockets:
+    """The websocket route of one coordinator (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        hub: Hub,
+        gate: Gate,
+        rounds: Rounds,
+        stragglers: StragglerDetector,
+        limits: Limits,
+    ) -> None:
+        self.hub = hub
+        self.gate = gate
+        self.rounds = rounds
+        self.stragglers = stragglers
+        self.limits = limits
+        self._departures = -1  # peers dropped so far, when the detector last forgot the gone
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Serve one peer's websocket until it closes; then evict the peer."""
+        try:
+            pid = int(request.query.get("peer", ""))
+            protocol = int(request.query.get("protocol", wire.UNVERSIONED))
+        except ValueError:
+            raise BadRequest("query parameters 'peer' and 'protocol' must be integers") from None
+        who = self.gate.who(request)
+        name = who.name if isinstance(who, Identity) else "?"
+        ws = web.WebSocketResponse(heartbeat=None, max_msg_size=self.limits.max_ws_message_bytes)
+        bucket = self.gate.ws_bucket()
+        await ws.prepare(request)
+        hub = self.hub
+        refusal = hub.stale_run(request.query.get("run"))
+        if refusal is None:
+            refusal = wire.refusal(protocol, them="peer", us="coordinator")
+        if refusal is None:
+            with hub.lock:
+                if not hub.membership.heartbeat(pid, hub.now()):
+                    refusal = "unknown or removed peer"
+        if refusal is not None:
+            await ws.send_json(wire.encode(msgs.EvictedPush(refusal)))
+            await ws.close()
+            return ws
+        old = hub.sockets.get(pid)
+        hub.sockets[pid] = ws
+        if old is not None and not old.closed:
+            await old.close()
+        held: set[asyncio.Future[Any]] = set()  # this socket's begins and commits in progress
+        try:
+            async for raw in ws:
+                if raw.type != WSMsgType.TEXT:
+                    break  # not a frame of this protocol: the peer is dropped
+                try:
+                    frame = read_uplink(raw.data)
+                except BadFrame as e:
+                    if not bucket.take(time.monotonic()):
+                        break  # a flood of them
+                    if e.type != "hb":  # a malformed heartbeat is only not counted
+                        await hub.send_text(ws, reply_text(e.id, status=400, error=str(e)))
+                    continue
+                if isinstance(frame, msgs.Heartbeat):
+                    if not bucket.take(time.monotonic()):
+                        break  # a flood of heartbeats: the peer is dropped
+                    if not await self._heartbeat(ws, pid, frame):
+                        break
+                    continue
+                task = asyncio.ensure_future(self._round(ws, pid, name, frame))
+                held.add(task)
+                task.add_done_callback(held.discard)
+        finally:
+            for task in list(held):
+                task.cancel()
+            if hub.sockets.get(pid) is ws:
+                del hub.sockets[pid]
+                # The peer's heartbeat connection is gone: its process exited or crashed (a live
+                # process keeps it open for its whole life). Evict now rather than after a timeout.
+                with hub.lock:
+                    hub.membership.remove(
+                        pid, hub.now(), "heartbeat connection closed (process exited or crashed)"
+                    )
+                hub.mutated()
+        return ws
+
+    async def _heartbeat(self, ws: web.WebSocketResponse, pid: int, hb: msgs.Heartbeat) -> bool:
+        """Record one heartbeat; False when the peer is no longer active (told so, dropped)."""
+        info = dict(hb.info)
+        try:  # probes the coordinator asked for ride on heartbeats (isolation.py)
+            probes = wire.decode(
+                tuple[msgs.ProbeOutcome, ...], info.pop("probes", []), "info.probes"
+            )
+        except ValueError:  # not counted as a heartbeat
+            return True
+        hub = self.hub
+        with hub.lock:
+            alive = hub.membership.heartbeat(pid, hub.now(), info, probes=probes)
+            evicted = alive and self._watch_timing(pid, info)
+        if evicted or probes:
+            hub.mutated()
+        if not alive:
+            await ws.send_json(wire.encode(msgs.EvictedPush("removed by the coordinator")))
+        return alive
+
+    async def _round(self, ws: web.WebSocketResponse, pid: int, name: str, frame: Any) -> None:
+        """Handle one begin or commit frame and send its reply (a socket that closed meanwhile
+        is not an error: the peer learns the outcome when it asks again)."""
+        msg = frame.begin if isinstance(frame, BeginFrame) else frame.commit
+        if msg.peer != pid:
+            why = f"this socket is peer {pid}'s; the frame names peer {msg.peer}"
+            await self.hub.send_text(ws, reply_text(frame.id, status=403, error=why))
+            return
+        if not self.gate.requests.take(name, time.monotonic()):
+            why = f"{name} is over its request rate; slow down"
+            await self.hub.send_text(ws, reply_text(frame.id, status=429, error=why))
+            return
+        try:
+            if isinstance(frame, BeginFrame):
+                d = await self.rounds.begin(msg)
+            else:
+                d = await self.rounds.commit(msg)
+            text = reply_text(frame.id, decision_json=self.rounds.text(d))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("error handling a %s frame of peer %d", type(frame).__name__, pid)
+            why = "internal error (see the coordinator log)"
+            text = reply_text(frame.id, status=500, error=why)
+        await self.hub.send_text(ws, text)
+
+    def _watch_timing(self, pid: int, info: dict[str, Any]) -> bool:
+        """Feed a heartbeat's ``timing`` to the straggler detector (under the lock); record its
+        events and, with the ``evict`` policy, remove a flagged peer. True if one was removed."""
+        timing = info.get("timing")
+        if not isinstance(timing, dict):
+            return False
+        m, now = self.hub.membership, self.hub.now()
+        departures = sum(m.counters[k] for k in ("evictions", "leaves", "refusals"))
+        if departures != self._departures:  # only a drop makes a peer inactive
+            self._departures = departures
+            for gone in [q for q in self.stragglers.peers if not m.is_active(q)]:
+                self.stragglers.forget(gone)  # departed peers are nobody's reference
+        removed = False
+        for kind, detail in self.stragglers.observe(pid, m.peers[pid].name, timing):
+            m.note(now, kind, **detail)
+            if kind == "straggler" and self.stragglers.config.policy == "evict":
+                m.remove(pid, now, f"straggler: {detail['ratio']}x the others' work time")
+                self.stragglers.forget(pid)
+                removed = True
+        return removed

@@ -1,0 +1,130 @@
+"""Begin and commit as websocket frames (coordinator/frames.py): every frame round-trips through
+the one codec, a malformed frame is refused naming the field and the id it gave, and a reply
+written with a decision encoded once reads back as that decision."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from isthmus.coordinator import protocol as p
+from isthmus.coordinator.frames import (
+    BadFrame,
+    BeginFrame,
+    CommitFrame,
+    Downlink,
+    RoundReply,
+    Uplink,
+    read_uplink,
+    reply_text,
+)
+from isthmus.coordinator.wire import WireError, decode, encode
+
+PLAN = p.RoundPlan(round=7, epoch=3, members=(2, 5, 9), transfers=(), expected={}, new_epoch=False)
+BEGIN = p.Begin(
+    peer=5,
+    nonce="n1",
+    revision=7,
+    run="abcd",
+    hashes={"w": "00ff"},
+    schema=(p.TensorSpec("w", (2, 3), "torch.float32"),),
+    prev=p.Vote(epoch=3, round=6),
+)
+COMMIT = p.Commit(peer=5, epoch=3, round=7, ok=False, run="abcd", error="boom")
+
+UPLINK: list[Any] = [
+    BeginFrame(id=1, begin=BEGIN),
+    BeginFrame(id=2, begin=p.Begin(peer=5, nonce="n2", revision=8)),
+    CommitFrame(id=3, commit=COMMIT),
+    p.Heartbeat({"revision": 7, "timing": {"work_s": 0.5}}),
+]
+DOWNLINK: list[Any] = [
+    RoundReply(id=1, decision=p.Go(plan=PLAN, prev="committed")),
+    RoundReply(id=3, decision=p.Aborted(reason="peer 9 died")),
+    RoundReply(id=4, status=400, error="bad frame: field 'begin.nonce' is missing"),
+    p.AbortPush("a member died", epoch=3, round=7),
+    p.EvictedPush("removed"),
+    p.ProbePush(peer=9, address="10.0.0.9:4100"),
+]
+
+
+@pytest.mark.parametrize("frame", UPLINK, ids=lambda f: type(f).__name__)
+def test_every_uplink_frame_round_trips_and_reads_as_itself(frame: Any) -> None:
+    text = json.dumps(encode(frame))
+    assert read_uplink(text) == frame
+    assert type(decode(Uplink, json.loads(text))) is type(frame)
+
+
+@pytest.mark.parametrize("frame", DOWNLINK, ids=lambda f: type(f).__name__)
+def test_every_downlink_frame_round_trips(frame: Any) -> None:
+    back = decode(Downlink, json.loads(json.dumps(encode(frame))))
+    assert type(back) is type(frame) and back == frame
+
+
+@pytest.mark.parametrize(
+    ("text", "fid", "words"),
+    [
+        ("{not json", -1, "frame is not JSON"),
+        ("[1, 2]", -1, "expected an object, got list"),
+        ('{"type": "launch", "id": 4}', 4, "field 'type' expected one of 'hb', 'begin'"),
+        ('{"id": 4}', 4, "field 'type' expected one of"),
+        ('{"type": "begin", "id": 5}', 5, "field 'begin' is missing"),
+        (
+            '{"type": "begin", "id": 6, "begin": {"peer": 1, "revision": 2}}',
+            6,
+            "field 'begin.nonce' is missing",
+        ),
+        (
+            '{"type": "begin", "id": 7, "begin": {"peer": 1, "nonce": "n", "revision": "2"}}',
+            7,
+            "field 'begin.revision' expected an integer, got str",
+        ),
+        (
+            '{"type": "commit", "id": true, "commit": {"peer": 1, "epoch": 1, "round": 0}}',
+            -1,  # a boolean is no id
+            "field 'id' expected an integer, got bool",
+        ),
+        (
+            '{"type": "commit", "id": 8, "commit": {"peer": 1, "epoch": 1, "round": 0}}',
+            8,
+            "field 'commit.ok' is missing",
+        ),
+        (
+            '{"type": "begin", "id": 9, "begin": {"peer": 1, "nonce": "n", "revision": 0,'
+            ' "schema": [["w", [2, -3], "f"]]}}',
+            9,
+            "field 'begin.schema[0][1][1]'",
+        ),
+    ],
+)
+def test_a_malformed_frame_is_refused_naming_the_field_and_its_id(
+    text: str, fid: int, words: str
+) -> None:
+    with pytest.raises(BadFrame) as e:
+        read_uplink(text)
+    assert e.value.id == fid
+    assert words in str(e.value), str(e.value)
+
+
+def test_a_malformed_heartbeat_says_it_was_one() -> None:
+    with pytest.raises(BadFrame) as e:
+        read_uplink('{"type": "hb", "info": [1]}')
+    assert e.value.type == "hb" and "field 'info' expected an object" in str(e.value)
+
+
+def test_a_reply_with_its_decision_spliced_in_reads_back_as_that_decision() -> None:
+    go = p.Go(plan=PLAN, prev="committed")
+    text = reply_text(12, decision_json=json.dumps(encode(go)))
+    reply = decode(RoundReply, json.loads(text))
+    assert reply == RoundReply(id=12, status=200, decision=go)
+    assert json.loads(reply_text(12, go)) == json.loads(text)
+    refused = decode(Downlink, json.loads(reply_text(-1, status=400, error="bad frame: x")))
+    assert refused == RoundReply(id=-1, status=400, error="bad frame: x")
+
+
+def test_a_reply_with_a_malformed_decision_is_refused_naming_it() -> None:
+    raw = {"type": "reply", "id": 3, "status": 200, "decision": {"kind": "go"}}
+    with pytest.raises(WireError, match="decision"):
+        decode(Downlink, raw)
