@@ -44,6 +44,7 @@ from isthmus.checkpoint.manifest import Manifest, assign_parts
 from isthmus.checkpoint.staging import Staging
 from isthmus.checkpoint.store import CheckpointStore
 from isthmus.checkpoint.write_wait import WriteWait
+from isthmus.checkpoint.writer import BackgroundWriter, Job
 from isthmus.comm.state import SharedState, tensor_hash
 from isthmus.version import __version__
 
@@ -113,7 +114,8 @@ class Checkpointer:
         self.background_shared = frozenset(background_shared)
         """Shared tensors copied on the writer thread (the strategy must call :meth:`settle`
         before a round can write them)."""
-        self._thread: threading.Thread | None = None
+        self._background = BackgroundWriter()  # one thread kept between saves (writer.py: why)
+        self._job: Job | None = None  # the write in progress, or the last one
         self._shared_staging = Staging()
         self._background_staging = Staging()
         self._local_staging = Staging()
@@ -153,14 +155,10 @@ class Checkpointer:
         self._copied = copied
         self.last_revision = revision
         self._writing = revision
-        self._thread = threading.Thread(
-            target=self._copy_and_write,
-            args=(revision, rank, parts, names, snapshot, later, local, copied),
-            name="isthmus-checkpoint",
-            daemon=True,
+        self._job = self._background.submit(
+            self._copy_and_write, revision, rank, parts, names, snapshot, later, local, copied
         )
-        self._thread.start()
-        self.stall_s += time.monotonic() - t0  # starting the writer is the training thread's too
+        self.stall_s += time.monotonic() - t0  # handing the write over is the training thread's
         return True
 
     def _assignment(self) -> tuple[int, list[list[str]], list[str]]:
@@ -199,8 +197,8 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the write in progress (bounded by ``timeout`` if given)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._job is not None:
+            self._job.wait(timeout)
 
     def progress_mark(self) -> tuple[int, int]:
         """What changes while the write in progress advances: the writer's steps done and, on
@@ -230,15 +228,14 @@ class Checkpointer:
         complete (anything but the local file system), the wait lasts at least
         ``unseen_min_s``. A pause that adds no bytes (the final flush to disk) counts as no
         progress too. The mark is sampled every ``poll_s``."""
-        t = self._thread
-        if t is None or not t.is_alive():
+        t = self._job
+        if t is None or t.done:
             return True
         min_s = 0.0 if self.store.local else min(unseen_min_s, limit_s)
         w = WriteWait(time.monotonic(), idle_s=idle_s, limit_s=limit_s, min_s=min_s)
         w.observe(w.started, self.progress_mark())
         while True:
-            t.join(poll_s)
-            if not t.is_alive():
+            if t.wait(poll_s):
                 return True
             now = time.monotonic()
             w.observe(now, self.progress_mark())
