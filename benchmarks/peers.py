@@ -249,6 +249,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--run-timeout", type=float, default=900.0, help="s; a run still going then is stopped"
     )
+    ap.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        help="s, every system's bound on one collective (hivemind: its averaging timeout); a "
+        "full-model fp32 sync on a thin link needs more than the default",
+    )
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -310,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         targets=[float(x) for x in a.targets.split(",") if x],
         model=a.model,
         run_timeout=a.run_timeout,
+        collective_timeout=a.collective_timeout,
         fail_every=a.goodput,
         restart_after=a.restart_after,
         fail_until=a.fail_until,

@@ -61,7 +61,8 @@ def test_the_medium_preset_reaches_every_system() -> None:
     import peers
     import peers_common
 
-    assert peers.parser().parse_args(["--model", "medium"]).model == "medium"
+    args = peers.parser().parse_args(["--model", "medium", "--collective-timeout", "300"])
+    assert (args.model, args.collective_timeout) == ("medium", 300.0)
     with pytest.raises(SystemExit):
         peers.parser().parse_args(["--model", "huge"])
     setup = peers_lab.Setup(model="medium")
