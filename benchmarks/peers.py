@@ -35,7 +35,8 @@ start to the first committed synchronization holding its update (definitions:
 peers' virtual environment (``make bench-peers-env``), their workers written against their public
 APIs (``peers_torchft.py``, ``peers_hivemind.py``). Needs root (network namespaces).
 
-``--model default`` trains isthmus's default GPT instead of the tiny one (every system);
+``--model default`` trains isthmus's default GPT (1.3M parameters) instead of the tiny one, and
+``--model medium`` its 10.8M-parameter GPT (every system the same model);
 ``--network FILE`` takes the links from a scenario file's ``[network]`` (e.g.
 ``scenarios/two_region.toml``). ``--goodput S`` adds a third run per system, the main run's
 budget under a SIGKILL of a random peer (not peer 0) every S seconds (``--fail-poisson``: at
@@ -67,6 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_lab
 from peers_goodput import nominal_fraction, step_time, time_fraction
 from peers_measure import loosest_best, time_to_target
+
+from isthmus.models.gpt import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,7 +209,8 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (every flag, its default and its choices)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--no-faults", action="store_true", help="skip the kill/join runs")
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fault-limit", type=float, default=150.0, help="torchft/hivemind fault runs: at most"
     )
-    ap.add_argument("--model", default="tiny", choices=("tiny", "default"), help="GPT preset")
+    ap.add_argument("--model", default="tiny", choices=PRESETS, help="GPT preset")
     ap.add_argument("--network", default=None, help="a scenario file whose [network] to use")
     ap.add_argument(
         "--goodput", type=float, default=0.0, help="a goodput run: a kill every S seconds"
@@ -245,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--run-timeout", type=float, default=900.0, help="s; a run still going then is stopped"
     )
+    ap.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        help="s, every system's bound on one collective (hivemind: its averaging timeout); a "
+        "full-model fp32 sync on a thin link needs more than the default",
+    )
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"))
     ap.add_argument("--out", default="runs/bench-peers")
     ap.add_argument("--json", default=None, help="also write the result here")
@@ -254,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="print the table of earlier --json files (their rows together, in order)",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     if a.report:
         parts = [json.loads(Path(f).read_text()) for f in a.report]
@@ -301,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         targets=[float(x) for x in a.targets.split(",") if x],
         model=a.model,
         run_timeout=a.run_timeout,
+        collective_timeout=a.collective_timeout,
         fail_every=a.goodput,
         restart_after=a.restart_after,
         fail_until=a.fail_until,

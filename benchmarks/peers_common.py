@@ -85,7 +85,7 @@ class Recorder:
 
 
 class Trainer:
-    """isthmus's GPT (the job's ``model`` preset: ``tiny`` or ``default``), its corpus, batches
+    """isthmus's GPT (the job's ``model`` preset: ``tiny``, ``default`` or ``medium``), its corpus, batches
     and eval, and AdamW as isthmus's built-in job makes it (``isthmus.run.job``: betas 0.9/0.95,
     the run's lr and weight decay)."""
 
@@ -95,9 +95,7 @@ class Trainer:
         self.slot = slot
         self.corpus = Corpus.from_stdlib(max_bytes=job["corpus_bytes"], seed=job["data_seed"])
         # the job's model preset as isthmus's built-in job builds it (``isthmus.run.job``)
-        preset = job.get("model", "tiny")
-        config = GPTConfig.tiny() if preset == "tiny" else GPTConfig.default()
-        self.model = GPT(config, seed=job["model_seed"])
+        self.model = GPT(GPTConfig.preset(job.get("model", "tiny")), seed=job["model_seed"])
         self.block_size = self.model.config.block_size
 
     def inner_optimizer(self, params: Any = None) -> torch.optim.AdamW:

@@ -44,6 +44,8 @@ from peers_measure import (
     wire_tx,
 )
 
+from isthmus.models.gpt import PRESETS, GPTConfig
+
 HERE = Path(__file__).resolve().parent
 LIGHTHOUSE_PORT = 29510
 
@@ -118,8 +120,8 @@ class Setup:
             raise ValueError(
                 f"--kill-at ({self.kill_at}) must be > 0 and before --join-at ({self.join_at})"
             )
-        if self.model not in ("tiny", "default"):
-            raise ValueError(f"--model: tiny or default, got {self.model!r}")
+        if self.model not in PRESETS:
+            raise ValueError(f"--model: one of {', '.join(PRESETS)}, got {self.model!r}")
         if self.rtt_ms < 0 or self.step_delay < 0 or self.fault_limit <= self.join_at:
             raise ValueError(
                 "--rtt-ms and --step-delay must be >= 0 and --fault-limit after --join-at"
@@ -167,7 +169,7 @@ class Setup:
     @property
     def block_size(self) -> int:
         """Tokens per sample of the model (its block size)."""
-        return 32 if self.model == "tiny" else 64
+        return GPTConfig.preset(self.model).block_size
 
     def failures(self) -> list[Failure]:
         """A goodput run's failures (none without ``fail_every``)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from isthmus.data import Corpus, evaluate
-from isthmus.models import GPT, GPTConfig
+from isthmus.models import GPT, PRESETS, GPTConfig
 
 
 def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -116,6 +116,25 @@ def test_presets_and_parameter_count() -> None:
     assert tiny.lm_head.weight is tiny.tok_emb.weight
     # No buffers: the state dict holds parameters only (the causal mask is not stored).
     assert list(tiny.buffers()) == []
+
+
+def test_medium_preset_has_its_stated_size_and_presets_are_named_once() -> None:
+    medium = GPTConfig.medium()
+    assert (medium.n_layer, medium.n_head, medium.d_model, medium.block_size) == (6, 6, 384, 64)
+    # the count its docstring, the run setting's help and docs/BENCHMARKS.md state
+    assert GPT(medium, seed=0).num_parameters() == 10_770_432
+    assert PRESETS == ("tiny", "default", "medium")
+    for name in PRESETS:
+        assert GPTConfig.preset(name) == getattr(GPTConfig, name)()
+    with pytest.raises(ValueError, match="tiny, default, medium"):
+        GPTConfig.preset("large")
+    # the built-in job builds the preset the run names
+    from isthmus.run.config import from_flat
+    from isthmus.run.job import build_model
+
+    run = from_flat(model="medium")
+    assert run.model.block_size() == 64
+    assert build_model(run).config == medium
 
 
 @pytest.mark.parametrize(

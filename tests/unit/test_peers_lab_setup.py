@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(_BENCH))
@@ -52,3 +53,26 @@ def test_a_scenario_files_network_replaces_rate_and_rtt() -> None:
     net = peers_lab.network_section((_ROOT / "scenarios" / "two_region.toml").read_text())
     sc = parse_scenario(peers_lab.Setup(network=net).scenario("n", "diloco", {}, False), source="n")
     assert [s.name for s in sc.network.sites.sites] == ["eu", "us"]
+
+
+def test_the_medium_preset_reaches_every_system() -> None:
+    """``--model medium``: the command line takes it, the isthmus scenario names it, and the
+    foreign workers' Trainer builds the same GPT from the job."""
+    import peers
+    import peers_common
+
+    args = peers.parser().parse_args(["--model", "medium", "--collective-timeout", "300"])
+    assert (args.model, args.collective_timeout) == ("medium", 300.0)
+    with pytest.raises(SystemExit):
+        peers.parser().parse_args(["--model", "huge"])
+    setup = peers_lab.Setup(model="medium")
+    assert setup.block_size == 64
+    sc = parse_scenario(setup.scenario("m", "diloco", {"sync_every": 20}, False), source="m")
+    assert sc.run.model == "medium"
+    job = {"model": "medium", "model_seed": 0, "corpus_bytes": 20_000, "data_seed": 0}
+    threads = torch.get_num_threads()
+    try:
+        trainer = peers_common.Trainer(job, 0)  # it sets one thread, as a worker runs
+    finally:
+        torch.set_num_threads(threads)
+    assert trainer.model.num_parameters() == 10_770_432 and trainer.block_size == 64

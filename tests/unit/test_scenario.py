@@ -267,7 +267,7 @@ def test_names_get_suggestions() -> None:
         BASE.replace('name = "diloco"', 'name = "dilocco"')
     )
     assert (
-        "run.model: must be one of 'default', 'tiny', got 'tinny' (did you mean 'tiny'?)"
+        "run.model: must be one of 'default', 'tiny', 'medium', got 'tinny' (did you mean 'tiny'?)"
         in _err(_with("run", 'model = "tinny"'))
     )
 
@@ -494,7 +494,7 @@ def test_loader_errors_name_the_file_and_the_dotted_key(tmp_path: Path) -> None:
     assert (e.source, e.key) == (str(f), "data.batch_size")
     assert str(e) == f"{f}: data.batch_size: must be an integer, got '8'"
     # a wrong type in the lab's spelling of the run names the file's key, not the config's
-    assert "case.toml: run.model: must be one of 'default', 'tiny', got 3" in _err(
+    assert "case.toml: run.model: must be one of 'default', 'tiny', 'medium', got 3" in _err(
         _with("run", "model = 3")
     )
     assert "case.toml: strategy.connections: must be an integer, got '4'" in _err(

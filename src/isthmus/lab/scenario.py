@@ -91,7 +91,7 @@ __all__ = [
 ]
 
 STRATEGIES = tuple(_strategy_registry.names())  # the strategies are named once, in their registry
-MODEL_PRESETS = ("tiny", "default")
+MODEL_PRESETS = ("tiny", "default", "medium")
 
 _MOVED: dict[str, tuple[Any, str]] = {
     "ScenarioError": (SpecError, "isthmus.spec.SpecError"),

@@ -125,7 +125,8 @@ class PeerJob:
 
 
 def model_config(preset: str) -> GPTConfig:
-    return GPTConfig.tiny() if preset == "tiny" else GPTConfig.default()
+    """The GPT of a ``model.preset`` (``tiny``, ``default``, ``medium``: ``GPTConfig.preset``)."""
+    return GPTConfig.preset(preset)
 
 
 def _report_links(session: Session, addr: str | None) -> None:

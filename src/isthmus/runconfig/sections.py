@@ -32,7 +32,7 @@ __all__ = [
     "strategy_options",
 ]
 
-ModelPreset = Literal["default", "tiny"]
+ModelPreset = Literal["default", "tiny", "medium"]
 ShardMode = Literal["interleaved", "contiguous"]
 
 
@@ -82,7 +82,8 @@ class ModelConfig(Checked):
     preset: ModelPreset = setting(
         "default",
         flat="model",
-        help="default (4 layers) or tiny (2 layers, for tests): the built-in GPT's size.",
+        help="""default (4 layers, 1.3M parameters), tiny (2 layers, for tests) or medium
+        (6 layers, 10.8M parameters, for thin-link benchmarks): the built-in GPT's size.""",
     )
     seed: int = setting(
         0, help="Seed of the model's initialization (every peer builds the same initial model)."
@@ -98,7 +99,7 @@ class ModelConfig(Checked):
         """Tokens per sequence of the preset's model."""
         from isthmus.models.gpt import GPTConfig
 
-        return (GPTConfig.tiny() if self.preset == "tiny" else GPTConfig.default()).block_size
+        return GPTConfig.preset(self.preset).block_size
 
 
 @dataclass(kw_only=True)
