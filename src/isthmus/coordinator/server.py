@@ -115,13 +115,12 @@ class Coordinator:
             max_value_bytes=config.limits.max_store_value_bytes,
             poll_s=config.poll_s,
         )
-        self.stragglers = StragglerDetector(config.stragglers)
         self.rounds = Rounds(self.hub, config.poll_s)
         self.peer_sockets = PeerSockets(
             hub=self.hub,
             gate=self.gate,
             rounds=self.rounds,
-            stragglers=self.stragglers,
+            stragglers=StragglerDetector(config.stragglers),
             limits=config.limits,
         )
         self.features: tuple[str, ...] = (msgs.VOTE_IN_BEGIN,)
@@ -130,6 +129,15 @@ class Coordinator:
         the websocket's message bound."""
         if config.limits.max_ws_message_bytes >= MAX_FRAME_BYTES:
             self.features += (WS_ROUNDS,)
+
+    @property
+    def stragglers(self) -> StragglerDetector:
+        """The straggler detector the heartbeats feed (one home: the peers' sockets)."""
+        return self.peer_sockets.stragglers
+
+    @stragglers.setter
+    def stragglers(self, detector: StragglerDetector) -> None:
+        self.peer_sockets.stragglers = detector
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
