@@ -26,8 +26,12 @@ def _run(tmp: Path, name: str, *args: str, script: tuple[str, ...]) -> tuple[int
     out = tmp / f"{name}-out"
     out.mkdir()
     run_dir = tmp / name
+    # a 10 s heartbeat bound (an island's ranks watch each other with the same bound): the
+    # ranks die by SIGKILL or exit here, and under make test's load a live rank of an island of
+    # four was once silent for 3 s, so its island left a run that tests checkpoints, not that
     p = subprocess.run(
         [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
+         "--heartbeat-timeout", "10",
          "--run-dir", str(run_dir), *args, str(SCRIPT), "--out", str(out), *script],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
