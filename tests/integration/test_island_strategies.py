@@ -110,9 +110,9 @@ def _islands(
     ("name", "sizes"),
     [
         ("sparseloco", "2,1"),
-        ("decoupled_momentum", "2"),
-        # make test's budget: ZO's shard slices are checked bit for bit in one process
-        # (test_shard_windows); its run on islands goes with make test-slow
+        # make test's budget: DeMo's and ZO's shard windows are checked bit for bit in one
+        # process (test_shard_windows); their runs on islands go with make test-slow
+        pytest.param("decoupled_momentum", "2", marks=pytest.mark.slow),
         pytest.param("zo", "2,1", marks=pytest.mark.slow),
     ],
 )
