@@ -86,6 +86,8 @@ def test_mesh_hides_tensors_and_drops_a_revoked_peer(tmp_path: Path, prefix: str
                 net.bridge_netns,
                 "tcpdump",
                 "--immediate-mode",  # every packet at once, not a buffer's worth at the end
+                "-B",  # a 16 MiB buffer: the capture once came up a fifth short under make
+                "16384",  # test's load; tcpdump may fall behind without the kernel dropping
                 "-i",
                 "any",
                 "-s",
