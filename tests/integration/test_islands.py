@@ -42,7 +42,10 @@ def _run(
     out.mkdir()
     run_dir = tmp / name
     p = subprocess.run(
+        # a 10 s heartbeat bound (the island's ranks watch each other with it): under make
+        # test's load a live rank was silent 3 s and its island left a run that tests results
         [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
+         "--heartbeat-timeout", "10",
          "--run-dir", str(run_dir), "--summary-json", str(run_dir / "s.json"), *args,
          str(SCRIPT), "--out", str(out), "--strategy", strategy, *extra],
         capture_output=True, text=True, timeout=300, check=False,
