@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_host_copy import FAMILY, _Normed  # the CPU test's model and strategy table
 
 from isthmus.comm.host_copy import HostStage, upload
-from isthmus.strategies.co2 import CO2, CO2Config
-from isthmus.strategies.diloco import DiLoCo, DiLoCoConfig
-from isthmus.strategies.eager import EagerConfig, EagerDiLoCo
-from isthmus.strategies.localsgd import LocalSGD, LocalSGDConfig
-from isthmus.strategies.streaming import StreamingConfig, StreamingDiLoCo
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU-only CI)"
@@ -60,41 +56,9 @@ def test_an_upload_from_pinned_memory_casts_like_a_plain_copy():
         assert torch.equal(dst.cpu(), src.to(dtype))
 
 
-class _Normed(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList(
-            [
-                torch.nn.Sequential(
-                    torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU()
-                ),
-                torch.nn.Linear(256, 1),
-            ]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks[1](self.blocks[0](x))
-
-
-FAMILY = [
-    ("diloco", DiLoCo, lambda d: DiLoCoConfig(sync_every=3, outer_state_device=d)),
-    ("localsgd", LocalSGD, lambda d: LocalSGDConfig(sync_every=3, outer_state_device=d)),
-    (
-        "streaming",
-        StreamingDiLoCo,
-        lambda d: StreamingConfig(
-            sync_every=4, fragments=2, overlap=1, alpha=0.5, outer_state_device=d
-        ),
-    ),
-    ("eager", EagerDiLoCo, lambda d: EagerConfig(sync_every=3, outer_state_device=d)),
-    ("co2", CO2, lambda d: CO2Config(sync_every=3, outer_state_device=d)),
-]
-
-
 def _train(cls, config, steps: int = 11):
     torch.cuda.synchronize()
-    model = _Normed().cuda()
+    model = _Normed(64, 256).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = torch.cuda.memory_allocated()
     strategy = cls(None, model, opt, config)

@@ -258,16 +258,16 @@ def test_auto_backend_is_nccl_only_when_the_floating_state_is_all_on_cuda(tensor
 class _Normed(torch.nn.Module):
     """A model with floating buffers (BatchNorm's running statistics) the round averages."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 6, hidden: int = 8) -> None:
         super().__init__()
         torch.manual_seed(0)
         # numbered layers: Streaming cuts its fragments by them
         self.blocks = torch.nn.ModuleList(
             [
                 torch.nn.Sequential(
-                    torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU()
+                    torch.nn.Linear(width, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU()
                 ),
-                torch.nn.Linear(8, 1),
+                torch.nn.Linear(hidden, 1),
             ]
         )
 

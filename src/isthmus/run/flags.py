@@ -85,32 +85,12 @@ def add_config_flags(
         meta = leaf.field.metadata
         if leaf.hint is bool and "negate" in meta:
             if meta.get("switch"):  # on by default, its switch kept: commands that name it parse
-                group.add_argument(
-                    "--" + flat.replace("_", "-"),
-                    dest=dest,
-                    action="store_const",
-                    const="true",
-                    default=argparse.SUPPRESS,
-                    help=argparse.SUPPRESS,
-                )
-            group.add_argument(
-                "--" + meta["negate"].replace("_", "-"),
-                dest=dest,
-                action="store_const",
-                const="false",
-                default=argparse.SUPPRESS,
-                help=f"do not: {doc[0].lower() + doc[1:]}" if doc else None,
-            )
+                _const_flag(group, flat, dest, "true", argparse.SUPPRESS)
+            negated = f"do not: {doc[0].lower() + doc[1:]}" if doc else None
+            _const_flag(group, meta["negate"], dest, "false", negated)
             continue
         if leaf.hint is bool and leaf.field.default is False:  # a switch: --probe-links
-            group.add_argument(
-                "--" + flat.replace("_", "-"),
-                dest=dest,
-                action="store_const",
-                const="true",
-                default=argparse.SUPPRESS,
-                help=doc or None,
-            )
+            _const_flag(group, flat, dest, "true", doc or None)
             continue
         repeat = "parse" in meta
         choices = None
@@ -179,3 +159,15 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         key, value = parse_assignment(text, flag="--set")
         out[key] = value
     return out
+
+
+def _const_flag(group: Any, name: str, dest: str, const: str, help: str | None) -> None:
+    """``--name`` sets ``dest`` to ``const`` (a boolean setting's text); absent, it sets nothing."""
+    group.add_argument(
+        "--" + name.replace("_", "-"),
+        dest=dest,
+        action="store_const",
+        const=const,
+        default=argparse.SUPPRESS,
+        help=help,
+    )
