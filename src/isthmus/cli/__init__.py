@@ -20,7 +20,7 @@ import sys
 
 from isthmus.cli import checkpoint_data, lab, runs, security
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "forget_handled_interrupt", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,15 +52,29 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
     except KeyboardInterrupt:
         # the commands tear down what they started (peers, namespaces) before this arrives
         print(f"isthmus {args.command}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
     except OSError as e:
         # a port in use, a run directory we may not write, a missing file: say which, no trace
         print(f"isthmus {args.command}: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    forget_handled_interrupt()
+    return code
+
+
+def forget_handled_interrupt() -> None:
+    """Let a Ctrl-C that was handled end the process with its exit code, not by SIGINT.
+
+    CPython (3.11, 3.12) marks the interpreter as interrupted when a ``KeyboardInterrupt`` passes
+    out of code compiled from a string (``exec``/``eval``: a dataclass or namedtuple defined by a
+    module imported lazily, mid-run), even when a caller catches it; the process then kills itself
+    with SIGINT at exit and its status is -2 instead of the 130 we return. Running a string resets
+    that mark, and nothing is unhandled once ``main`` returns.
+    """
+    exec("pass")  # a constant string: its only effect is the reset
 
 
 if __name__ == "__main__":
