@@ -14,6 +14,7 @@ import pytest
 
 from isthmus.run import forkserver
 from isthmus.run.forkserver import ForkedProcess
+from isthmus.run.record import LATE_JOINER_EXIT
 
 SCRIPT = """
 import atexit, os, sys
@@ -27,6 +28,9 @@ if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "raise":
     raise ValueError("the script failed")
+if mode == "late":
+    from isthmus.comm.session_config import RunFinished
+    raise RunFinished("peer1.1 cannot join: the run is over")
 if mode == "sleep":
     print("sleeping")
     import time
@@ -66,6 +70,14 @@ def test_an_exception_is_printed_and_exits_1(tmp_path: Path) -> None:
     assert p.wait(60) == 1
     text = log.read_text()
     assert "ValueError: the script failed" in text and "Traceback" in text
+
+
+def test_a_peer_that_came_after_the_run_ended_exits_as_a_late_joiner(tmp_path: Path) -> None:
+    # as the built-in job does: the launcher counts it as a late joiner, not as a crash
+    p, log = start(tmp_path, "late")
+    assert p.wait(60) == LATE_JOINER_EXIT
+    text = log.read_text()
+    assert "cannot join: the run is over" in text and "Traceback" not in text
 
 
 def test_signals_reach_the_forked_peer_and_wait_is_bounded(tmp_path: Path) -> None:

@@ -41,7 +41,9 @@ def test_every_sample_is_used_once_across_a_kill_an_abort_and_a_join(
 ) -> None:
     """3 peers, DDP, a global batch of 12 windows; peer1 SIGKILLs itself inside the collective of
     step 5 (that round aborts for everyone and is retried by the survivors), the launcher starts
-    it again as a joiner. Every index of the first epoch appears in exactly one committed round."""
+    it again as a joiner (the survivors slow down while it is away, so that it comes back before
+    the end on a loaded box). Every index of the first epoch appears in exactly one committed
+    round."""
     used_dir = tmp_path / "used"
     used_dir.mkdir()
     small = tmp_path / "small"
@@ -54,6 +56,7 @@ def test_every_sample_is_used_once_across_a_kill_an_abort_and_a_join(
         tmp_path / "run", "--peers", "3", "--max-restarts", "1",
         str(SCRIPTS / "sampled_train.py"), "--data", str(small), "--steps", str(steps),
         "--used-dir", str(used_dir), "--fault", "kill@collective:step=5", "--delay", "0.2",
+        "--short-delay", "1",
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     s = json.loads((tmp_path / "run" / "s.json").read_text())

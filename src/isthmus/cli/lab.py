@@ -84,13 +84,13 @@ def _cmd_lab_run(args: argparse.Namespace) -> int:
 def _print_failures(summary: Any) -> None:
     """Each peer process of a script that failed by itself (not killed by the scenario's churn),
     with the end of its output, as ``isthmus run`` prints them."""
-    from isthmus.run.record import RunDir
+    from isthmus.run.record import LATE_JOINER_EXIT, RunDir
 
     assert summary.lab is not None
     killed = {c["name"] for c in summary.lab.churn_applied if c["action"] == "kill"}
     run_dir = RunDir(summary.run_dir)
     for name, rc in summary.exit_codes.items():
-        if rc in (0, None) or name in killed:
+        if rc in (0, None, LATE_JOINER_EXIT) or name in killed:
             continue
         print(
             f"{name} exited with {rc}; the end of its output ({run_dir.log(name)}):",

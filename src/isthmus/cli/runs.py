@@ -147,6 +147,7 @@ def _counts(text: str) -> list[int]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from isthmus.run.flags import overrides_from
+    from isthmus.run.record import LATE_JOINER_EXIT
     from isthmus.run.script_run import run_script, script_config
 
     token = read_token(args, required=args.coordinator is not None)
@@ -176,8 +177,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"isthmus run: {e}", file=sys.stderr)
         return 2
     print_summary(summary, title=f"isthmus run: {args.script}")
-    failed = {n: rc for n, rc in summary.exit_codes.items() if rc != 0}
+    # a process that came after the run's last round (a restart near the end) did no harm
+    fine = (0, LATE_JOINER_EXIT)
+    failed = {n: rc for n, rc in summary.exit_codes.items() if rc not in fine}
     final = _final_codes(summary)
+    for name in summary.late_joiners:
+        print(f"{name} came after the run had ended; it had nothing to do", file=sys.stderr)
     for name, rc in failed.items():
         print(
             f"{name} exited with {rc}; the end of its output ({run_dir.log(name)}):",
@@ -185,7 +190,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         for line in run_dir.tail(name).splitlines():
             print(f"  | {line}", file=sys.stderr)
-    return 0 if final and all(rc == 0 for rc in final.values()) else 1
+    ran = [rc for rc in final.values() if rc != LATE_JOINER_EXIT]
+    return 0 if ran and all(rc in fine for rc in final.values()) else 1
 
 
 def _final_codes(summary: Any) -> dict[str, int | None]:

@@ -176,6 +176,19 @@ def _forkable(argv: list[str]) -> bool:
     return not argv[1].startswith("-")
 
 
+def _uncaught(e: BaseException) -> int:
+    """The exit status for an exception that ended the program: the interpreter's (print it,
+    1), except for a peer whose run was over before it could join, as the built-in job's."""
+    from isthmus.comm.session_config import RunFinished
+    from isthmus.run.record import LATE_JOINER_EXIT
+
+    if isinstance(e, RunFinished):
+        print(f"{e}", file=sys.stderr)
+        return LATE_JOINER_EXIT
+    traceback.print_exc()
+    return 1
+
+
 def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
     """Runs in the forked peer: become what ``argv`` would have started, then exit."""
     os.setsid()  # its own process group: the launcher signals the group, Ctrl-C does not reach it
@@ -216,9 +229,8 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> Non
             runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code
-    except BaseException:  # as the interpreter does: print it, exit 1
-        traceback.print_exc()
-        code = 1
+    except BaseException as e:
+        code = _uncaught(e)
     # what an interpreter's shutdown would run: the user's atexit handlers, flushed output
     atexit._run_exitfuncs()
     logging.shutdown()

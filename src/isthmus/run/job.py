@@ -44,7 +44,7 @@ from isthmus.data import Corpus, evaluate
 from isthmus.data.global_batch import GlobalOrder
 from isthmus.models import GPT, GPTConfig
 from isthmus.run.config import RunConfig, from_dict, from_flat, strategy_options
-from isthmus.run.record import PeerResult, RunDir
+from isthmus.run.record import LATE_JOINER_EXIT, PeerResult, RunDir
 from isthmus.spec import SpecError
 from isthmus.strategies import Strategy, make_strategy
 
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except RunFinished as e:
         log.warning("%s", e)
-        return 4
+        return LATE_JOINER_EXIT
     return 0
 
 

@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LabSummary", "PeerResult", "RunDir", "Summary", "read_jsonl"]
+__all__ = ["LATE_JOINER_EXIT", "LabSummary", "PeerResult", "RunDir", "Summary", "read_jsonl"]
+
+LATE_JOINER_EXIT = 4
+"""A peer's exit status when the run was over before it could join (``RunFinished``): a peer
+restarted near the end arrives after the last round, which is not a failure of the run."""
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -143,6 +147,7 @@ class Summary:
     run_dir: str = ""
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     late_joiners: list[str] = field(default_factory=list)
+    """Processes that came after the run had ended (exit :data:`LATE_JOINER_EXIT`)."""
     program: str = "isthmus.run.job"
     """What each peer ran: the built-in job, or the user's script."""
     checkpoints_written: int = 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from isthmus.comm.group import wire_bytes
 from isthmus.run.launch import Incarnation, Outcome
-from isthmus.run.record import PeerResult, RunDir, Summary
+from isthmus.run.record import LATE_JOINER_EXIT, PeerResult, RunDir, Summary
 
 __all__ = ["collect_metrics", "summarize"]
 
@@ -161,7 +161,7 @@ def summarize(
         wall_s=round(outcome.wall_s, 2),
         run_dir=str(run_dir),
         exit_codes={i.name: i.returncode for i in incs},
-        late_joiners=[i.name for i in incs if i.returncode == 4],
+        late_joiners=[i.name for i in incs if i.returncode == LATE_JOINER_EXIT],
         program=program,
         checkpoints_written=int(outcome.status.get("checkpoint", {}).get("written", 0)),
         checkpoint_stall_s=round(sum(f.checkpoint.get("checkpoint_stall_s", 0.0) for f in fs), 4),

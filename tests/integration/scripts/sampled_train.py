@@ -29,6 +29,13 @@ def main() -> None:
     ap.add_argument("--fault", default=None)
     ap.add_argument("--fault-peer", default="peer1")
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument(
+        "--short-delay",
+        type=float,
+        default=None,
+        help="sleep this long (instead of --delay) after a step whose round had fewer members "
+        "than the first: a restarted peer then joins before the end however loaded the box is",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     data = TokenDataset(args.data, 16, split="train")
@@ -48,6 +55,7 @@ def main() -> None:
     else:
         strategy = isthmus.DiLoCo(session, model, opt, isthmus.DiLoCoConfig(sync_every=4))
     with session:
+        full = 0
         while strategy.step_count < args.steps:
             x, y = data.batch(sampler.indices(session.rank, session.world))
             loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
@@ -55,7 +63,9 @@ def main() -> None:
             strategy.step()
             opt.zero_grad()
             session.report(step=strategy.step_count, loss=loss.item())
-            time.sleep(args.delay)
+            full = max(full, session.world)
+            short = args.short_delay is not None and session.world < full
+            time.sleep(args.short_delay if short else args.delay)
         strategy.finish()
     print(f"{session.name}: step {strategy.step_count}, state {session.state.digest()}")
 
