@@ -121,18 +121,20 @@ def test_a_missing_script_or_one_that_fails_at_once_is_reported_not_waited_for(
 
 def test_connections_and_probing_reach_the_script_through_from_env(tmp_path: Path) -> None:
     """What every peer must share comes with the run: `--connections`, `--probe-links`,
-    `--stall-s`, `--late-s`. Without `--timeout` the run has no wall-clock limit."""
+    `--stall-s`, `--late-s`, `--no-pipeline-commit`. Without `--timeout` the run has no
+    wall-clock limit."""
     show = tmp_path / "show.py"
     show.write_text(
         "import isthmus\ncfg = isthmus.SessionConfig.from_env()\n"
-        "print('settings', cfg.connections, cfg.probe_links, cfg.stall_s, cfg.late_s)\n"
+        "print('settings', cfg.connections, cfg.probe_links, cfg.stall_s, cfg.late_s,"
+        " cfg.pipeline_commit)\n"
     )
     p = _run(
         tmp_path / "on", "--peers", "1", "--connections", "3", "--probe-links",
-        "--stall-s", "4", "--late-s", "90", str(show),
+        "--stall-s", "4", "--late-s", "90", "--no-pipeline-commit", str(show),
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    assert "settings 3 True 4.0 90.0" in (tmp_path / "on" / "run" / "peer0.log").read_text()
+    assert "settings 3 True 4.0 90.0 False" in (tmp_path / "on" / "run" / "peer0.log").read_text()
     config = json.loads((tmp_path / "on" / "run" / "config.json").read_text())
     assert config["timeouts"]["run_timeout"] is None
     # without the flags: connections 1, probing off (tests/unit/test_session_config.py)

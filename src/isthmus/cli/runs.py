@@ -27,10 +27,11 @@ RUN_FLAGS = (
     "mesh",
     "stall_s",
     "late_s",
+    "pipeline_commit",
 )
 """The run settings `isthmus run` takes (the script brings its own model, data and strategy;
-`connections`, `probe_links`, `stall_s` and `late_s` reach it through SessionConfig.from_env, as
-every peer must agree on them)."""
+`connections`, `probe_links`, `stall_s`, `late_s` and `pipeline_commit` reach it through
+SessionConfig.from_env, so that every peer has the same)."""
 
 
 def membership_config(args: argparse.Namespace) -> Any:
@@ -169,6 +170,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             summary_json=cfg.output.summary_json,
             connections=cfg.strategy.connections,
             probe_links=cfg.strategy.probe_links,
+            pipeline_commit=cfg.strategy.pipeline_commit,
             nproc_per_peer=args.nproc_per_peer,
             mesh=cfg.strategy.mesh,
             name_prefix=args.name_prefix,

@@ -257,7 +257,8 @@ class SessionConfig:
         or ``0``: ``probe_links``), which ``isthmus run`` sets from ``--connections`` and
         ``--probe-links`` so that every peer of the run agrees, ``ISTHMUS_STALL_S`` and
         ``ISTHMUS_LATE_S`` (seconds: ``stall_s``, ``late_s``, from ``--stall-s`` and
-        ``--late-s``), ``ISTHMUS_MESH`` (``1``: ``mesh``) and ``ISTHMUS_FAULTS`` (fault specs
+        ``--late-s``), ``ISTHMUS_PIPELINE_COMMIT`` (``0`` from ``--no-pipeline-commit``:
+        ``pipeline_commit``), ``ISTHMUS_MESH`` (``1``: ``mesh``) and ``ISTHMUS_FAULTS`` (fault specs
         separated by ``;``: ``faults``, what the lab gives a script from its scenario's
         ``[[fault]]`` entries). Keyword arguments win over the
         environment (which never overrides what the script says).
@@ -286,6 +287,7 @@ class SessionConfig:
         for key, var, hint in (
             ("connections", "ISTHMUS_CONNECTIONS", int),
             ("probe_links", "ISTHMUS_PROBE_LINKS", bool),
+            ("pipeline_commit", "ISTHMUS_PIPELINE_COMMIT", bool),
             ("mesh", "ISTHMUS_MESH", bool),
             ("stall_s", "ISTHMUS_STALL_S", float),
             ("late_s", "ISTHMUS_LATE_S", float),

@@ -189,6 +189,7 @@ def run_script(
     summary_json: str | None = None,
     connections: int = 1,
     probe_links: bool = False,
+    pipeline_commit: bool = True,
     nproc_per_peer: int | list[int] = 1,
     mesh: bool = False,
     name_prefix: str | None = None,
@@ -197,9 +198,10 @@ def run_script(
     (also in ``summary.json``) and the run directory.
 
     ``timeouts``: the run's bounds; without, those of :func:`script_config` with no flags (no
-    wall-clock bound). ``connections``, ``probe_links`` and ``mesh`` (``--connections``,
-    ``--probe-links``, ``--mesh``) reach every peer as ``ISTHMUS_CONNECTIONS``,
-    ``ISTHMUS_PROBE_LINKS`` and ``ISTHMUS_MESH``, and ``timeouts``' ``stall_s`` and ``late_s`` as
+    wall-clock bound). ``connections``, ``probe_links``, ``pipeline_commit`` and ``mesh``
+    (``--connections``, ``--probe-links``, ``--no-pipeline-commit``, ``--mesh``) reach every peer
+    as ``ISTHMUS_CONNECTIONS``, ``ISTHMUS_PROBE_LINKS``, ``ISTHMUS_PIPELINE_COMMIT`` and
+    ``ISTHMUS_MESH``, and ``timeouts``' ``stall_s`` and ``late_s`` as
     ``ISTHMUS_STALL_S`` and ``ISTHMUS_LATE_S``, which
     :meth:`isthmus.SessionConfig.from_env` reads (what the script passes itself wins). With
     ``tee`` (``isthmus run`` without ``--quiet``) every line the peers write is also printed
@@ -218,6 +220,7 @@ def run_script(
     settings = {
         "ISTHMUS_CONNECTIONS": str(connections),
         "ISTHMUS_PROBE_LINKS": "1" if probe_links else "0",
+        "ISTHMUS_PIPELINE_COMMIT": "1" if pipeline_commit else "0",
         "ISTHMUS_MESH": "1" if mesh else "0",  # SessionConfig.mesh
         "ISTHMUS_STALL_S": repr(float(timeouts.stall_s)),
         "ISTHMUS_LATE_S": repr(float(timeouts.late_s)),
@@ -237,6 +240,7 @@ def run_script(
             "coordinator": coordinator,
             "connections": connections,
             "probe_links": probe_links,
+            "pipeline_commit": pipeline_commit,
             "mesh": mesh,
             "name_prefix": name_prefix,
             "timeouts": dataclasses.asdict(timeouts),
