@@ -55,7 +55,8 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path: Path) -> 
     (wheel,) = dist.glob("isthmus-*.whl")
 
     venv = tmp_path / "venv"
-    v = _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, timeout=120)
+    # no pip of its own (ensurepip is most of a venv's making): this one installs into it
+    v = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, timeout=120)
     assert v.returncode == 0, v.stderr
     py = venv / "bin" / "python"
     site = _run(
@@ -67,7 +68,18 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path: Path) -> 
     # (an editable install is a .pth of its own there, which a path added this way never reads)
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     i = _run(
-        [str(py), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
         cwd=tmp_path,
         timeout=300,
     )
