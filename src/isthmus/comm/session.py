@@ -49,6 +49,7 @@ from isthmus.comm.group import CollectiveError, CommStats, Group, transfer_info
 from isthmus.comm.mesh_agent import MeshAgent
 from isthmus.comm.peer_reach import PeerReach
 from isthmus.comm.probe import LinkProber
+from isthmus.comm.round import Round
 from isthmus.comm.session_config import (
     IslandDispatch,
     RoundFailed,
@@ -79,62 +80,6 @@ log = logging.getLogger("isthmus.session")
 T = TypeVar("T")
 ROUND_HISTORY = 10_000
 """How many round attempts a session remembers in :attr:`Session.rounds` (a small dict each)."""
-
-
-class Round:
-    """One formed round. Use :attr:`group` for collectives, then :meth:`commit` exactly once."""
-
-    def __init__(self, session: Session, plan: RoundPlan, group: Group, started: float) -> None:
-        self.session = session
-        self.plan = plan
-        self.group = group
-        self.started = started
-        self._done = False
-
-    @property
-    def number(self) -> int:
-        return self.plan.round
-
-    @property
-    def epoch(self) -> int:
-        return self.plan.epoch
-
-    @property
-    def rank(self) -> int:
-        return self.group.rank
-
-    @property
-    def world(self) -> int:
-        return self.group.world
-
-    @property
-    def resynced(self) -> bool:
-        """True if this peer's state was repaired at the start of this round: anything it computed
-        before the round (gradients, local progress) came from a stale state and must not count.
-        Also True after this peer undid a tentatively applied round (``pipeline_commit``) until
-        a round commits: its work since started from a revision that never became final."""
-        return self.session.peer_id in self.plan.resynced or self.session._void
-
-    @property
-    def contributors(self) -> int:
-        """Members whose local work counts in this round (world minus resynced peers)."""
-        return self.world - len(self.plan.resynced)
-
-    def check_faults(self, point: str, *, step: int | None = None) -> None:
-        """Give the fault injector a chance to act at ``point`` inside this round."""
-        self.session.faults.check(point, step=step, round=self.number, state=self.session.state)
-
-    def commit(
-        self, ok: bool = True, error: str = "", *, cause: BaseException | None = None
-    ) -> bool:
-        """Report this peer's outcome and wait for the round's. True means committed by every
-        member: apply the result. False means aborted: discard it and begin again. A failure
-        names the members this peer could not reach, from ``cause`` (the exception), the text
-        of ``error`` or probes of the members."""
-        if self._done:
-            raise RuntimeError("Round.commit called twice")
-        self._done = True
-        return self.session._commit(self, ok, error, cause)
 
 
 def _default_name() -> str:
