@@ -244,6 +244,38 @@ def test_bytes_arriving_do_not_hide_bytes_that_are_never_acknowledged() -> None:
     assert v.state is State.SILENT and v.for_s == 11.0
 
 
+def test_silent_lists_every_connection_whose_data_goes_unacknowledged_longest_first() -> None:
+    # what a member whose collective completed tells the coordinator (Group.silent_members):
+    # the same rule as a silent verdict, for every connection, with or without a wait
+    w = ProgressWatch(CFG, started=0.0)
+
+    def at(t: int) -> list[ConnSample]:
+        return [
+            ConnSample(1, "rank 1 at a:1", 1000, 0, in_flight=True, retransmits=t // 2),
+            ConnSample(
+                2,
+                "rank 2 at b:1",
+                5000 if t < 2 else 6000,
+                0,
+                in_flight=True,
+                retransmits=max(0, t - 2),
+            ),
+            ConnSample(3, "rank 3 at c:1", 1000 * t, 0, in_flight=True, retransmits=0),
+            # a live path behind a deep queue: one retransmission timeout, then the ack
+            ConnSample(4, "rank 4 at d:1", 700, 0, in_flight=True, retransmits=1),
+        ]
+
+    for t in range(11):
+        w.sample(float(t), at(t))
+        assert w.silent() == [] or t == 10, (t, w.silent())
+    assert w.silent() == [("rank 1 at a:1", 10.0)]
+    w.sample(12.0, at(12))
+    assert w.silent() == [("rank 1 at a:1", 12.0), ("rank 2 at b:1", 10.0)]
+    assert w.verdict().remote == "rank 1 at a:1"  # the verdict names the longest of them
+    w.sample(13.0, [*at(12)[1:], ConnSample(1, "rank 1 at a:1", 2000, 0)])  # acknowledged
+    assert [r for r, _ in w.silent()] == ["rank 2 at b:1"]
+
+
 def test_the_bounds_of_a_transfer_count_from_when_it_began() -> None:
     w = ProgressWatch(CFG, started=0.0)
     w.sample(0.0, [conn(500, 500, queued=True)])

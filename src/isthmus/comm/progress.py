@@ -245,16 +245,7 @@ class ProgressWatch:
         cfg = self.config
         t = self.at if now is None else max(now, self.at)
         begin = self.started if since is None else since
-        need = cfg.min_retransmits
-        worst = self._worst(
-            lambda c: (
-                t - c.flight_from
-                if c.in_flight
-                and c.flight_from is not None
-                and (c.retransmits is None or c.retransmits >= need)
-                else None
-            ),
-        )
+        worst = self._worst(lambda c: self._unacked_for(c, t))
         if worst is not None and worst[0] >= cfg.stall_s:
             for_s, remote = worst
             why = f"no acknowledgement from {remote} for {for_s:.1f}s with data in flight"
@@ -278,6 +269,33 @@ class ProgressWatch:
             return Verdict(State.NOT_READING, stuck, for_s, remote, why)
         why = f"no byte moved on any connection for {quiet_for:.1f}s (waiting for another member)"
         return Verdict(State.IDLE, stuck, quiet_for, "", why)
+
+    def silent(self, now: float | None = None) -> list[tuple[str, float]]:
+        """Every connection that is silent at ``now`` (default: the last sample's time), as
+        :meth:`verdict` judges one: ``(remote, seconds its data in flight has gone
+        unacknowledged)``, longest first. Unlike the verdict it does not depend on a transfer
+        being waited for: a member whose collective completed once its last data was handed to
+        its kernel still holds that data in flight, and this is how it can tell that the data
+        never arrives (the heartbeat's ``transfer.silent``)."""
+        t = self.at if now is None else max(now, self.at)
+        found = [
+            (a, c.remote)
+            for c in self._conns.values()
+            if (a := self._unacked_for(c, t)) is not None and a >= self.config.stall_s
+        ]
+        return [(remote, a) for a, remote in sorted(found, reverse=True)]
+
+    def _unacked_for(self, c: _Conn, t: float) -> float | None:
+        """How long ``c``'s data in flight has gone unacknowledged at ``t``, where its kernel
+        also retransmitted it ``min_retransmits`` times in a row (when it says); else None."""
+        need = self.config.min_retransmits
+        if (
+            c.in_flight
+            and c.flight_from is not None
+            and (c.retransmits is None or c.retransmits >= need)
+        ):
+            return t - c.flight_from
+        return None
 
     def _worst(self, age: Callable[[_Conn], float | None]) -> tuple[float, str] | None:
         """(age, remote) of the connection with the greatest ``age`` (None: not considered);

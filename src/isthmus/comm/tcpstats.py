@@ -241,6 +241,11 @@ class TcpWatch:
         with self._lock:
             return self._watch.in_flight()
 
+    def silent(self) -> list[tuple[str, float]]:
+        """:meth:`ProgressWatch.silent` now."""
+        with self._lock:
+            return self._watch.silent(time.monotonic())
+
     def describe(self) -> str:
         """:meth:`ProgressWatch.describe` now."""
         with self._lock:
