@@ -4,6 +4,8 @@ a silently dropped path, a stopped remote); one process, no sockets."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from isthmus.comm.progress import ConnSample, ProgressConfig, ProgressWatch, State
@@ -13,7 +15,7 @@ CFG = ProgressConfig(stall_s=10.0, late_s=60.0)
 
 
 def conn(
-    acked: int, received: int = 0, *, key: int = 1, remote: str = "10.0.0.4:41234", **kw: bool
+    acked: int, received: int = 0, *, key: int = 1, remote: str = "10.0.0.4:41234", **kw: Any
 ) -> ConnSample:
     return ConnSample(key=key, remote=remote, acked=acked, received=received, **kw)
 
@@ -74,6 +76,27 @@ def test_a_remote_that_stops_reading_is_not_a_link_failure_and_waits_late_s() ->
     # it resumes: progress again, and the clock starts over
     w.sample(63.0, [conn(12_000_000, 12_000_000, in_flight=True)])
     assert w.verdict().state is State.PROGRESSING
+
+
+def test_queued_data_whose_probes_go_unanswered_is_silent_a_stopped_reader_is_not() -> None:
+    # the same counters with the kernel's probe streak: a stopped reader's kernel answers each
+    # window probe (the streak stays at 0 or 1); a sender whose own firewall drops what it
+    # sends (or whose path died behind a closed window) holds its data queued, nothing in
+    # flight, and its probes keep going unanswered
+    for probes, silent in ((1, False), (3, True)):
+        w = ProgressWatch(CFG, started=0.0)
+        w.sample(0.0, [conn(10_000_000, 10_000_000, in_flight=True)])
+        for t in range(1, 13):
+            streak = min(probes, t)
+            w.sample(float(t), [conn(10_000_000, 10_000_000, queued=True, probes=streak)])
+        v = w.verdict()
+        if silent:
+            assert v.state is State.SILENT and v.stuck and v.for_s == 11.0, v
+            assert "no acknowledgement from 10.0.0.4:41234 for 11.0s with data queued" in v.why
+            assert w.silent() == [("10.0.0.4:41234", 11.0)]
+        else:
+            assert v.state is State.NOT_READING and not v.stuck, v
+            assert w.silent() == []
 
 
 def test_waiting_for_others_is_idle_and_bounded_by_late_s() -> None:
