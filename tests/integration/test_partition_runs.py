@@ -5,8 +5,11 @@ resynced and taken back; every peer ends bit-identical.
 
 One run of 4 DDP peers (the tiny model) on a bridge, two cuts in turn: every packet between
 peer1 and peer2 dropped (silent), then every TCP connection between peer0 and peer3 refused
-(a reset), each healed before the next. Assertions are on the coordinator's record (commits,
-their world, isolation events), never on wall-clock times.
+(a reset), each healed before the next. The drop lands wherever it lands in a round: with data
+in flight at both ends, with one end's data held unsent by its own kernel (the rules sit in
+peer1's namespace, on output too), or after one end's collective completed with its last data
+still in its kernel (the coordinator learns that from the end's heartbeats). Assertions are on
+the coordinator's record (commits, their world, isolation events), never on wall-clock times.
 """
 
 from __future__ import annotations
@@ -231,6 +234,8 @@ def test_a_broken_link_sits_one_end_out_and_a_healed_one_takes_it_back(
                 assert [e["name"] for e in readmitted] == [out], readmitted
                 resync = [e for e in run.events() if e["kind"] == "resync" and e["t"] > t_heal]
                 assert resync, "the member taken back was not resynced"
+                aborts = [e for e in run.events() if e["kind"] == "abort" and e["t"] > t_cut]
+                print(f"PARTITION_ABORT {label}: {aborts[0]['reason'] if aborts else None}")
                 figures[f"{label}_cut_to_commit_s"] = round(three["t"] - t_cut, 2)
                 figures[f"{label}_heal_to_full_s"] = round(back["t"] - t_heal, 2)
             print("PARTITION_FIGURES", json.dumps(figures))

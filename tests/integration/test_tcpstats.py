@@ -392,3 +392,101 @@ def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(pref
             assert f"no acknowledgement from {other}" in f["error"], failed
     finally:
         _stop(procs, (a, b))
+
+
+HANDOFF_SCRIPT = Path(__file__).parent / "scripts" / "handoff_peer.py"
+
+
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (apt-get install nftables)")
+def test_data_handed_to_the_kernel_over_a_cut_link_aborts_the_round_naming_the_pair(
+    prefix: str,
+) -> None:
+    # The cut lands after the receiver told the sender it is ready and before the sender's data
+    # arrives: the sender's send completes (its data is in its kernel) and it reports; the
+    # receiver waits with nothing in flight, which on its side looks like a late sender. The
+    # sender's heartbeat names the receiver once its data has gone unacknowledged past the
+    # stall rule (stall_s 2 s, and retransmitted), the receiver's says nothing moves, and the
+    # coordinator's rules, fed those real heartbeats, abort the round naming the pair.
+    from isthmus.coordinator.membership import Membership, MembershipConfig
+    from isthmus.coordinator.protocol import TensorSpec
+
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    va, vb = f"{prefix}a", f"{prefix}b"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        _veth_pair((a, va, "10.79.3.1/24"), (b, vb, "10.79.3.2/24"))
+        m = Membership(MembershipConfig(start_peers=2, heartbeat_timeout=30.0))
+        ids = [
+            m.register(n, time.monotonic(), {"probe": f"{ip}:4100"})
+            for n, ip in (("a", "10.79.3.1"), ("b", "10.79.3.2"))
+        ]
+        schema = [TensorSpec("w", (2048,), "torch.float32")]
+        for pid in ids:
+            m.begin(pid, time.monotonic(), nonce="1", revision=0, hashes={"w": "0"}, schema=schema)
+        plan = m.poll_begin(ids[0], "1").plan
+        assert plan is not None and plan.members == tuple(ids)  # rank 0 is a, rank 1 is b
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        for rank, ns, ip in ((0, a, "10.79.3.1"), (1, b, "10.79.3.2")):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(HANDOFF_SCRIPT)]
+            cmd += [str(rank), "10.79.3.1", ip, str(plan.epoch)]
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+                )
+            )
+        _line(procs[0], "POSTED", 120)
+        time.sleep(1.0)  # the receiver's "ready" reaches the sender and is acknowledged
+        hook = "filter hook"
+        rule = (
+            f"table inet cut {{\n  chain in {{ type {hook} input priority 0; "
+            f"ip saddr 10.79.3.2 drop; }}\n  chain out {{ type {hook} output priority 0; "
+            f"ip daddr 10.79.3.2 drop; }}\n}}\n"
+        )
+        subprocess.run(
+            ["ip", "netns", "exec", a, "nft", "-f", "-"],
+            input=rule,
+            text=True,
+            check=True,
+            capture_output=True,
+            timeout=20,
+        )
+        assert procs[1].stdin is not None
+        procs[1].stdin.write("SEND\n")
+        procs[1].stdin.flush()
+        _line(procs[1], "SENT", 60)  # handed to the kernel: the sender reports its round
+        assert (
+            m.commit(ids[1], time.monotonic(), epoch=plan.epoch, round=plan.round, ok=True).kind
+            == "wait"
+        )
+        seen: dict[int, list[str]] = {0: [], 1: []}
+        for rank, p in enumerate(procs):
+            _collect(p, seen[rank])
+
+        def last_info(rank: int) -> dict[str, object] | None:
+            infos = [x for x in list(seen[rank]) if x.startswith("INFO ")]
+            return json.loads(infos[-1][len("INFO ") :]) if infos else None
+
+        end = time.monotonic() + 60
+        while time.monotonic() < end and m.poll_commit(plan.epoch, plan.round).kind == "wait":
+            now = time.monotonic()
+            for rank, pid in enumerate(ids):
+                m.heartbeat(pid, now, {"transfer": last_info(rank)})
+            m.tick(now)
+            time.sleep(0.1)
+        assert m.poll_commit(plan.epoch, plan.round).kind == "aborted", seen
+        said = [json.loads(x[len("INFO ") :]) for x in seen[1] if x.startswith("INFO ")]
+        silent = [s for s in said if s is not None]
+        assert silent and said[0] is None, said  # nothing named until the stall rule held
+        first = silent[0]["silent"]
+        assert [(e["epoch"], e["rank"]) for e in first] == [(plan.epoch, 0)], first
+        assert first[0]["for_s"] >= 2.0, first
+        assert not any(x.startswith(("DONE", "FAILED")) for x in seen[0]), seen  # still waits
+        unreachable = [e for e in m.events if e["kind"] == "unreachable"]
+        assert [(e["name"], e["remote_name"], e["how"]) for e in unreachable] == [
+            ("b", "a", "stalled")
+        ], unreachable
+        abort = [e for e in m.events if e["kind"] == "abort"][-1]
+        assert "link between them is cut" in abort["reason"], abort
+    finally:
+        _stop(procs, (a, b))

@@ -4,6 +4,8 @@ a silently dropped path, a stopped remote); one process, no sockets."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from isthmus.comm.progress import ConnSample, ProgressConfig, ProgressWatch, State
@@ -13,7 +15,7 @@ CFG = ProgressConfig(stall_s=10.0, late_s=60.0)
 
 
 def conn(
-    acked: int, received: int = 0, *, key: int = 1, remote: str = "10.0.0.4:41234", **kw: bool
+    acked: int, received: int = 0, *, key: int = 1, remote: str = "10.0.0.4:41234", **kw: Any
 ) -> ConnSample:
     return ConnSample(key=key, remote=remote, acked=acked, received=received, **kw)
 
@@ -74,6 +76,27 @@ def test_a_remote_that_stops_reading_is_not_a_link_failure_and_waits_late_s() ->
     # it resumes: progress again, and the clock starts over
     w.sample(63.0, [conn(12_000_000, 12_000_000, in_flight=True)])
     assert w.verdict().state is State.PROGRESSING
+
+
+def test_queued_data_whose_probes_go_unanswered_is_silent_a_stopped_reader_is_not() -> None:
+    # the same counters with the kernel's probe streak: a stopped reader's kernel answers each
+    # window probe (the streak stays at 0 or 1); a sender whose own firewall drops what it
+    # sends (or whose path died behind a closed window) holds its data queued, nothing in
+    # flight, and its probes keep going unanswered
+    for probes, silent in ((1, False), (3, True)):
+        w = ProgressWatch(CFG, started=0.0)
+        w.sample(0.0, [conn(10_000_000, 10_000_000, in_flight=True)])
+        for t in range(1, 13):
+            streak = min(probes, t)
+            w.sample(float(t), [conn(10_000_000, 10_000_000, queued=True, probes=streak)])
+        v = w.verdict()
+        if silent:
+            assert v.state is State.SILENT and v.stuck and v.for_s == 11.0, v
+            assert "no acknowledgement from 10.0.0.4:41234 for 11.0s with data queued" in v.why
+            assert w.silent() == [("10.0.0.4:41234", 11.0)]
+        else:
+            assert v.state is State.NOT_READING and not v.stuck, v
+            assert w.silent() == []
 
 
 def test_waiting_for_others_is_idle_and_bounded_by_late_s() -> None:
@@ -242,6 +265,38 @@ def test_bytes_arriving_do_not_hide_bytes_that_are_never_acknowledged() -> None:
         w.sample(float(t), [conn(1000, 1000 + t * 10**6, in_flight=True)])
     v = w.verdict()
     assert v.state is State.SILENT and v.for_s == 11.0
+
+
+def test_silent_lists_every_connection_whose_data_goes_unacknowledged_longest_first() -> None:
+    # what a member whose collective completed tells the coordinator (Group.silent_members):
+    # the same rule as a silent verdict, for every connection, with or without a wait
+    w = ProgressWatch(CFG, started=0.0)
+
+    def at(t: int) -> list[ConnSample]:
+        return [
+            ConnSample(1, "rank 1 at a:1", 1000, 0, in_flight=True, retransmits=t // 2),
+            ConnSample(
+                2,
+                "rank 2 at b:1",
+                5000 if t < 2 else 6000,
+                0,
+                in_flight=True,
+                retransmits=max(0, t - 2),
+            ),
+            ConnSample(3, "rank 3 at c:1", 1000 * t, 0, in_flight=True, retransmits=0),
+            # a live path behind a deep queue: one retransmission timeout, then the ack
+            ConnSample(4, "rank 4 at d:1", 700, 0, in_flight=True, retransmits=1),
+        ]
+
+    for t in range(11):
+        w.sample(float(t), at(t))
+        assert w.silent() == [] or t == 10, (t, w.silent())
+    assert w.silent() == [("rank 1 at a:1", 10.0)]
+    w.sample(12.0, at(12))
+    assert w.silent() == [("rank 1 at a:1", 12.0), ("rank 2 at b:1", 10.0)]
+    assert w.verdict().remote == "rank 1 at a:1"  # the verdict names the longest of them
+    w.sample(13.0, [*at(12)[1:], ConnSample(1, "rank 1 at a:1", 2000, 0)])  # acknowledged
+    assert [r for r, _ in w.silent()] == ["rank 2 at b:1"]
 
 
 def test_the_bounds_of_a_transfer_count_from_when_it_began() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from isthmus.comm import group as group_mod
 from isthmus.comm import handle as handle_mod
-from isthmus.comm.group import CollectiveError, Group, Handle, backstop_s
+from isthmus.comm.group import CollectiveError, Group, Handle, backstop_s, transfer_info
 from isthmus.comm.progress import ConnSample, ProgressConfig, ProgressWatch, Verdict
 from isthmus.comm.wires import Wires
 
@@ -63,6 +63,9 @@ class FakeWatch:
 
     def moved_within(self, floor_s: float) -> bool:
         return self.watch.moved_within(floor_s, self.now)
+
+    def silent(self) -> list[tuple[str, float]]:
+        return self.watch.silent(self.now)
 
 
 @pytest.fixture(autouse=True)
@@ -267,3 +270,45 @@ def test_a_member_that_only_receives_is_moving_while_segments_arrive() -> None:
         watch.sample()
     assert not g.moving()  # nothing arrived for 3 s: the partner sends nothing any more
     h._work.future.set_result(None)  # type: ignore[union-attr]
+
+
+def test_a_member_whose_collective_completed_names_the_member_its_data_does_not_reach() -> None:
+    # the collective completed once its last data was in the kernel; the link to rank 1 is
+    # cut, so that data stays in flight, retransmitted, never acknowledged: the heartbeat
+    # names rank 1 once the stall rule holds, and stops as soon as the data is acknowledged
+    state = {"acked": 0, "flight": False, "rtx": 0}
+
+    def conns(t: float) -> list[ConnSample]:
+        return [
+            ConnSample(
+                "c",
+                REMOTE,
+                acked=state["acked"],
+                received=0,
+                in_flight=bool(state["flight"]),
+                retransmits=state["rtx"],
+            )
+        ]
+
+    watch = FakeWatch(conns, ProgressConfig(stall_s=10.0, late_s=600.0), step=1.0)
+    g = Group(object(), 0, 2, timeout_s=30.0, watch=watch, epoch=4)
+    assert transfer_info(None, g) is None and watch.elapsed == 0.0  # nothing issued: no sample
+    h = Handle(g, FakeWork(), torch.ones(4), "all_reduce")
+    state.update(acked=1000, flight=True)  # the last data handed to the kernel
+    h._work.future.set_result(None)  # type: ignore[union-attr]
+    state["rtx"] = 6
+    infos = [transfer_info(None, g) for _ in range(12)]  # one heartbeat a second
+    assert infos[:9] == [None] * 9, infos  # within stall_s: nothing said
+    assert infos[-1] == {"silent": [{"epoch": 4, "rank": 1, "for_s": 11.0}]}, infos
+    # inside a round (before this member reported) it rides along with "moving"
+    plan = type("Plan", (), {"epoch": 4, "round": 9})()
+    info = transfer_info(plan, g)
+    assert info is not None and info["silent"][0]["rank"] == 1 and info["round"] == 9
+    state.update(acked=2000, flight=False, rtx=0)  # the link healed: acknowledged
+    assert transfer_info(None, g) is None
+    sampled = watch.elapsed
+    assert transfer_info(None, g) is None and watch.elapsed == sampled  # settled: no sampling
+    g.abort("the round aborted")
+    state.update(acked=2000, flight=True, rtx=9)
+    Handle(g, FakeWork(), torch.ones(4), "all_reduce")
+    assert all(transfer_info(None, g) is None for _ in range(15))  # an aborted group says none

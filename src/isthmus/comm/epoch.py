@@ -134,6 +134,7 @@ def connect_epoch(
         stripes=stripes,
         stall_s=cfg.stall_s,
         late_s=cfg.late_s,
+        epoch=plan.epoch,
     )
     return group, agreed
 

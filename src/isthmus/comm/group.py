@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from isthmus.comm.handle import (
 )
 from isthmus.comm.progress import ProgressConfig, State, Verdict
 from isthmus.comm.tcpstats import TcpWatch
+from isthmus.comm.unacked import Unacked, transfer_info
 from isthmus.comm.wires import Wires
 
 __all__ = [
@@ -157,6 +158,8 @@ class Group:
     work): every wait and every Gloo operation of such a group keeps the fixed bound
     ``timeout_s``. ``watch``: what judges progress instead of a
     :class:`~isthmus.comm.tcpstats.TcpWatch` over ``wires``' connections (tests give a fake).
+    ``epoch``: the membership epoch it was built for, which heartbeats name with
+    :meth:`silent_members` (None: they name none).
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class Group:
         stall_s: float = 10.0,
         late_s: float = 600.0,
         watch: Watch | None = None,
+        epoch: int | None = None,
     ) -> None:
         if world > 1 and pg is None:
             raise ValueError("a group of more than one peer needs a process group")
@@ -204,6 +208,8 @@ class Group:
         self._sample_lock = threading.Lock()
         self._sampled_at = -SAMPLE_PERIOD_S
         self._said_moving = True  # the last answer of moving(): a change to False is logged
+        self.epoch = epoch
+        self._unacked = Unacked(watch, wires, rank)
         if wires is not None:
             for g in self.pgs:
                 _set_backstop(g, late_s)
@@ -281,11 +287,20 @@ class Group:
         self._said_moving = moving
         return moving
 
+    def silent_members(self) -> list[tuple[int, float]]:
+        """``(rank, seconds)`` of each member this member's data in flight has not reached
+        past the stall rule, also once its operations completed (:class:`Unacked`); empty
+        for an aborted group or one of no known epoch. Safe from any thread."""
+        if self.aborted or self.epoch is None:
+            return []
+        return self._unacked.members(self.busy, lambda: self._sample(time.monotonic()))
+
     # -- lifecycle -----------------------------------------------------------------------------
     def _register(self, h: Handle) -> None:
         with self._lock:
             self._inflight = [x for x in self._inflight if not x.done()]
             self._inflight.append(h)
+            self._unacked.issued()
 
     def abort(self, reason: str) -> None:
         """Make every pending and future wait on this group raise :class:`CollectiveError`.
@@ -565,23 +580,6 @@ class Group:
             return
         work = self._issue("barrier", lambda: self.pg.barrier())
         Handle(self, work, None, "barrier").wait()
-
-
-class _Round(Protocol):
-    epoch: int
-    round: int
-
-
-def transfer_info(plan: _Round | None, group: Group | None) -> dict[str, Any] | None:
-    """What a heartbeat says of this peer's round (``info.transfer``): None outside a round
-    (before its go, after this peer reported it); else the round's ``epoch`` and ``round`` and
-    whether it is ``moving``: about to transfer, or transferring with some connection of
-    ``group`` advancing (:meth:`Group.moving`). The coordinator gives the round's members a
-    longer heartbeat bound unless one of them says, for that very round, that nothing moves."""
-    if plan is None:
-        return None
-    moving = group is None or not group.busy() or group.moving()
-    return {"epoch": plan.epoch, "round": plan.round, "moving": moving}
 
 
 def _nbytes(t: torch.Tensor) -> int:

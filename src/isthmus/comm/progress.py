@@ -13,7 +13,11 @@ connection, when its counters last advanced, and :meth:`ProgressWatch.verdict` c
 * **silent** (stuck, with a culprit): a connection holds data in flight that its remote has not
   acknowledged for ``stall_s``, and (where the source says) its kernel has retransmitted it on
   ``min_retransmits`` timeouts in a row: the path or the remote host is gone (a cut link, a
-  one-way route, a firewall that drops). A live path behind a deep queue on a slow link can go
+  one-way route, a firewall that drops). Or it holds data queued with nothing in flight whose
+  probes went unanswered ``min_retransmits`` times in a row for ``stall_s`` (where the source
+  counts them): a zero window that the cut froze, or a local firewall that drops the data
+  before it leaves (the kernel then holds it unsent); a remote that does not read answers its
+  window probes. A live path behind a deep queue on a slow link can go
   longer than ``stall_s`` without an acknowledgement, but one retransmission gets one. Per connection, so that one dead link is caught even while
   others still move data; the verdict names the remote, which is what a failure report needs.
 * **not reading** (stuck after ``late_s``): data is queued but nothing is in flight and nothing
@@ -62,6 +66,11 @@ class ConnSample:
     retransmits: int | None = None
     """Consecutive retransmission timeouts of the data in flight (reset by an acknowledgement);
     None where the source does not say."""
+    probes: int | None = None
+    """Consecutive probes unanswered while data is queued and nothing is in flight (reset by
+    any acknowledgement): zero-window probes, or the kernel's attempts to send queued data into
+    an open window that fail before they leave the host (a local firewall drop); None where the
+    source does not say. A remote that does not read still answers its window probes."""
     segs_in: int | None = None
     """Data segments that arrived so far, in order or not; None where the source does not say.
     A receiver that waits for one lost segment keeps getting the later ones, which do not
@@ -134,6 +143,8 @@ class _Conn:
     retransmits: int | None = None
     segs: int | None = None  # segs_in at the last sample
     rto_s: float | None = None
+    queued_from: float | None = None  # first sample queued, nothing in flight, since an ack
+    probes: int | None = None
 
 
 class ProgressWatch:
@@ -176,6 +187,7 @@ class ProgressWatch:
                 # a connection appearing (or made again) is movement too
                 flight = at if s.in_flight else None
                 c = _Conn(s.remote, total, at, s.acked, flight, s.in_flight, s.queued)
+                c.queued_from = at if s.queued and not s.in_flight else None
                 self.last_moved = max(self.last_moved, at)
             else:
                 moved = total - c.base >= need
@@ -186,15 +198,23 @@ class ProgressWatch:
                 if moved or arrived:
                     c.moved_at = at
                     self.last_moved = max(self.last_moved, at)
+                blocked = s.queued and not s.in_flight
                 if s.acked - c.acked_base >= need:
                     c.acked_base = s.acked
                     c.flight_from = at if s.in_flight else None
-                elif not s.in_flight:
-                    c.flight_from = None
-                elif c.flight_from is None:
-                    c.flight_from = at
+                    c.queued_from = at if blocked else None
+                else:
+                    if not s.in_flight:
+                        c.flight_from = None
+                    elif c.flight_from is None:
+                        c.flight_from = at
+                    if not blocked:
+                        c.queued_from = None
+                    elif c.queued_from is None:
+                        c.queued_from = at
                 c.in_flight, c.queued = s.in_flight, s.queued
             c.retransmits, c.segs, c.rto_s = s.retransmits, s.segs_in, s.rto_s
+            c.probes = s.probes
             seen[s.key] = c
         self._conns = seen
 
@@ -245,19 +265,11 @@ class ProgressWatch:
         cfg = self.config
         t = self.at if now is None else max(now, self.at)
         begin = self.started if since is None else since
-        need = cfg.min_retransmits
-        worst = self._worst(
-            lambda c: (
-                t - c.flight_from
-                if c.in_flight
-                and c.flight_from is not None
-                and (c.retransmits is None or c.retransmits >= need)
-                else None
-            ),
-        )
+        worst = self._worst(lambda c: self._unacked_for(c, t))
         if worst is not None and worst[0] >= cfg.stall_s:
             for_s, remote = worst
-            why = f"no acknowledgement from {remote} for {for_s:.1f}s with data in flight"
+            held = "in flight" if any(c.in_flight for c in self._by(remote)) else "queued"
+            why = f"no acknowledgement from {remote} for {for_s:.1f}s with data {held}"
             return Verdict(
                 State.SILENT, True, for_s, remote, why + " (the path or the host is gone)"
             )
@@ -278,6 +290,47 @@ class ProgressWatch:
             return Verdict(State.NOT_READING, stuck, for_s, remote, why)
         why = f"no byte moved on any connection for {quiet_for:.1f}s (waiting for another member)"
         return Verdict(State.IDLE, stuck, quiet_for, "", why)
+
+    def silent(self, now: float | None = None) -> list[tuple[str, float]]:
+        """Every connection that is silent at ``now`` (default: the last sample's time), as
+        :meth:`verdict` judges one: ``(remote, seconds its data in flight has gone
+        unacknowledged)``, longest first. Unlike the verdict it does not depend on a transfer
+        being waited for: a member whose collective completed once its last data was handed to
+        its kernel still holds that data in flight, and this is how it can tell that the data
+        never arrives (the heartbeat's ``transfer.silent``)."""
+        t = self.at if now is None else max(now, self.at)
+        found = [
+            (a, c.remote)
+            for c in self._conns.values()
+            if (a := self._unacked_for(c, t)) is not None and a >= self.config.stall_s
+        ]
+        return [(remote, a) for a, remote in sorted(found, reverse=True)]
+
+    def _unacked_for(self, c: _Conn, t: float) -> float | None:
+        """How long ``c``'s data has waited at ``t`` for an acknowledgement that does not
+        come: data in flight that its kernel also retransmitted ``min_retransmits`` times in a
+        row (when it says), or data queued with nothing in flight whose probes went unanswered
+        ``min_retransmits`` times in a row (only where the source counts them: a remote that
+        does not read answers its window probes). Else None."""
+        need = self.config.min_retransmits
+        if (
+            c.in_flight
+            and c.flight_from is not None
+            and (c.retransmits is None or c.retransmits >= need)
+        ):
+            return t - c.flight_from
+        if (
+            c.queued
+            and not c.in_flight
+            and c.queued_from is not None
+            and c.probes is not None
+            and c.probes >= max(need, 1)
+        ):
+            return t - c.queued_from
+        return None
+
+    def _by(self, remote: str) -> list[_Conn]:
+        return [c for c in self._conns.values() if c.remote == remote]
 
     def _worst(self, age: Callable[[_Conn], float | None]) -> tuple[float, str] | None:
         """(age, remote) of the connection with the greatest ``age`` (None: not considered);

@@ -7,8 +7,10 @@ shows; ``/proc/net/tcp`` only has queue sizes) holds, per connection, ``bytes_ac
 remote kernel confirmed) and ``bytes_received``, the data in flight (``unacked``, in segments)
 and written but not yet sent (``notsent_bytes``), and how long ago the last acknowledgement
 arrived. These tell a slow link (counters advance), a silent path (data in flight, no
-acknowledgement: retransmitting) and a remote process that stopped reading (nothing in flight,
-data queued, the window closed, acknowledgements of window probes still arriving) apart.
+acknowledgement: retransmitting; or data queued, nothing in flight, probes unanswered: a path
+that died behind a closed window, or a local firewall that drops what is sent) and a remote
+process that stopped reading (nothing in flight, data queued, the window closed,
+acknowledgements of window probes still arriving) apart.
 
 Sockets are read on a private duplicate of a descriptor found by inode (as
 :mod:`isthmus.comm.wires` cuts them), so a descriptor Gloo closes meanwhile is never touched.
@@ -59,6 +61,7 @@ class TcpInfo:
     segments in flight. ``notsent``: bytes written but not yet sent. ``last_ack_ms``/
     ``last_data_ms``: milliseconds since the last acknowledgement / data arrived.
     ``retransmits``, ``backoff``: the current retransmission (or window probe) streak.
+    ``probes``: window probes (or attempts to send queued data) unanswered in a row.
     ``snd_wnd``: the window the remote offers, None where the kernel does not say.
     ``rto_us``: the current retransmission timeout. ``data_segs_in``: data segments received,
     in order or not (duplicates too), None where the kernel does not say.
@@ -78,6 +81,7 @@ class TcpInfo:
     snd_wnd: int | None
     rto_us: int = 0
     data_segs_in: int | None = None
+    probes: int = 0
 
 
 def parse_tcp_info(buf: bytes) -> TcpInfo | None:
@@ -85,7 +89,7 @@ def parse_tcp_info(buf: bytes) -> TcpInfo | None:
     the byte counters (a kernel older than 4.6)."""
     if len(buf) < _NEEDED:
         return None
-    state, _ca, retransmits, _probes, backoff, *_ = _BASE.unpack_from(buf, 0)
+    state, _ca, retransmits, probes, backoff, *_ = _BASE.unpack_from(buf, 0)
     u32 = lambda off: _U32.unpack_from(buf, off)[0]  # noqa: E731
     return TcpInfo(
         established=state == _ESTABLISHED,
@@ -102,6 +106,7 @@ def parse_tcp_info(buf: bytes) -> TcpInfo | None:
         snd_wnd=u32(_OFF_SND_WND) if len(buf) >= _OFF_SND_WND + 4 else None,
         rto_us=u32(_OFF_RTO),
         data_segs_in=u32(_OFF_DATA_SEGS_IN) if len(buf) >= _OFF_DATA_SEGS_IN + 4 else None,
+        probes=probes,
     )
 
 
@@ -171,8 +176,8 @@ def _read_checked(fd: int, inode: int) -> TcpInfo | None:
 def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
     """``info`` as a :class:`~isthmus.comm.progress.ConnSample`: data in flight when segments
     await acknowledgement, queued when written bytes wait (the remote's window is closed), with
-    the current streak of retransmission timeouts, the data segments received (in order or
-    not) and the retransmission timeout."""
+    the current streak of retransmission timeouts and of unanswered probes, the data segments
+    received (in order or not) and the retransmission timeout."""
     return ConnSample(
         key=key,
         remote=remote,
@@ -181,6 +186,7 @@ def conn_sample(key: Hashable, remote: str, info: TcpInfo) -> ConnSample:
         in_flight=info.unacked > 0,
         queued=info.notsent > 0 or info.snd_wnd == 0,
         retransmits=info.retransmits,
+        probes=info.probes,
         segs_in=info.data_segs_in,
         rto_s=info.rto_us / 1e6 if info.rto_us else None,
     )
@@ -240,6 +246,11 @@ class TcpWatch:
         """:meth:`ProgressWatch.in_flight` at the last sample."""
         with self._lock:
             return self._watch.in_flight()
+
+    def silent(self) -> list[tuple[str, float]]:
+        """:meth:`ProgressWatch.silent` now."""
+        with self._lock:
+            return self._watch.silent(time.monotonic())
 
     def describe(self) -> str:
         """:meth:`ProgressWatch.describe` now."""

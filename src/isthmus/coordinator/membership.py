@@ -26,6 +26,13 @@ docs/PROTOCOL.md walks through the protocol; in short:
   member's death aborts
   the round for everyone; only when every member succeeded does ``revision`` advance. After an
   abort the next round opens a new epoch (fresh process groups). **leave** aborts nothing.
+* **A link cut after its data was handed over**: a collective completes once its last data is
+  in the kernel, so the sending end of a cut link may report success while the receiving end
+  waits with nothing in flight, which looks like waiting for a late member. When every member
+  but some has reported, each of those says (for this round) that nothing moves, and a member
+  that reported says its data to one of them has gone unacknowledged past the stall rule
+  (its heartbeat's ``transfer.silent``), the round aborts and the pair is down, as if the
+  sender had failed naming the receiver (:meth:`Membership.tick`).
   A round that aborts ``abort_limit`` times in a row for the same cause stops: every begin is
   answered ``stopped`` with the cause.
 * **Partial partitions** (:mod:`.isolation`): a failure report may name members the reporter
@@ -51,7 +58,8 @@ from __future__ import annotations
 from typing import Any
 
 from isthmus.coordinator import forming, isolation
-from isthmus.coordinator.peers import MembershipConfig, PeerState
+from isthmus.coordinator.partition import How
+from isthmus.coordinator.peers import MembershipConfig, Peer, PeerState
 from isthmus.coordinator.protocol import (
     Decision,
     ProbeOutcome,
@@ -66,6 +74,9 @@ __all__ = ["REASON_TTL", "Membership", "MembershipConfig", "PeerState"]  # confi
 REASON_TTL = 0.25
 """Seconds a waiting begin's reason may be reused (see :meth:`Membership.poll_begin`)."""
 
+MAX_SILENT = 64
+"""At most this many entries of a heartbeat's ``transfer.silent`` are read."""
+
 
 class Membership(RunState):
     """The coordinator's state and the requests that change it. Methods take ``now`` (seconds,
@@ -75,6 +86,12 @@ class Membership(RunState):
     Pushes for peers (round aborted) are queued in :attr:`notices`; the server drains them
     (:meth:`take_notices`).
     """
+
+    def __init__(self, config: MembershipConfig | None = None) -> None:
+        super().__init__(config)
+        self.claims: set[int] = set()
+        """Peers whose last heartbeat named members their data does not reach
+        (``transfer.silent``); :meth:`tick` looks for a cut link only while there are any."""
 
     # -- registration and liveness ----------------------------------------------------------------
     def register(self, name: str, now: float, info: dict[str, Any] | None = None) -> int:
@@ -104,9 +121,15 @@ class Membership(RunState):
             t = info.get("transfer")
             t = t if isinstance(t, dict) else {}
             p.moving = t.get("moving") is True
-            p.transfer_round = (t.get("epoch"), t.get("round")) if t else None
+            # outside a round a heartbeat may carry only ``silent``: it names no round
+            p.transfer_round = (t.get("epoch"), t.get("round")) if "round" in t else None
             if p.moving:
                 p.progress_at = now
+            p.silent = _silent_claims(t.get("silent"))
+            if p.silent:
+                self.claims.add(pid)
+            else:
+                self.claims.discard(pid)
             p.info.update(info)
         if probes and isolation.probed(self, p, probes, now):
             self.try_form(now)
@@ -177,8 +200,66 @@ class Membership(RunState):
                         f"did not report round {r.plan.round} within {cfg.commit_timeout:.0f}s "
                         "of its last progress",
                     )
+        if self.claims:
+            self._cut_link(now)
         isolation.ask_probes(self, now)
         forming.try_form(self, now, quick=True)
+
+    def _cut_link(self, now: float) -> None:
+        """Abort the running round if a link between two of its members is cut after the
+        sending end handed its last data to its kernel (see the module doc): every member that
+        has not reported says in its last heartbeat, about this round, that nothing moves on
+        its connections, and a member that reported (ok: a failure would have aborted the round)
+        says that its data to one of them has gone unacknowledged past the stall rule. The
+        bound is the sender's: its ``stall_s`` and the kernel's retransmission timeouts
+        (:mod:`isthmus.comm.progress`), the rule by which an end that still waits gives up on a
+        silent connection. Each such pair is reported down (the sender could not reach the
+        receiver, ``stalled``), so that the next round sits one end out and probes take it back
+        once the link heals. A receiver that still sees data arrive (a thin link) says it moves,
+        and nothing is aborted."""
+        r = self.phase.round
+        if r is None:
+            return
+        plan = r.plan
+        waiting: set[int] = set()
+        for m in plan.members:
+            if m in r.reports:
+                continue
+            q = self.roster.active(m)
+            # a member that is gone aborts the round by itself; one that moves is waited for
+            if q is None or q.transfer_round != (plan.epoch, plan.round) or q.moving:
+                return
+            waiting.add(m)
+        cut: list[tuple[Peer, Peer, float]] = []
+        for pid in sorted(self.claims):
+            p = self.roster.active(pid)
+            if p is None:
+                self.claims.discard(pid)
+                continue
+            if pid not in r.reports:
+                continue  # its own wait names the member when it gives up on the connection
+            for epoch, rank, for_s in p.silent:
+                to = (
+                    plan.members[rank]
+                    if epoch == plan.epoch and 0 <= rank < len(plan.members)
+                    else None
+                )
+                if to in waiting:
+                    cut.append((p, self.peers[to], for_s))
+        if not waiting or not cut:
+            return
+        for sender, to, _ in cut:
+            address = (plan.reach or {}).get(str(to.id)) or to.probe_address
+            if address is not None:
+                entry = Unreached(to.id, address, How.STALLED.value)
+                isolation.unreached(self, sender, (entry,), now)
+        sender, to, for_s = cut[0]
+        self.abort(
+            now,
+            f"peer {sender.id} ({sender.name}) reported round {plan.round}, but its data to peer "
+            f"{to.id} ({to.name}) has gone unacknowledged for {for_s:.0f}s while {to.name} "
+            "sees nothing move: the link between them is cut",
+        )
 
     # -- begin ----------------------------------------------------------------------------------
     def begin(
@@ -364,3 +445,21 @@ class Membership(RunState):
             return Decision("wait", "")
         waiting = [m for m in r.plan.members if m not in r.reports]
         return Decision("wait", f"waiting for commit reports from peers {waiting}")
+
+
+def _silent_claims(value: Any) -> tuple[tuple[int, int, float], ...]:
+    """A heartbeat's ``transfer.silent`` as ``(epoch, rank, for_s)``; entries of another shape
+    are left out (the heartbeat's info is the peer's own free-form dict)."""
+    if not isinstance(value, list):
+        return ()
+    out = []
+    for e in value[:MAX_SILENT]:
+        if not isinstance(e, dict):
+            continue
+        epoch, rank, for_s = e.get("epoch"), e.get("rank"), e.get("for_s")
+        numbers = (epoch, rank, for_s)
+        if not any(isinstance(x, bool) for x in numbers) and (
+            isinstance(epoch, int) and isinstance(rank, int) and isinstance(for_s, (int, float))
+        ):
+            out.append((epoch, rank, float(for_s)))
+    return tuple(out)

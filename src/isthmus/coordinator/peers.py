@@ -130,6 +130,9 @@ class Peer:
     transfer_round: tuple[Any, Any] | None = None
     # when a heartbeat last said so: the commit bound counts from there
     progress_at: float | None = None
+    # its last heartbeat's ``transfer.silent``: (epoch, rank, seconds) of each member its data
+    # in flight does not reach (unacknowledged past the stall rule)
+    silent: tuple[tuple[int, int, float], ...] = ()
 
     @property
     def probe_address(self) -> str | None:
