@@ -83,6 +83,7 @@ def serve(
     ``out`` (JSON): the CPU time and clock at every commit, RSS, counters.
     ``heartbeat_timeout``: the membership's bound, where positive (else its default)."""
     import cProfile
+    import gc
     import resource
     import threading
 
@@ -106,9 +107,19 @@ def serve(
 
     prof = cProfile.Profile() if profile is not None else None
 
+    gc_s = [0.0, 0.0]  # seconds in the cyclic garbage collector, and the start of a pass
+
+    def gc_timer(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_s[1] = time.process_time()
+        else:
+            gc_s[0] += time.process_time() - gc_s[1]
+
+    gc.callbacks.append(gc_timer)
+
     def timed_commit(now: float) -> None:
         commit_round(now)
-        commits.append((m.revision, time.process_time(), time.monotonic()))
+        commits.append((m.revision, time.process_time(), time.monotonic(), gc_s[0]))
         if prof is not None and m.revision == warmup:
             prof.enable()  # on the loop's thread, which runs the rounds
 
@@ -341,8 +352,10 @@ def measure(
         for r in counted
         if r - 1 in by_round
     ]
-    cpu_at = {rev: cpu for rev, cpu, _ in stats["commits"]}
+    cpu_at = {rev: cpu for rev, cpu, *_ in stats["commits"]}
     cpu = [cpu_at[r + 1] - cpu_at[r] for r in counted if r in cpu_at and r + 1 in cpu_at]
+    gc_at = {c[0]: c[3] for c in stats["commits"] if len(c) > 3}
+    gc_cpu = [gc_at[r + 1] - gc_at[r] for r in counted if r in gc_at and r + 1 in gc_at]
     hb_rate = (b1 - b0) / (t1 - t0)
     return {
         "peers": n,
@@ -360,6 +373,10 @@ def measure(
             "median": 1e3 * statistics.median(cpu),
             "p99": 1e3 * _pct(cpu, 0.99),
             "mean": 1e3 * statistics.mean(cpu),
+        },
+        "gc_ms_per_round": {
+            "median": 1e3 * statistics.median(gc_cpu) if gc_cpu else None,
+            "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
         },
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
