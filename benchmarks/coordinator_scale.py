@@ -108,12 +108,17 @@ def serve(
     prof = cProfile.Profile() if profile is not None else None
 
     gc_s = [0.0, 0.0]  # seconds in the cyclic garbage collector, and the start of a pass
+    gc_gens = [[0, 0.0] for _ in range(3)]  # passes and seconds of each generation
 
     def gc_timer(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             gc_s[1] = time.process_time()
         else:
-            gc_s[0] += time.process_time() - gc_s[1]
+            spent = time.process_time() - gc_s[1]
+            gc_s[0] += spent
+            gen = gc_gens[info["generation"]]
+            gen[0] += 1
+            gen[1] += spent
 
     gc.callbacks.append(gc_timer)
 
@@ -137,6 +142,7 @@ def serve(
                     "rss_mb": rss_kb / 1024,
                     "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                     "counters": status["counters"],
+                    "gc_by_generation": gc_gens,
                 }
             )
         )
@@ -378,6 +384,7 @@ def measure(
             "median": 1e3 * statistics.median(gc_cpu) if gc_cpu else None,
             "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
         },
+        "gc_by_generation": stats.get("gc_by_generation"),
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "cpu_us_per_heartbeat": 1e6 * (c1 - c0) / max(1, b1 - b0),
