@@ -23,8 +23,9 @@ Figures (per counted round): formation latency, from the last member's begin sen
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
 received (with the vote in the begin: from the last carrying begin sent to the last answer
 that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
-CPU time (user + system of its whole process, sampled in the process at every commit); and its
-RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
+CPU time (user + system of its whole process, sampled in the process at every commit), the
+part of it spent in the cyclic garbage collector (``gc_ms_per_round``; ``gc_by_generation``:
+passes and seconds of each generation over the whole run); and its RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
 round ``--warmup`` on (the counted rounds only: not the registrations nor the first rounds) and
 writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
