@@ -23,8 +23,9 @@ Figures (per counted round): formation latency, from the last member's begin sen
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
 received (with the vote in the begin: from the last carrying begin sent to the last answer
 that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
-CPU time (user + system of its whole process, sampled in the process at every commit); and its
-RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
+CPU time (user + system of its whole process, sampled in the process at every commit), the
+part of it spent in the cyclic garbage collector (``gc_ms_per_round``; ``gc_by_generation``:
+passes and seconds of each generation over the whole run); and its RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
 round ``--warmup`` on (the counted rounds only: not the registrations nor the first rounds) and
 writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
@@ -83,6 +84,7 @@ def serve(
     ``out`` (JSON): the CPU time and clock at every commit, RSS, counters.
     ``heartbeat_timeout``: the membership's bound, where positive (else its default)."""
     import cProfile
+    import gc
     import resource
     import threading
 
@@ -106,9 +108,24 @@ def serve(
 
     prof = cProfile.Profile() if profile is not None else None
 
+    gc_s = [0.0, 0.0]  # seconds in the cyclic garbage collector, and the start of a pass
+    gc_gens = [[0, 0.0] for _ in range(3)]  # passes and seconds of each generation
+
+    def gc_timer(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_s[1] = time.process_time()
+        else:
+            spent = time.process_time() - gc_s[1]
+            gc_s[0] += spent
+            gen = gc_gens[info["generation"]]
+            gen[0] += 1
+            gen[1] += spent
+
+    gc.callbacks.append(gc_timer)
+
     def timed_commit(now: float) -> None:
         commit_round(now)
-        commits.append((m.revision, time.process_time(), time.monotonic()))
+        commits.append((m.revision, time.process_time(), time.monotonic(), gc_s[0]))
         if prof is not None and m.revision == warmup:
             prof.enable()  # on the loop's thread, which runs the rounds
 
@@ -126,6 +143,7 @@ def serve(
                     "rss_mb": rss_kb / 1024,
                     "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                     "counters": status["counters"],
+                    "gc_by_generation": gc_gens,
                 }
             )
         )
@@ -341,8 +359,10 @@ def measure(
         for r in counted
         if r - 1 in by_round
     ]
-    cpu_at = {rev: cpu for rev, cpu, _ in stats["commits"]}
+    cpu_at = {rev: cpu for rev, cpu, *_ in stats["commits"]}
     cpu = [cpu_at[r + 1] - cpu_at[r] for r in counted if r in cpu_at and r + 1 in cpu_at]
+    gc_at = {c[0]: c[3] for c in stats["commits"] if len(c) > 3}
+    gc_cpu = [gc_at[r + 1] - gc_at[r] for r in counted if r in gc_at and r + 1 in gc_at]
     hb_rate = (b1 - b0) / (t1 - t0)
     return {
         "peers": n,
@@ -361,6 +381,11 @@ def measure(
             "p99": 1e3 * _pct(cpu, 0.99),
             "mean": 1e3 * statistics.mean(cpu),
         },
+        "gc_ms_per_round": {
+            "median": 1e3 * statistics.median(gc_cpu) if gc_cpu else None,
+            "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
+        },
+        "gc_by_generation": stats.get("gc_by_generation"),
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "cpu_us_per_heartbeat": 1e6 * (c1 - c0) / max(1, b1 - b0),

@@ -87,3 +87,27 @@ def test_a_waiting_reason_names_twenty_members_and_counts_the_rest() -> None:
     m.begin(pids[1], 1.1, nonce="b", revision=1, hashes=GOOD, schema=None)
     assert m.poll_begin(pids[0], "b", now=1.1).reason == why
     assert "1 (p001)" not in m.poll_begin(pids[0], "b", now=2.0).reason
+
+
+def test_a_round_of_begins_looks_at_every_peer_a_constant_number_of_times(monkeypatch) -> None:
+    """A begin checks the member the last attempt waited for, then the next of those it waited
+    for: the full pass (sorting out who sits out) runs at the round's first begin and its
+    last, not once per member that happened to be the one waited for."""
+    from isthmus.coordinator import forming
+
+    passes: list[int] = []
+    real = forming.sit_out
+
+    def counted(s, ready, now):  # type: ignore[no-untyped-def]
+        passes.append(len(ready))
+        return real(s, ready, now)
+
+    for order in (list(range(N)), list(range(N))[::-1], random.Random(2).sample(range(N), N)):
+        m, pids = _run(order)
+        monkeypatch.setattr(forming, "sit_out", counted)
+        passes.clear()
+        for k, i in enumerate(order):
+            d = m.begin(pids[i], 1.0, nonce="b", revision=1, hashes=GOOD, schema=None)
+            assert d.kind == ("go" if k == N - 1 else "wait"), (k, d)
+        assert len(passes) <= 3, passes
+        monkeypatch.setattr(forming, "sit_out", real)

@@ -86,24 +86,28 @@ def waiting_reason(s: RunState) -> str:
 
 
 def _still_blocked(s: RunState, now: float) -> bool:
-    """Whether the member the last attempt waited for (:attr:`~.state.RunState.blocker`) still
+    """Whether a member the last attempt waited for (:attr:`~.state.RunState.blocker`) still
     holds the round back, so that :func:`try_form` would change nothing: it is a live, in-sync
     member of the same epoch (so the run need not restart) that has not begun and is not quiet,
     nobody has waited for it past ``begin_timeout``, and no pair is known down and nobody was
-    ever isolated (then sitting out leaves everyone in). O(1)."""
+    ever isolated (then sitting out leaves everyone in). When the member it names has begun
+    (or went quiet) the next of the others it waited for is checked, and so on: each is
+    checked once until the round forms, so a round's begins cost O(1) each in all."""
     b = s.blocker
     if b is None or not s.reach.empty or s.counters["isolations"]:
         return False
-    members, pid, since = b
-    p = s.roster.active(pid)
-    return (
-        members is s.members
-        and p is not None
-        and p.in_sync
-        and not p.ready_nonce
-        and not quiet(s, pid, now)
-        and now - since <= s.config.begin_timeout
-    )
+    members, pid, since, others = b
+    if members is not s.members or now - since > s.config.begin_timeout:
+        return False
+    while True:
+        p = s.roster.active(pid)
+        if p is not None and p.in_sync and not p.ready_nonce and not quiet(s, pid, now):
+            if pid != b[1]:
+                s.blocker = (members, pid, since, others)
+            return True
+        if not others:
+            return False
+        pid = others.pop()
 
 
 def try_form(s: RunState, now: float, *, quick: bool = False) -> None:
@@ -151,7 +155,9 @@ def try_form(s: RunState, now: float, *, quick: bool = False) -> None:
             # The next begins skip this scan while this member holds the round back. The one
             # in the middle: peers that begin in (or against) member order reach it late.
             since = min(member_ready) if member_ready else now
-            s.blocker = (s.members, speaking_missing[len(speaking_missing) // 2], since)
+            mid = len(speaking_missing) // 2
+            others = speaking_missing[:mid] + speaking_missing[mid + 1 :]
+            s.blocker = (s.members, speaking_missing[mid], since, others)
         return
     if len(ready) < cfg.min_peers:
         return

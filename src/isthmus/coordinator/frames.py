@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from isthmus.coordinator.protocol import Begin, Commit, Decision, Heartbeat, Push
+from isthmus.coordinator.protocol import Begin, Commit, Decision, Heartbeat, Push, Vote
 from isthmus.coordinator.wire import WireError, decode, encode
 
 __all__ = [
@@ -125,12 +125,82 @@ def read_uplink(text: str) -> Heartbeat | BeginFrame | CommitFrame:
         raw: Any = json.loads(text)
     except ValueError as e:
         raise BadFrame(f"frame is not JSON: {e}") from None
+    frame = _read_common(raw)
+    if frame is not None:
+        return frame
     try:
         return decode(Uplink, raw)  # type: ignore[return-value]
     except WireError as e:
         fid, kind = (raw.get("id"), raw.get("type")) if isinstance(raw, dict) else (None, None)
         ok = isinstance(fid, int) and not isinstance(fid, bool)
         raise BadFrame(f"bad frame: {e}", fid if ok else -1, kind) from None
+
+
+def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
+    """The frame ``raw`` (parsed JSON) in the shapes peers send every round, read without the
+    codec's general walk, or None for any other shape (then :func:`.wire.decode` reads it, and
+    names what is wrong). Takes exactly what the codec takes, and gives the same message: a
+    field of another type, a schema, a failure's ``unreached`` all go the general way."""
+    if type(raw) is not dict:
+        return None
+    kind = raw.get("type")
+    if kind == "hb":
+        info = raw.get("info", {})
+        return Heartbeat(dict(info)) if type(info) is dict else None
+    fid = raw.get("id")
+    if type(fid) is not int:
+        return None
+    if kind == "begin":
+        b = raw.get("begin")
+        if type(b) is not dict:
+            return None
+        peer, nonce, revision = b.get("peer"), b.get("nonce"), b.get("revision")
+        run, hashes, prev = b.get("run"), b.get("hashes"), b.get("prev")
+        if (
+            type(peer) is not int
+            or type(nonce) is not str
+            or type(revision) is not int
+            or (run is not None and type(run) is not str)
+            or b.get("schema") is not None
+        ):
+            return None
+        if hashes is not None:
+            if type(hashes) is not dict or not all(type(h) is str for h in hashes.values()):
+                return None
+            hashes = dict(hashes)
+        vote = None
+        if prev is not None:
+            if type(prev) is not dict:
+                return None
+            epoch, rnd = prev.get("epoch"), prev.get("round")
+            if type(epoch) is not int or type(rnd) is not int:
+                return None
+            vote = Vote(epoch=epoch, round=rnd)
+        return BeginFrame(
+            id=fid,
+            begin=Begin(
+                peer=peer, nonce=nonce, revision=revision, run=run, hashes=hashes, prev=vote
+            ),
+        )
+    if kind == "commit":
+        c = raw.get("commit")
+        if type(c) is not dict:
+            return None
+        peer, epoch, rnd, ok = c.get("peer"), c.get("epoch"), c.get("round"), c.get("ok")
+        run, error = c.get("run"), c.get("error", "")
+        if (
+            type(peer) is not int
+            or type(epoch) is not int
+            or type(rnd) is not int
+            or type(ok) is not bool
+            or (run is not None and type(run) is not str)
+            or type(error) is not str
+            or c.get("unreached", ()) not in ((), [])
+        ):
+            return None
+        commit = Commit(peer=peer, epoch=epoch, round=rnd, ok=ok, run=run, error=error)
+        return CommitFrame(id=fid, commit=commit)
+    return None
 
 
 def reply_text(

@@ -8,8 +8,9 @@ with :func:`.frames.read_uplink`:
   malformed one is not counted as one;
 * a begin or commit frame must name the socket's peer (else 403) and is charged to the
   identity's request bucket like an HTTP request (429 when empty, the socket stays open); it is
-  handled on a task of its own by :class:`~.rounds.Rounds`, exactly as the HTTP request would
-  be, and answered with a :class:`~.frames.RoundReply` naming its id. A frame that is not
+  handed to :class:`~.rounds.Rounds`, exactly as the HTTP request would be, and answered with a
+  :class:`~.frames.RoundReply` naming its id, at once or, when held, as the run changes (the
+  rounds' one waker answers every held frame; no task per frame). A frame that is not
   JSON, names an unknown ``type`` or has a field missing or mistyped is answered 400 naming
   the field (and the id it gave, or -1); the socket stays open.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -31,7 +33,7 @@ from aiohttp import WSMsgType, web
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator import wire
 from isthmus.coordinator.auth import Identity
-from isthmus.coordinator.frames import BadFrame, BeginFrame, read_uplink, reply_text
+from isthmus.coordinator.frames import BadFrame, BeginFrame, CommitFrame, read_uplink, reply_text
 from isthmus.coordinator.gate import BadRequest, Gate
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.limits import Limits
@@ -41,6 +43,24 @@ from isthmus.coordinator.stragglers import StragglerDetector
 __all__ = ["PeerSockets"]
 
 log = logging.getLogger("isthmus.coordinator")
+
+_INTERNAL = "internal error (see the coordinator log)"
+
+
+def _fits(transport: asyncio.BaseTransport | None, text: str) -> bool:
+    """Whether writing the frame ``text`` on ``transport`` leaves it below its pause mark, so
+    that aiohttp's send cannot wait for the peer: the write buffer is empty (not paused) and
+    the frame with its header fits under the high-water mark."""
+    if transport is None or transport.is_closing():
+        return True  # the send fails at once
+    try:
+        if transport.get_write_buffer_size() != 0:  # type: ignore[attr-defined]
+            return False
+        high = transport.get_write_buffer_limits()[1]  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError):
+        return False
+    size = len(text) if text.isascii() else 4 * len(text)
+    return size + 14 <= high
 
 
 class PeerSockets:
@@ -61,6 +81,7 @@ class PeerSockets:
         self.stragglers = stragglers
         self.limits = limits
         self._departures = -1  # peers dropped so far, when the detector last forgot the gone
+        self._sending: set[asyncio.Future[Any]] = set()  # answers sent on tasks of their own
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Serve one peer's websocket until it closes; then evict the peer."""
@@ -90,7 +111,8 @@ class PeerSockets:
         hub.sockets[pid] = ws
         if old is not None and not old.closed:
             await old.close()
-        held: set[asyncio.Future[Any]] = set()  # this socket's begins and commits in progress
+        transport = request.transport
+        asks: set[Any] = set()  # this socket's begins and commits in progress
         try:
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT:
@@ -109,12 +131,13 @@ class PeerSockets:
                     if not await self._heartbeat(ws, pid, frame):
                         break
                     continue
-                task = asyncio.ensure_future(self._round(ws, pid, name, frame))
-                held.add(task)
-                task.add_done_callback(held.discard)
+                refused = self._round(ws, transport, pid, name, frame, asks)
+                if refused is not None:
+                    await refused
+                await self.rounds.flush()  # the answers this frame settled (its own, others')
         finally:
-            for task in list(held):
-                task.cancel()
+            for ask in list(asks):
+                self.rounds.abandon(ask)
             if hub.sockets.get(pid) is ws:
                 del hub.sockets[pid]
                 # The peer's heartbeat connection is gone: its process exited or crashed (a live
@@ -145,31 +168,66 @@ class PeerSockets:
             await ws.send_json(wire.encode(msgs.EvictedPush("removed by the coordinator")))
         return alive
 
-    async def _round(self, ws: web.WebSocketResponse, pid: int, name: str, frame: Any) -> None:
-        """Handle one begin or commit frame and send its reply (a socket that closed meanwhile
-        is not an error: the peer learns the outcome when it asks again)."""
+    def _round(
+        self,
+        ws: web.WebSocketResponse,
+        transport: asyncio.BaseTransport | None,
+        pid: int,
+        name: str,
+        frame: BeginFrame | CommitFrame,
+        asks: set[Any],
+    ) -> Awaitable[None] | None:
+        """Hand one begin or commit frame to the rounds, its reply to be sent when it is
+        decided (a socket that closed meanwhile is not an error: the peer learns the outcome
+        when it asks again). A frame refused at once (403, 429) returns its reply to await."""
         msg = frame.begin if isinstance(frame, BeginFrame) else frame.commit
         if msg.peer != pid:
             why = f"this socket is peer {pid}'s; the frame names peer {msg.peer}"
-            await self.hub.send_text(ws, reply_text(frame.id, status=403, error=why))
-            return
+            return self.hub.send_text(ws, reply_text(frame.id, status=403, error=why))
         if not self.gate.requests.take(name, time.monotonic()):
             why = f"{name} is over its request rate; slow down"
-            await self.hub.send_text(ws, reply_text(frame.id, status=429, error=why))
-            return
-        try:
-            if isinstance(frame, BeginFrame):
-                d = await self.rounds.begin(msg)
-            else:
-                d = await self.rounds.commit(msg)
-            text = reply_text(frame.id, decision_json=self.rounds.text(d))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("error handling a %s frame of peer %d", type(frame).__name__, pid)
-            why = "internal error (see the coordinator log)"
-            text = reply_text(frame.id, status=500, error=why)
-        await self.hub.send_text(ws, text)
+            return self.hub.send_text(ws, reply_text(frame.id, status=429, error=why))
+        fid, kind = frame.id, type(frame).__name__
+        ask: Any = None
+
+        def answer(d: msgs.Decision) -> Awaitable[None] | None:
+            asks.discard(ask)
+            try:
+                text = reply_text(fid, decision_json=self.rounds.text(d))
+            except Exception:  # an answer that does not encode is a bug: the peer is told
+                log.exception("error answering a %s frame of peer %d", kind, pid)
+                text = reply_text(fid, status=500, error=_INTERNAL)
+            return self._send(ws, transport, text)
+
+        def fail(e: BaseException) -> None:
+            asks.discard(ask)
+            log.error("error handling a %s frame of peer %d", kind, pid, exc_info=e)
+            self._spawn(self.hub.send_text(ws, reply_text(fid, status=500, error=_INTERNAL)))
+
+        if isinstance(frame, BeginFrame):
+            ask = self.rounds.submit_begin(frame.begin, answer, fail)
+        else:
+            ask = self.rounds.submit_commit(frame.commit, answer, fail)
+        if not ask.gone:  # held: answered later, unless the socket closes first
+            asks.add(ask)
+        return None
+
+    def _send(
+        self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None, text: str
+    ) -> Awaitable[None] | None:
+        """The sending of ``text`` on ``ws``: to await in turn with other answers where the
+        write cannot wait for the peer to read (the frame fits the socket's empty write buffer
+        below its pause mark), else on a task of its own (a peer that does not read holds up
+        only its own answers)."""
+        if _fits(transport, text):
+            return self.hub.send_text(ws, text)
+        self._spawn(self.hub.send_text(ws, text))
+        return None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._sending.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._sending.discard)
 
     def _watch_timing(self, pid: int, info: dict[str, Any]) -> bool:
         """Feed a heartbeat's ``timing`` to the straggler detector (under the lock); record its

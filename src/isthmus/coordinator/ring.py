@@ -96,7 +96,8 @@ def order_ring(members: Sequence[int], bandwidth: Mapping[tuple[int, int], float
     def key(o: Sequence[int]) -> list[float]:
         return ring_key(o, bandwidth)
 
-    first, rest = min(ids), sorted(x for x in ids if x != min(ids))
+    first = min(ids)
+    rest = sorted(x for x in ids if x != first)
     best: list[int] | None = None
     if len(ids) <= EXACT_MAX:
         for perm in itertools.permutations(rest):

@@ -58,9 +58,10 @@ class RunState:
         begin may change what the other waiting peers are answered (send hashes)."""
         self.reason_cache: tuple[tuple[int, ...], float, str] | None = None
         """(stamp, when, reason): the last reason a waiting begin was given."""
-        self.blocker: tuple[tuple[int, ...], int, float] | None = None
-        """(members, member, since): the last round that could not form waited for ``member``
-        of those ``members``, and no waiting member had been ready before ``since``
+        self.blocker: tuple[tuple[int, ...], int, float, list[int]] | None = None
+        """(members, member, since, others): the last round that could not form waited for
+        ``member`` of those ``members`` (and for ``others``, the next to check once ``member``
+        has begun), and no waiting member had been ready before ``since``
         (:func:`.forming.try_form` checks it first)."""
 
     # -- questions ------------------------------------------------------------------------------
