@@ -167,12 +167,24 @@ class RunView:
 
     def sample_peers(self, now: float, peers: Iterable[dict[str, Any]]) -> None:
         """Read each active peer's reported step and loss (``/v1/status`` peers)."""
-        for p in peers:
-            if p.get("state") != "active":
-                continue
-            info = p.get("info") or {}
-            track = self.track(str(p.get("name")))
-            seen = now - float(p.get("last_heartbeat_s") or 0.0)  # when that info arrived
+        reports = (
+            (
+                str(p.get("name")),
+                p.get("info") or {},
+                now - float(p.get("last_heartbeat_s") or 0.0),  # when that info arrived
+            )
+            for p in peers
+            if p.get("state") == "active"
+        )
+        self.sample_reports(now, reports)
+
+    def sample_reports(
+        self, now: float, reports: Iterable[tuple[str, dict[str, Any], float]]
+    ) -> None:
+        """Read each active peer's reported step and loss from ``(name, info, seen)``: its last
+        heartbeat's info and when that arrived (the coordinator's clock)."""
+        for name, info, seen in reports:
+            track = self.track(name)
             step = _number(info.get("step"))
             if step is not None and (not track.steps or track.steps[-1][1] != step):
                 track.steps.append((seen, step))
