@@ -37,7 +37,11 @@ coordinator's ``heartbeat_timeout`` the ranks that notice exit with :data:`ISLAN
 the other islands abort and retry the round, and ``--max-restarts`` starts the island again as
 a whole; it rejoins and is resynced shard by shard (:mod:`isthmus.comm.island_transfer`). The
 coordinator's round aborts reach the leader; it relays them to its followers over the same
-channel, so every rank cuts its own cross-island groups at once. A coordinator's ``restore``
+channel, so every rank cuts its own cross-island groups at once; the other way, each
+follower's transfer (whether it moves, the members its data does not reach) reaches the leader
+there, and the leader's heartbeats carry the island's merge, so that a link cut between two
+followers after the data was handed over aborts the round as it does between plain peers
+(docs/PROTOCOL.md, "A link cut after the data was handed over"). A coordinator's ``restore``
 reaches the leader; it tells the followers, and every rank loads its part of the checkpoint
 together. Not built yet (refused with an error naming it): link probing.
 """
