@@ -1,16 +1,21 @@
 """IslandWatch over real UDP sockets: the ranks of an island hear each other, a silent rank
-is reported, a rank that says goodbye is not, and the leader's aborts reach the followers."""
+is reported, a rank that says goodbye is not, the leader's aborts reach the followers, and the
+followers' transfers reach the leader."""
 
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 import pytest
 
-from isthmus.comm.island_watch import IslandWatch, bind_watch
+from isthmus.comm.island_watch import MAX_RELAYED, IslandWatch, bind_watch
 
 
-def _watches(n: int) -> tuple[list[IslandWatch], list[threading.Event], list[list]]:
+def _watches(
+    n: int, status: Any = None
+) -> tuple[list[IslandWatch], list[threading.Event], list[list]]:
     bound = [bind_watch() for _ in range(n)]
     addresses = [a for _, a in bound]
     lost = [threading.Event() for _ in range(n)]
@@ -24,6 +29,7 @@ def _watches(n: int) -> tuple[list[IslandWatch], list[threading.Event], list[lis
             timeout=0.6,
             on_lost=lambda ranks, r=r: (seen[r].append(("lost", ranks)), lost[r].set()),
             on_abort=lambda *a, r=r: seen[r].append(("abort", *a)),
+            status=None if status is None else lambda r=r: status(r),
         )
         for r, (sock, _) in enumerate(bound)
     ]
@@ -61,3 +67,31 @@ def test_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="interval < timeout"):
         IslandWatch(0, sock, [address], interval=1.0, timeout=1.0, on_lost=print)
     sock.close()
+
+
+def test_followers_relay_their_transfer_to_the_leader() -> None:
+    many = [{"epoch": 2, "rank": r, "for_s": float(r)} for r in range(3 * MAX_RELAYED)]
+
+    def status(rank: int) -> dict[str, Any] | None:
+        if rank == 2:
+            raise RuntimeError("a broken status")  # its beats still go out
+        return {"epoch": 2, "round": 5, "moving": False, "silent": many}
+
+    watches, lost, seen = _watches(3, status)
+    try:
+        end = time.monotonic() + 5.0
+        while 1 not in watches[0].transfers() and time.monotonic() < end:
+            time.sleep(0.02)
+        relayed = watches[0].transfers()
+        assert relayed[1] is not None and relayed[1]["moving"] is False, relayed
+        silent = relayed[1]["silent"]
+        assert len(silent) == MAX_RELAYED and silent[0]["for_s"] == 3 * MAX_RELAYED - 1
+        assert relayed.get(2) is None  # heard, with nothing to say
+        assert watches[1].transfers() == {}  # only the leader keeps them
+        assert not lost[0].wait(0.5) and not lost[2].is_set(), seen
+        watches[1].close()  # a rank that left says nothing any more
+        time.sleep(0.2)
+        assert 1 not in watches[0].transfers()
+    finally:
+        for w in watches:
+            w.close()

@@ -490,3 +490,122 @@ def test_data_handed_to_the_kernel_over_a_cut_link_aborts_the_round_naming_the_p
         assert "link between them is cut" in abort["reason"], abort
     finally:
         _stop(procs, (a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (apt-get install nftables)")
+def test_a_cut_between_island_followers_aborts_the_round_naming_the_islands(prefix: str) -> None:
+    # The handed-over cut of the test above, between the followers (rank 1) of two islands of
+    # two ranks whose leaders' connections are clean: the processes in the namespaces are the
+    # followers' cross-island groups, each follower's transfer goes to its leader over a real
+    # island watch (UDP), and the leaders' heartbeats carry the island's merge
+    # (island_watch.island_transfer): the receiving island's leader has reached the outcome
+    # (nothing moves), the sending island reported. The coordinator's unchanged rule aborts
+    # the round and marks the pair of islands down.
+    from isthmus.comm.island_watch import IslandWatch, bind_watch, island_transfer
+    from isthmus.coordinator.membership import Membership, MembershipConfig
+    from isthmus.coordinator.protocol import TensorSpec
+
+    a, b = f"{prefix}-a", f"{prefix}-b"
+    va, vb = f"{prefix}a", f"{prefix}b"
+    procs: list[subprocess.Popen[str]] = []
+    watches: list[IslandWatch] = []
+    try:
+        _veth_pair((a, va, "10.79.4.1/24"), (b, vb, "10.79.4.2/24"))
+        m = Membership(MembershipConfig(start_peers=2, heartbeat_timeout=30.0))
+        ids = [
+            m.register(n, time.monotonic(), {"probe": f"{ip}:4100", "island": {"size": 2}})
+            for n, ip in (("island-a", "10.79.4.1"), ("island-b", "10.79.4.2"))
+        ]
+        schema = [TensorSpec("w", (2048,), "torch.float32")]
+        for pid in ids:
+            m.begin(pid, time.monotonic(), nonce="1", revision=0, hashes={"w": "0"}, schema=schema)
+        plan = m.poll_begin(ids[0], "1").plan
+        assert plan is not None and plan.members == tuple(ids)
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        for rank, ns, ip in ((0, a, "10.79.4.1"), (1, b, "10.79.4.2")):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, str(HANDOFF_SCRIPT)]
+            cmd += [str(rank), "10.79.4.1", ip, str(plan.epoch)]
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+                )
+            )
+        _line(procs[0], "POSTED", 120)
+        seen: dict[int, list[str]] = {0: [], 1: []}
+        for rank, p in enumerate(procs):
+            _collect(p, seen[rank])
+
+        def follower(member: int) -> dict[str, object] | None:
+            infos = [x for x in list(seen[member]) if x.startswith("INFO ")]
+            return json.loads(infos[-1][len("INFO ") :]) if infos else None
+
+        for member in (0, 1):  # each island's watch: leader (rank 0) and follower (rank 1)
+            bound = [bind_watch(), bind_watch()]
+            for r, (sock, _) in enumerate(bound):
+                watches.append(
+                    IslandWatch(
+                        r,
+                        sock,
+                        [address for _, address in bound],
+                        interval=0.1,
+                        timeout=30.0,
+                        on_lost=print,
+                        status=lambda member=member: follower(member),
+                    )
+                )
+        time.sleep(1.0)  # the receiver's "ready" reaches the sender and is acknowledged
+        hook = "filter hook"
+        rule = (
+            f"table inet cut {{\n  chain in {{ type {hook} input priority 0; "
+            f"ip saddr 10.79.4.2 drop; }}\n  chain out {{ type {hook} output priority 0; "
+            f"ip daddr 10.79.4.2 drop; }}\n}}\n"
+        )
+        subprocess.run(
+            ["ip", "netns", "exec", a, "nft", "-f", "-"],
+            input=rule,
+            text=True,
+            check=True,
+            capture_output=True,
+            timeout=20,
+        )
+        assert procs[1].stdin is not None
+        procs[1].stdin.write("SEND\n")
+        procs[1].stdin.flush()
+        end = time.monotonic() + 60  # read by the collector: "SENT" is among its lines
+        while "SENT" not in list(seen[1]) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert "SENT" in seen[1], seen
+        assert (
+            m.commit(ids[1], time.monotonic(), epoch=plan.epoch, round=plan.round, ok=True).kind
+            == "wait"
+        )
+        # the leaders' own word: island-a's leader reached the outcome, island-b's reported
+        own = [{"epoch": plan.epoch, "round": plan.round, "moving": False}, None]
+        sent: list[dict[str, object] | None] = []
+        end = time.monotonic() + 60
+        while time.monotonic() < end and m.poll_commit(plan.epoch, plan.round).kind == "wait":
+            now = time.monotonic()
+            for member, pid in enumerate(ids):
+                leader = watches[2 * member]
+                info = island_transfer(own[member], leader.transfers(), 2)
+                m.heartbeat(pid, now, {"transfer": info})
+                if member == 1:
+                    sent.append(info)
+            m.tick(now)
+            time.sleep(0.1)
+        assert m.poll_commit(plan.epoch, plan.round).kind == "aborted", (sent[-3:], seen)
+        claims = [s["silent"] for s in sent if s is not None]
+        assert claims and sent[0] is None, sent  # nothing named until the stall rule held
+        assert [(e["epoch"], e["rank"]) for e in claims[0]] == [(plan.epoch, 0)], claims[0]
+        unreachable = [e for e in m.events if e["kind"] == "unreachable"]
+        assert [(e["name"], e["remote_name"], e["how"]) for e in unreachable] == [
+            ("island-b", "island-a", "stalled")
+        ], unreachable
+        abort = [e for e in m.events if e["kind"] == "abort"][-1]
+        assert "link between them is cut" in abort["reason"], abort
+    finally:
+        for w in watches:
+            w.close()
+        _stop(procs, (a, b))

@@ -37,7 +37,11 @@ coordinator's ``heartbeat_timeout`` the ranks that notice exit with :data:`ISLAN
 the other islands abort and retry the round, and ``--max-restarts`` starts the island again as
 a whole; it rejoins and is resynced shard by shard (:mod:`isthmus.comm.island_transfer`). The
 coordinator's round aborts reach the leader; it relays them to its followers over the same
-channel, so every rank cuts its own cross-island groups at once. A coordinator's ``restore``
+channel, so every rank cuts its own cross-island groups at once; the other way, each
+follower's transfer (whether it moves, the members its data does not reach) reaches the leader
+there, and the leader's heartbeats carry the island's merge, so that a link cut between two
+followers after the data was handed over aborts the round as it does between plain peers
+(docs/PROTOCOL.md, "A link cut after the data was handed over"). A coordinator's ``restore``
 reaches the leader; it tells the followers, and every rank loads its part of the checkpoint
 together. Not built yet (refused with an error naming it): link probing.
 """
@@ -57,11 +61,12 @@ from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, Group
 from isthmus.comm.island_state import NPROC_VAR, Island, IslandState, find_island
 from isthmus.comm.island_transfer import island_transfers
-from isthmus.comm.island_watch import IslandWatch, bind_watch
+from isthmus.comm.island_watch import IslandWatch, bind_watch, island_transfer
 from isthmus.comm.layout import piece_groups
 from isthmus.comm.session import Round, Session
 from isthmus.comm.session_config import IslandDispatch, RoundFailed, SessionConfig
 from isthmus.comm.transfer import TransferError
+from isthmus.comm.unacked import transfer_info
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.protocol import RoundPlan
 
@@ -101,6 +106,8 @@ class IslandSession(Session):
         self._asking = False
         self._watch: IslandWatch | None = None
         self._extra: list[Group] = []  # this epoch's other groups (islands of other sizes)
+        # the (epoch, round) whose outcome this rank has reached: its own part is done
+        self._rank_done: tuple[int, int] | None = None
         self.island_sizes: list[int] = []
         """The sizes of the islands of the current epoch, in member order."""
         self.pieces: dict[tuple[int, ...], Group] | None = None
@@ -172,6 +179,7 @@ class IslandSession(Session):
                 timeout=timeout,
                 on_lost=self._island_lost,
                 on_abort=self._relayed_abort,
+                status=None if self.island.leader else self._rank_transfer,
             )
 
     def _island_lost(self, ranks: list[int]) -> None:
@@ -189,8 +197,31 @@ class IslandSession(Session):
     def _relayed_abort(self, epoch: int, rnd: int, reason: str) -> None:
         self._on_push(msgs.AbortPush(reason=reason, epoch=epoch, round=rnd))
 
+    def _rank_transfer(self) -> dict[str, Any] | None:
+        """What this rank's cross-island connections say of the round (``info.transfer`` as
+        :func:`~isthmus.comm.unacked.transfer_info` makes it for its group, with the silent
+        claims of its other groups): sent to the leader with each beat, or merged by it. A rank
+        that reached the round's outcome has nothing more to send: it moves only while its
+        group's transfer still does (its ``moving``), not as one about to transfer would."""
+        plan, g = self._in_round, self._group
+        info = transfer_info(plan, g)
+        if plan is not None and info is not None and self._rank_done == (plan.epoch, plan.round):
+            info["moving"] = g is not None and g.moving()
+        extra = [
+            {"epoch": x.epoch, "rank": r, "for_s": round(s, 1)}
+            for x in list(self._extra)
+            for r, s in x.silent_members()
+        ]
+        if extra:
+            info = dict(info or {})
+            info["silent"] = [*info.get("silent", []), *extra]
+        return info
+
     def _heartbeat_info(self) -> dict[str, Any]:
         info = super()._heartbeat_info()
+        # the island's transfer: every rank's (the followers' relayed over the watch)
+        followers = self._watch.transfers() if self._watch is not None else {}
+        info["transfer"] = island_transfer(self._rank_transfer(), followers, self.island.size)
         info["island"] = {"size": self.island.size, "bytes_sent": list(self.island_bytes)}
         info["bytes_sent"] = sum(self.island_bytes)  # the peer's figure is the island's
         return info
@@ -239,7 +270,7 @@ class IslandSession(Session):
             plan = self._ask_for_round(deadline)
             if plan is None:
                 continue
-            t0 = time.monotonic()
+            t0, self._in_round = time.monotonic(), plan  # on every rank: its heartbeat's round
             error = ""
             try:
                 group = self._group_for(plan)
@@ -370,6 +401,7 @@ class IslandSession(Session):
         stage: str = "round",
         cause: BaseException | None = None,
     ) -> bool:
+        self._rank_done = (plan.epoch, plan.round)
         outcomes = self.island.gather((ok, error, self.stats.bytes_sent))
         self.island_bytes = [int(b) for _, _, b in outcomes]
         all_ok = all(o for o, _, _ in outcomes)
@@ -391,6 +423,7 @@ class IslandSession(Session):
                 self._abort_extra(f"round {plan.round} aborted")
             return committed
         _, committed = self._hear()
+        self._in_round = None  # the island reported (the leader's report cleared its own)
         if not committed:
             self._abort_extra(f"round {plan.round} aborted")
         if committed:
