@@ -10,6 +10,12 @@ tensor disappears.
 
 The caller must not stage again while a copy made by the previous staging is still being read
 (the checkpointer writes one snapshot at a time and waits for it before the next).
+
+The walk runs on the training thread, so it does as little per tensor as it can: the copies
+run under one ``torch.no_grad()`` (no ``detach()`` per tensor), a tensor whose copy is deferred
+is only recorded (its checks and its copy happen in :meth:`Staging.finish`, on the writer
+thread), and plain values that cannot change (numbers, strings, bytes, None) are kept as they
+are instead of deep-copied.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import torch
 __all__ = ["Staging"]
 
 _Path = tuple[Any, ...]
+# plain values nothing can change in place: the snapshot may hold them as they are
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+_ATOMS = frozenset(_IMMUTABLE)  # exactly these types (subclasses go through isinstance)
 
 
 def _stageable(t: torch.Tensor) -> bool:
@@ -45,15 +54,17 @@ class Staging:
 
     def copy(self, obj: Any, defer: Callable[[_Path], bool] | None = None) -> Any:
         """A copy of ``obj`` (tensors, and mappings, lists and tuples of them, and plain values)
-        whose tensors are this staging's buffers holding the values of ``obj``'s. Plain values
-        are deep-copied. Buffers of tensors no longer in ``obj`` are released.
+        whose tensors are this staging's buffers holding the values of ``obj``'s. Immutable
+        plain values are kept, other plain values deep-copied. Buffers of tensors no longer in
+        ``obj`` are released.
 
         ``defer(path)`` true for a tensor held in a mapping (``path``: the keys down to it):
         the copy holds the live tensor there until :meth:`finish` copies it (on another thread,
         while nothing writes it)."""
         used: set[_Path] = set()
         self._pending = []
-        out = self._copy(obj, (), used, defer)
+        with torch.no_grad():  # copies into buffers stay out of autograd, without a detach each
+            out = self._copy(obj, (), used, defer)
         for path in [p for p in self._buffers if p not in used]:
             del self._buffers[path]
         return out
@@ -67,25 +78,33 @@ class Staging:
         """Copy the tensors the last :meth:`copy` deferred into their buffers, in place in the
         copy it returned."""
         pending, self._pending = self._pending, []
-        for container, key, path, t in pending:
-            container[key] = self._into(path, t)
+        with torch.no_grad():
+            for container, key, path, t in pending:
+                container[key] = self._into(path, t) if _stageable(t) else t.clone()
 
     def _copy(self, obj: Any, path: _Path, used: set[_Path], defer: Any) -> Any:
+        if type(obj) in _ATOMS:  # the most common leaf, found by one lookup
+            return obj
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj.detach(), path, used)
-        if isinstance(obj, Mapping):
+            return self._tensor(obj, path, used)
+        if isinstance(obj, (dict, Mapping)):  # dict first: the ABC check is the slow one
             out: dict[Any, Any] = {}
+            pending = self._pending
             for k, v in obj.items():
                 p = (*path, k)
-                if defer is not None and isinstance(v, torch.Tensor) and _stageable(v) and defer(p):
-                    used.add(p)
-                    out[k] = v.detach()  # the live tensor, until finish() copies it
-                    self._pending.append((out, k, p, v.detach()))
+                if defer is not None and isinstance(v, torch.Tensor) and defer(p):
+                    used.add(p)  # its buffer stays, for finish() to copy into
+                    out[k] = v  # the live tensor, until finish() copies it
+                    pending.append((out, k, p, v))
                 else:
                     out[k] = self._copy(v, p, used, defer)
             return out
         if isinstance(obj, (list, tuple)):
+            if all(type(v) in _ATOMS for v in obj):  # an optimizer's parameter indices, betas
+                return obj if isinstance(obj, tuple) else type(obj)(obj)
             return type(obj)(self._copy(v, (*path, i), used, defer) for i, v in enumerate(obj))
+        if isinstance(obj, _IMMUTABLE):
+            return obj
         return copy.deepcopy(obj)
 
     def _tensor(self, t: torch.Tensor, path: _Path, used: set[_Path]) -> torch.Tensor:
