@@ -15,7 +15,7 @@ import torch
 
 from isthmus.checkpoint import Checkpointer, load_latest
 from isthmus.checkpoint.save import STALL_PARTS
-from isthmus.checkpoint.staging import Staging
+from isthmus.checkpoint.staging import DeferredChanged, Staging
 from isthmus.comm.state import SharedState
 from isthmus.coordinator.checkpoints import CheckpointBook, PartReport
 
@@ -93,6 +93,8 @@ def test_reused_buffers_keep_each_saves_values_once_training_moved_on(tmp_path: 
         ck.wait(30)
         buffers.append({p: b.data_ptr() for p, b in ck._local_staging._buffers.items()})
     assert ck.failures == 0 and ck.written == 3
+    # the later saves deferred the optimizer's state whole (the writer thread walked it)
+    assert ("optimizer", "state") in ck._local_staging._whole
     # the same buffers served every save (nothing was allocated after the first)
     assert buffers[0] == buffers[1] == buffers[2]
     assert ("optimizer", "state", 0, "exp_avg") in buffers[0] and ("model", "buf") in buffers[0]
@@ -193,3 +195,40 @@ def test_the_writer_thread_is_up_before_the_first_save_and_the_stall_is_split(
     assert tuple(split) == STALL_PARTS and all(v >= 0 for v in split.values())
     assert sum(ck.stall_split.values()) == pytest.approx(ck.stall_s, abs=1e-9)
     assert ck.stall_split["local"] > 0 and ck.stall_split["hand_over"] > 0
+
+
+def test_a_mapping_deferred_whole_that_changed_fails_that_save_and_is_walked_again(
+    tmp_path: Path,
+) -> None:
+    st = Staging()
+    live = {"opt": {"m": torch.zeros(3)}, "n": 1}
+    deferred = {("opt", "m")}
+    st.copy(live, lambda p: p in deferred)
+    st.finish()  # "opt" held only deferred tensors: the next save defers it whole
+    live["opt"]["x"] = torch.ones(2)  # something the deferral does not cover appears under it
+    out = st.copy(live, lambda p: p in deferred)
+    assert out["opt"] is live["opt"]  # recorded, not walked, on the training thread
+    with pytest.raises(DeferredChanged, match="opt/x"):
+        st.finish()
+    out = st.copy(live, lambda p: p in deferred)  # walked again: x is copied at once
+    assert out["opt"] is not live["opt"] and torch.equal(out["opt"]["x"], torch.ones(2))
+    st.finish()
+    assert torch.equal(out["opt"]["m"], torch.zeros(3))
+    # through a checkpointer: that save counts as failed, the next one is written whole
+    url = str(tmp_path / "ck")
+    peer = _Peer(url)
+    peer.state.register("global/w", torch.zeros(4))
+    state = {"opt": {"m": torch.zeros(3)}}
+    ck = Checkpointer(
+        peer, url, every=1, local_state=lambda: state, background_local=lambda p: p in deferred
+    )
+    for revision in (1, 2, 3):
+        peer.revision = revision
+        if revision == 2:
+            state["opt"]["plain"] = 5  # a plain value: not something to copy after the cut
+        if revision == 3:
+            del state["opt"]["plain"]
+        assert ck.maybe_save()
+        ck.settle()
+        ck.wait(30)
+    assert ck.failures == 1 and ck.written == 2 and ck.store.revisions() == [1, 3]

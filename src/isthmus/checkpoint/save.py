@@ -16,9 +16,13 @@ background thread instead: the strategy declares that only its rounds write them
 begins: repairs, restores; when one commits: its result), and calls :meth:`Checkpointer.settle`,
 which waits for that copy, before each of its rounds. Likewise the local tensors
 ``background_local`` picks (an inner optimizer's state and the parameters it steps: only its
-``step()`` writes them, and the strategy settles before it). Other shared tensors (an elastic
-sampler's position moves at every step) and the rest of the local state (floating buffers: a
-forward pass writes them) are copied on the training thread.
+``step()`` writes them, and the strategy settles before it); a mapping that held only such
+tensors at the last save is handed over whole, unwalked (:class:`~.staging.Staging`). Other
+shared tensors (an elastic sampler's position moves at every step) and the rest of the local
+state (floating buffers: a forward pass writes them; the RNG state, counters) are copied on the
+training thread. The writer thread is started when the checkpointer is built, the split into
+parts is computed again only when the shared state or the membership changed, and hashing,
+writing, fsync and the manifest all run on the writer thread.
 
 A rank of an island (a peer of several local ranks) writes its own shards instead, with no
 gather: :class:`~isthmus.checkpoint.island.IslandCheckpointer`.
