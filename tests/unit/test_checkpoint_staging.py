@@ -232,3 +232,27 @@ def test_a_mapping_deferred_whole_that_changed_fails_that_save_and_is_walked_aga
         ck.settle()
         ck.wait(30)
     assert ck.failures == 1 and ck.written == 2 and ck.store.revisions() == [1, 3]
+
+
+def test_dilocos_deferral_leaves_a_tensor_lr_to_the_training_thread() -> None:
+    from isthmus.strategies import make_strategy
+
+    model = torch.nn.Linear(4, 2)
+    lr = torch.tensor(0.01)  # a tensor lr: a scheduler writes it in place, between steps
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    strategy = make_strategy("diloco", None, model, opt, sync_every=2)
+    settled: list[int] = []
+    stepped = strategy.step_written_local(lambda: settled.append(1))
+    assert stepped(("optimizer", "state", 0, "exp_avg")) and stepped(("model", "weight"))
+    assert not stepped(("optimizer", "param_groups", 0, "lr"))
+    st = Staging()
+    for _ in range(2):  # the second save defers the optimizer's state whole
+        lr.fill_(0.01)
+        out = st.copy(strategy.local_state(), stepped)
+        lr.fill_(0.5)  # the scheduler's step, before the next optimizer step (and settle)
+        st.finish()
+        assert float(out["optimizer"]["param_groups"][0]["lr"]) == pytest.approx(0.01)
+    opt.step()  # the step pre-hook settles first
+    assert settled == [1]
