@@ -20,9 +20,9 @@ which waits for that copy, before each of its rounds. Likewise the local tensors
 tensors at the last save is handed over whole, unwalked (:class:`~.staging.Staging`). Other
 shared tensors (an elastic sampler's position moves at every step) and the rest of the local
 state (floating buffers: a forward pass writes them; the RNG state, counters) are copied on the
-training thread. The writer thread is started when the checkpointer is built, the split into
-parts is computed again only when the shared state or the membership changed, and hashing,
-writing, fsync and the manifest all run on the writer thread.
+training thread. The writer thread is started, and what it writes with imported, when the
+checkpointer is built; the split into parts is computed again only when the shared state or
+the membership changed; hashing, writing, fsync and the manifest all run on the writer thread.
 
 A rank of an island (a peer of several local ranks) writes its own shards instead, with no
 gather: :class:`~isthmus.checkpoint.island.IslandCheckpointer`.
@@ -127,6 +127,8 @@ class Checkpointer:
         self.background_shared = frozenset(background_shared)
         """Shared tensors copied on the writer thread (the strategy must call :meth:`settle`
         before a round can write them)."""
+        # the writer's imports now, not on its thread during the first save (store.py: why)
+        self.store.prepare()
         self._background = BackgroundWriter()  # one thread kept between saves (writer.py: why)
         # started now, so that the first checkpoint does not wait for a thread to start
         self._background.start()
