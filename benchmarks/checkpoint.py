@@ -8,8 +8,10 @@ round, then a resume of its last checkpoint. The stall is what the checkpointer'
 ``maybe_save`` cost the training threads per checkpoint (the snapshot; writing runs in the
 background), against ``torch.save`` of the consolidated shared state to a file, fsynced, timed
 in this process (what a synchronous save in the training loop would cost the slowest peer: all
-of it). Bytes per peer are the parts of the manifest. Resume time is the peers' ``load_latest``
-(read, verify every hash, copy in). Prints a markdown table and writes ``results.json``.
+of it), and that stall by part where the checkpointer reports one (its
+``checkpoint_stall_split_s``). Bytes per peer are the parts of the manifest. Resume time is the
+peers' ``load_latest`` (read, verify every hash, copy in). Prints markdown tables and writes
+``results.json``.
 """
 
 from __future__ import annotations
@@ -71,13 +73,21 @@ def one(out: Path, peers: int, model: str, steps: int) -> dict[str, Any]:
         }
     )
     summary, _, run_dir = run_builtin(cfg)
-    stalls, counts = [], []
+    stalls, counts, splits = [], [], []
     for name in summary.exit_codes:
         r = run_dir.result(name)
         if r is not None and r.checkpoint:
             stalls.append(r.checkpoint["checkpoint_stall_s"])
             counts.append(r.checkpoint["checkpoint_parts_written"])
+            split = r.checkpoint.get("checkpoint_stall_split_s")  # where the checkpointer has it
+            if split:
+                n = max(r.checkpoint["checkpoint_parts_written"], 1)
+                splits.append({k: v / n for k, v in split.items()})
     per_ckpt = statistics.mean(s / max(c, 1) for s, c in zip(stalls, counts, strict=True))
+    # per checkpoint, the mean over the peers, by part
+    split_per_ckpt = (
+        {k: statistics.mean(sp[k] for sp in splits) for k in splits[0]} if splits else {}
+    )
     sync_s, state_bytes = sync_save_s(str(ck))
     store = CheckpointStore(str(ck))
     m = read_manifest(store, store.revisions()[-1])
@@ -95,6 +105,7 @@ def one(out: Path, peers: int, model: str, steps: int) -> dict[str, Any]:
         "peers": peers,
         "checkpoints": summary.checkpoints_written,
         "stall_per_checkpoint_s": per_ckpt,
+        "stall_split_per_checkpoint_s": split_per_ckpt,
         "sync_torch_save_s": sync_s,
         "stall_ratio": per_ckpt / sync_s,
         "state_bytes": state_bytes,
@@ -128,6 +139,21 @@ def main() -> int:
             f"{1000 * r['sync_torch_save_s']:.1f} | {r['stall_ratio']:.3f} | {r['state_bytes'] / 1e6:.2f} | "
             f"{r['part_share']:.3f} | {r['resume_s']} |"
         )
+    if any(r["stall_split_per_checkpoint_s"] for r in rows):
+        print("\nstall per checkpoint by part (ms, mean over the peers)\n")
+        parts = next(
+            iter(
+                r["stall_split_per_checkpoint_s"] for r in rows if r["stall_split_per_checkpoint_s"]
+            )
+        )
+        print("| peers | " + " | ".join(parts) + " |")
+        print("|---|" + "---|" * len(parts))
+        for r in rows:
+            sp = r["stall_split_per_checkpoint_s"]
+            if sp:
+                print(
+                    f"| {r['peers']} | " + " | ".join(f"{1000 * sp[k]:.3f}" for k in parts) + " |"
+                )
     return 0
 
 

@@ -58,3 +58,16 @@ def test_an_idle_thread_ends_and_the_next_job_starts_another() -> None:
 def test_idle_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="idle_s"):
         BackgroundWriter(idle_s=0)
+
+
+def test_start_runs_the_thread_before_any_job_and_jobs_use_it() -> None:
+    w = BackgroundWriter(name="isthmus-start-test", idle_s=30)
+    assert not w.running
+    w.start()
+    w.start()  # a second start while one runs starts nothing
+    assert w.running
+    started = [t for t in threading.enumerate() if t.name == "isthmus-start-test"]
+    assert len(started) == 1
+    ran: list[threading.Thread] = []
+    assert w.submit(lambda: ran.append(threading.current_thread())).wait(10)
+    assert ran == started

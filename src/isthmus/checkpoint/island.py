@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from isthmus.checkpoint.manifest import ISLAND_FORMAT, Manifest, assign_parts
+from isthmus.checkpoint.manifest import ISLAND_FORMAT, Manifest
 from isthmus.checkpoint.save import Checkpointer, slot_of
 from isthmus.checkpoint.shards import decode_reports, encode_shard, part_index
 from isthmus.comm.layout import hash_hex, layout_hash, shard_placement
@@ -94,7 +94,7 @@ class IslandCheckpointer(Checkpointer):
         state = s.state
         full = {n: math.prod(state.full_shape(n)) * t.element_size() for n, t in state.items()}
         sizes = self._writers = self._sizes()
-        by_island = assign_parts(full, s.world)
+        by_island = self._parts(full, s.world)
         parts: list[list[str]] = []
         for k, n_ranks in enumerate(sizes):
             for i in range(n_ranks):

@@ -16,9 +16,13 @@ background thread instead: the strategy declares that only its rounds write them
 begins: repairs, restores; when one commits: its result), and calls :meth:`Checkpointer.settle`,
 which waits for that copy, before each of its rounds. Likewise the local tensors
 ``background_local`` picks (an inner optimizer's state and the parameters it steps: only its
-``step()`` writes them, and the strategy settles before it). Other shared tensors (an elastic
-sampler's position moves at every step) and the rest of the local state (floating buffers: a
-forward pass writes them) are copied on the training thread.
+``step()`` writes them, and the strategy settles before it); a mapping that held only such
+tensors at the last save is handed over whole, unwalked (:class:`~.staging.Staging`). Other
+shared tensors (an elastic sampler's position moves at every step) and the rest of the local
+state (floating buffers: a forward pass writes them; the RNG state, counters) are copied on the
+training thread. The writer thread is started, and what it writes with imported, when the
+checkpointer is built; the split into parts is computed again only when the shared state or
+the membership changed; hashing, writing, fsync and the manifest all run on the writer thread.
 
 A rank of an island (a peer of several local ranks) writes its own shards instead, with no
 gather: :class:`~isthmus.checkpoint.island.IslandCheckpointer`.
@@ -48,9 +52,16 @@ from isthmus.checkpoint.writer import BackgroundWriter, Job
 from isthmus.comm.state import SharedState, tensor_hash
 from isthmus.version import __version__
 
-__all__ = ["Checkpointer", "slot_of"]
+__all__ = ["STALL_PARTS", "Checkpointer", "slot_of"]
 
 log = logging.getLogger("isthmus.checkpoint")
+
+STALL_PARTS = ("wait_write", "assign", "shared", "local_state", "local", "hand_over", "settle")
+"""What the training thread's time in a checkpoint is split into: waiting for the previous
+write, finding this peer's part, copying the shared tensors copied at once, calling the
+strategy's ``local_state``, copying the local state (deferred tensors are only recorded),
+handing the write to the writer thread, and waiting in :meth:`Checkpointer.settle` for the
+background copies."""
 
 
 class _Session(Protocol):
@@ -109,12 +120,19 @@ class Checkpointer:
         self.failures = 0
         self.stall_s = 0.0
         """Time the training thread spent in :meth:`maybe_save` (snapshots, waiting for a write
-        still running)."""
+        still running) and in :meth:`settle`."""
+        self.stall_split = dict.fromkeys(STALL_PARTS, 0.0)
+        """:attr:`stall_s` by part (:data:`STALL_PARTS`; they add up to it)."""
         self.last_revision = session.revision
         self.background_shared = frozenset(background_shared)
         """Shared tensors copied on the writer thread (the strategy must call :meth:`settle`
         before a round can write them)."""
+        # the writer's imports now, not on its thread during the first save (store.py: why)
+        self.store.prepare()
         self._background = BackgroundWriter()  # one thread kept between saves (writer.py: why)
+        # started now, so that the first checkpoint does not wait for a thread to start
+        self._background.start()
+        self._split: tuple[Any, list[list[str]]] | None = None  # the last split, by its key
         self._job: Job | None = None  # the write in progress, or the last one
         self._shared_staging = Staging()
         self._background_staging = Staging()
@@ -139,16 +157,22 @@ class Checkpointer:
         r = self.session.revision
         if not (self.due() or (force and r > self.last_revision)):
             return False
-        t0 = time.monotonic()
+        clock = time.perf_counter
+        t0 = clock()
         self.wait()  # one write at a time: a slow store costs a stall, never unbounded memory
+        t1 = clock()
         s = self.session
         revision = s.revision
         rank, parts, names = self._assignment()
         later = {n: s.state[n] for n in names if n in self.background_shared}
         at_once = {n: s.state[n] for n in names if n not in self.background_shared}
+        t2 = clock()
         snapshot = self._shared_staging.copy(at_once)
+        t3 = clock()
         local = self.local_state() if self.local_state is not None else None
+        t4 = clock()
         local = self._local_staging.copy(local, self.background_local) if local else None
+        t5 = clock()
         copied = threading.Event()
         if not later and not self._local_staging.pending:
             copied.set()
@@ -158,7 +182,18 @@ class Checkpointer:
         self._job = self._background.submit(
             self._copy_and_write, revision, rank, parts, names, snapshot, later, local, copied
         )
-        self.stall_s += time.monotonic() - t0  # handing the write over is the training thread's
+        t6 = clock()  # handing the write over is the training thread's too
+        split = self.stall_split
+        for part, dt in (
+            ("wait_write", t1 - t0),
+            ("assign", t2 - t1),
+            ("shared", t3 - t2),
+            ("local_state", t4 - t3),
+            ("local", t5 - t4),
+            ("hand_over", t6 - t5),
+        ):
+            split[part] += dt
+        self.stall_s += t6 - t0
         return True
 
     def _assignment(self) -> tuple[int, list[list[str]], list[str]]:
@@ -166,8 +201,17 @@ class Checkpointer:
         round's members split the shared tensors by bytes, one part each."""
         s = self.session
         sizes = {n: t.numel() * t.element_size() for n, t in s.state.items()}
-        parts = assign_parts(sizes, s.world)
+        parts = self._parts(sizes, s.world)
         return s.rank, parts, parts[s.rank]
+
+    def _parts(self, sizes: dict[str, int], world: int) -> list[list[str]]:
+        """:func:`assign_parts` of ``sizes`` among ``world`` writers, computed again only when
+        the sizes or the world changed since the last save (the lists are shared between
+        saves: nobody changes them)."""
+        key = (world, tuple(sizes.items()))
+        if self._split is None or self._split[0] != key:
+            self._split = (key, assign_parts(sizes, world))
+        return self._split[1]
 
     def _stored(self, snapshot: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What is written for a part's snapshot (here: the tensors as they are)."""
@@ -191,9 +235,11 @@ class Checkpointer:
         calls it before anything writes those tensors (its rounds, its optimizer's step)."""
         copied = self._copied
         if copied is not None and not copied.is_set():
-            t0 = time.monotonic()
+            t0 = time.perf_counter()
             copied.wait()
-            self.stall_s += time.monotonic() - t0
+            dt = time.perf_counter() - t0
+            self.stall_s += dt
+            self.stall_split["settle"] += dt
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the write in progress (bounded by ``timeout`` if given)."""
@@ -371,4 +417,5 @@ class Checkpointer:
             "checkpoint_parts_written": self.written,
             "checkpoint_failures": self.failures,
             "checkpoint_stall_s": round(self.stall_s, 4),
+            "checkpoint_stall_split_s": {k: round(v, 6) for k, v in self.stall_split.items()},
         }

@@ -137,6 +137,15 @@ class CheckpointStore:
             out[name] = int(self.fs.du(e["name"])) if e["type"] == "directory" else int(e["size"])
         return out
 
+    @staticmethod
+    def prepare() -> None:
+        """Import what :meth:`save` writes with (torch.distributed.checkpoint: over a second of
+        Python the first time), so that the first save does not: a checkpointer calls it when
+        it is built, before training, instead of its writer thread holding the interpreter
+        against the training thread while that import runs."""
+        import torch.distributed.checkpoint  # noqa: F401
+        from torch.distributed.checkpoint import _fsspec_filesystem  # noqa: F401
+
     def save(self, state: dict[str, Any], *parts: str) -> None:
         """Write ``state`` (a nested dict of tensors and plain values) as one DCP checkpoint
         under ``parts``, files synced. Runs in this process alone (no process group)."""

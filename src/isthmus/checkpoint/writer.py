@@ -3,9 +3,10 @@
 Starting a thread per checkpoint costs the training thread more than it seems:
 ``Thread.start()`` returns only once the new thread has run, so on a machine whose cores are
 busy (several peers, their writers and a data loader on a few cores) the caller waits for the
-scheduler. Handing a job to a thread that already waits costs a queue put. The thread ends
-after ``idle_s`` without a job, so a checkpointer that is dropped leaves nothing behind for
-long, and the next job starts a new one.
+scheduler. Handing a job to a thread that already waits costs a queue put, and a
+checkpointer starts its thread when it is built (:meth:`BackgroundWriter.start`), so not even
+the first checkpoint pays for a start. The thread ends after ``idle_s`` without a job, so a
+checkpointer that is dropped leaves nothing behind for long, and the next job starts a new one.
 
 On failure: a job that raises is logged with its traceback and the thread goes on with the
 next; its :class:`Job` is marked done either way, so nobody waits for it forever.
@@ -60,16 +61,30 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
+    def start(self) -> None:
+        """Start the thread now unless one is running, so that the next job does not wait for
+        it to start (it still ends after ``idle_s`` without a job)."""
+        with self._lock:
+            self._start_locked()
+
     def submit(self, fn: Callable[..., None], *args: Any) -> Job:
         """Queue ``fn(*args)`` behind the jobs before it; return its :class:`Job` at once
         (starting the thread only when none waits for jobs)."""
         job = Job(fn, args)
         with self._lock:
             self._jobs.put(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+            self._start_locked()
         return job
+
+    @property
+    def running(self) -> bool:
+        """Whether a thread is there to take the next job."""
+        return self._thread is not None
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
 
     def _loop(self) -> None:
         while True:

@@ -302,7 +302,11 @@ class DiLoCo(PhasedStrategy):
         trainable = set(self.names)
 
         def stepped(path: tuple[Any, ...]) -> bool:
-            return path[0] == "optimizer" or (path[0] == "model" and path[1] in trainable)
+            # the optimizer's state, not its param groups: a scheduler writes those (a tensor lr
+            # in place) between steps
+            return path[:2] == ("optimizer", "state") or (
+                path[0] == "model" and path[1] in trainable
+            )
 
         return stepped
 
