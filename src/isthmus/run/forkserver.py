@@ -41,7 +41,13 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "isthmus.run.job"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.checkpoint",  # a checkpointer imports it when it is built
+    "isthmus.run.job",
+]
 """What the server imports before it forks: what every peer needs and is slow to import."""
 
 ENTRY_POINTS = {"isthmus.run.job": "entry"}
