@@ -18,9 +18,12 @@ import torch
 from conftest import assert_bitwise_equal
 from isthmus.data import Corpus
 from isthmus.models import GPT, GPTConfig
+from isthmus.reduce.reducer import Reducer
 from isthmus.strategies import (
     CO2,
     CO2Config,
+    DiLoCo,
+    DiLoCoConfig,
     EagerConfig,
     EagerDiLoCo,
     Strategy,
@@ -122,6 +125,34 @@ def test_streaming_one_peer_failed_inflight_fragment_changes_nothing(one_peer, c
     assert s2.faults.fired and failed.pipeline.retries == 1  # type: ignore[attr-defined]
     assert failed.sync_log == clean.sync_log  # type: ignore[attr-defined]
     assert_same(state_of(failed), state_of(clean))
+
+
+def test_diloco_first_round_commits_without_reducing(one_peer, corpus, monkeypatch):
+    # The run's first round (every peer's catch-up, nobody has trained) begins and commits, so
+    # joiners and parity checks keep their round, but it reduces nothing: only the two
+    # boundaries' rounds reach the reducer, and the state is the one a run without a session ends
+    # on, bit for bit.
+    cfg = DiLoCoConfig(sync_every=4)
+    steps = 8
+    alone = train(lambda m, o: DiLoCo(None, m, o, cfg), corpus, steps)
+    s = one_peer()
+    reduced: list[int] = []
+    start = Reducer.start
+
+    def counting(self: Reducer, rnd, items, **kw):  # type: ignore[no-untyped-def]
+        reduced.append(rnd.number)
+        return start(self, rnd, items, **kw)
+
+    monkeypatch.setattr(Reducer, "start", counting)
+    clean = train(lambda m, o: DiLoCo(s, m, o, cfg), corpus, steps)
+    assert [(r["round"], r["outcome"]) for r in s.rounds] == [
+        (0, "committed"),
+        (1, "committed"),
+        (2, "committed"),
+    ]
+    assert reduced == [1, 2]
+    assert clean.outer_rounds == 3 and clean.step_count == steps  # type: ignore[attr-defined]
+    assert_same(state_of(clean), state_of(alone))
 
 
 # -- several peers: kill during an in-flight reduction, join while one is in flight ------------

@@ -21,7 +21,8 @@ round (its local parameters did not start from theta) and restarts from the new 
 Joining: a peer's first ``step()`` is a catch-up round before any inner step (that call's
 gradient is dropped). A joiner thus waits for the members' next outer round, receives theta, and
 starts from it instead of training from its own initialization. At the start of a run this first
-round carries zero outer gradients and doubles as the parity check of the initial states. The
+round is the parity check of the initial states (and a joiner's repair); nobody has trained, so it
+reduces nothing (:func:`nobody_trained`) and leaves theta as it is. The
 step counter advances by the mean of the contributors' inner-step counts, which rides in the
 same all-reduce, so every peer agrees on it.
 
@@ -114,6 +115,19 @@ class DiLoCoConfig:
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         check_outer_device(self.outer_state_device)
+
+
+def nobody_trained(rnd: Round) -> bool:
+    """Whether no member of ``rnd`` can have local work to contribute, decided from the round's
+    plan alone so that every member decides the same: the run's first round. No round has
+    committed yet, so every member's ``step()`` so far was its catch-up round, with nothing
+    trained (a peer resumed with its local state is at its checkpoint's revision, never at
+    round 0; a member that trained on the tentative result of an aborted first round is void
+    and would contribute nothing either). Such a round still begins and commits (a joiner's
+    repair, the parity check of the initial states, a checkpoint of its revision), but its
+    reduction would carry only zeros and leave theta, the outer momentum and the buffers as
+    they are, so it is not run."""
+    return rnd.number == 0
 
 
 class DiLoCo(PhasedStrategy):
@@ -229,6 +243,10 @@ class DiLoCo(PhasedStrategy):
             reducer, buffers = self.reducer, self.buffers
 
             def reduce(rnd: Round) -> Reduced | None:
+                if nobody_trained(rnd):
+                    # every member decides this from the plan alike: no collective at all, and
+                    # the result a reduction of nobody's work gives (theta unchanged)
+                    return None
                 items = list(zip(self.names, self.outer_gradient(), strict=True))
                 ok = not catch_up and not rnd.resynced and buffers.finite(snap)
                 # an island decides as one (before the table below, which reads the decision)
