@@ -37,7 +37,11 @@ def test_a_catch_up_round_contributes_nothing():
     def peer(g: Group) -> list[torch.Tensor]:
         m = models[g.rank]
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        st = DiLoCo(Rounds(g), m, opt, DiLoCoConfig(sync_every=2))
+        rounds = Rounds(g)
+        # a peer with its local state resumed at its checkpoint's revision, never at the run's
+        # first round (which reduces nothing: nobody can have trained before it)
+        rounds.revision = 3
+        st = DiLoCo(rounds, m, opt, DiLoCoConfig(sync_every=2))
         if g.rank == 0:
             st.joined = True  # in step with the run (as after loading its local state)
         steps(st, m, 2 if g.rank == 0 else 1)
