@@ -397,6 +397,28 @@ def test_a_group_wait_over_a_cut_link_fails_after_stall_s_naming_the_member(pref
 HANDOFF_SCRIPT = Path(__file__).parent / "scripts" / "handoff_peer.py"
 
 
+def _cut_then_send(ns: str, other_ip: str, sender: subprocess.Popen[str]) -> None:
+    """Drop everything between ``ns`` and ``other_ip`` (both ways, in ``ns``), then tell the
+    handoff peer ``sender`` to hand its data to its kernel."""
+    hook = "filter hook"
+    rule = (
+        f"table inet cut {{\n  chain in {{ type {hook} input priority 0; "
+        f"ip saddr {other_ip} drop; }}\n  chain out {{ type {hook} output priority 0; "
+        f"ip daddr {other_ip} drop; }}\n}}\n"
+    )
+    subprocess.run(
+        ["ip", "netns", "exec", ns, "nft", "-f", "-"],
+        input=rule,
+        text=True,
+        check=True,
+        capture_output=True,
+        timeout=20,
+    )
+    assert sender.stdin is not None
+    sender.stdin.write("SEND\n")
+    sender.stdin.flush()
+
+
 @pytest.mark.root
 @pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (apt-get install nftables)")
 def test_data_handed_to_the_kernel_over_a_cut_link_aborts_the_round_naming_the_pair(
@@ -437,23 +459,7 @@ def test_data_handed_to_the_kernel_over_a_cut_link_aborts_the_round_naming_the_p
             )
         _line(procs[0], "POSTED", 120)
         time.sleep(1.0)  # the receiver's "ready" reaches the sender and is acknowledged
-        hook = "filter hook"
-        rule = (
-            f"table inet cut {{\n  chain in {{ type {hook} input priority 0; "
-            f"ip saddr 10.79.3.2 drop; }}\n  chain out {{ type {hook} output priority 0; "
-            f"ip daddr 10.79.3.2 drop; }}\n}}\n"
-        )
-        subprocess.run(
-            ["ip", "netns", "exec", a, "nft", "-f", "-"],
-            input=rule,
-            text=True,
-            check=True,
-            capture_output=True,
-            timeout=20,
-        )
-        assert procs[1].stdin is not None
-        procs[1].stdin.write("SEND\n")
-        procs[1].stdin.flush()
+        _cut_then_send(a, "10.79.3.2", procs[1])
         _line(procs[1], "SENT", 60)  # handed to the kernel: the sender reports its round
         assert (
             m.commit(ids[1], time.monotonic(), epoch=plan.epoch, round=plan.round, ok=True).kind
@@ -556,23 +562,7 @@ def test_a_cut_between_island_followers_aborts_the_round_naming_the_islands(pref
                     )
                 )
         time.sleep(1.0)  # the receiver's "ready" reaches the sender and is acknowledged
-        hook = "filter hook"
-        rule = (
-            f"table inet cut {{\n  chain in {{ type {hook} input priority 0; "
-            f"ip saddr 10.79.4.2 drop; }}\n  chain out {{ type {hook} output priority 0; "
-            f"ip daddr 10.79.4.2 drop; }}\n}}\n"
-        )
-        subprocess.run(
-            ["ip", "netns", "exec", a, "nft", "-f", "-"],
-            input=rule,
-            text=True,
-            check=True,
-            capture_output=True,
-            timeout=20,
-        )
-        assert procs[1].stdin is not None
-        procs[1].stdin.write("SEND\n")
-        procs[1].stdin.flush()
+        _cut_then_send(a, "10.79.4.2", procs[1])
         end = time.monotonic() + 60  # read by the collector: "SENT" is among its lines
         while "SENT" not in list(seen[1]) and time.monotonic() < end:
             time.sleep(0.05)

@@ -105,10 +105,10 @@ def test_jitter_stays_within_its_bounds_and_loss_takes_its_share(prefix: str) ->
         int, re.search(r"(\d+) packets transmitted, (\d+) received", out.stdout).groups()
     )  # type: ignore[union-attr]
     times = [float(t) for t in re.findall(r"time=([0-9.]+) ms", out.stdout)]
-    # each crossing adds +-5 ms, so the round trip stays within 40 +- 20 ms: never below (a frame
-    # never leaves early) and, but for a few frames that a busy machine sends late, not above
+    # each crossing adds +-5 ms, so the round trip is at least 40 - 20 ms: a frame never leaves
+    # early. Its upper bound is the schedule's (tests/unit/test_scenario_network.py): a busy
+    # machine sends frames late, so what a ping measures above it says nothing of the line
     assert min(times) >= 20, min(times)
-    assert statistics.quantiles(times, n=20)[-1] <= 62, sorted(times)[-10:]
     assert statistics.stdev(times) > 2
     # 20% one way, so 64% of echoes come back; 4 standard deviations either side
     share = received / sent

@@ -288,6 +288,25 @@ def test_frames_wait_their_delay_keep_their_order_and_are_lost_as_configured() -
     assert 140 < back["dropped_loss"] < 260 and received == back["frames_out"]
 
 
+def test_each_frame_is_scheduled_within_its_delay_and_jitter_and_in_order() -> None:
+    # the schedule alone (no forwarding thread, no clock): what a ping through the line shows
+    # only as far as a loaded machine sends each frame on time
+    ports = tuple(PortConfig(netns="x", ifname=f"t{i}") for i in range(2))
+    path = PathConfig(src=0, dst=1, delay_s=0.02, jitter_s=0.01)
+    cfg = LineConfig(name="t", ports=ports, paths=(path,), home="x", seed=3)
+    fw = Forwarder(cfg, [-1, -1])  # _take never writes
+    arrivals = [0.001 * i for i in range(2000)]
+    for i, now in enumerate(arrivals):
+        fw._take(0, _frame(b"\x02" * 6, b"\x03" * 6, i.to_bytes(2, "big")), now)
+    queue = list(fw.paths[(0, 1)].queue)
+    assert [int.from_bytes(f[-2:], "big") for _, f in queue] == list(range(2000))
+    waits = [due - now for (due, _), now in zip(queue, arrivals, strict=True)]
+    assert min(waits) >= 0.01 - 1e-9 and max(waits) <= 0.03 + 1e-9
+    dues = [due for due, _ in queue]
+    assert dues == sorted(dues)  # a frame never overtakes the one ahead of it
+    assert max(waits) - min(waits) > 0.015  # and the jitter is drawn, not a constant
+
+
 def test_a_core_learns_where_each_address_lives_and_bounds_its_queues() -> None:
     ports = _Ports(
         3,
