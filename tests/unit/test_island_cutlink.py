@@ -63,8 +63,10 @@ def test_every_ranks_silent_claims_are_merged_outside_a_round_too() -> None:
 
 
 class _Group:
-    def __init__(self, *, busy: bool, moving: bool, silent: list[tuple[int, float]]) -> None:
-        self.epoch, self._busy, self._moving, self._silent = 3, busy, moving, silent
+    def __init__(
+        self, *, busy: bool, moving: bool, silent: list[tuple[int, float]], epoch: int = 3
+    ) -> None:
+        self.epoch, self._busy, self._moving, self._silent = epoch, busy, moving, silent
 
     def busy(self) -> bool:
         return self._busy
@@ -94,6 +96,60 @@ def test_a_rank_at_the_outcome_says_nothing_moves_and_keeps_its_claims() -> None
     other = _Group(busy=False, moving=False, silent=[(2, 5.0)])
     assert _rank(None, idle, (3, 9), [other]) == _claims((3, 0, 12.0), (3, 2, 5.0))
     assert _rank(None, _Group(busy=False, moving=False, silent=[]), None) is None
+
+
+def test_a_rank_beside_islands_of_other_sizes_judges_every_group_it_is_in() -> None:
+    # beside islands of other sizes a rank holds one group per tuple of owners; its round may
+    # wait on any of them
+    plan = SimpleNamespace(epoch=3, round=9)
+    idle = _Group(busy=False, moving=False, silent=[])
+    stuck = _Group(busy=True, moving=False, silent=[(0, 4.0)])
+    flowing = _Group(busy=True, moving=True, silent=[])
+    # its main group is idle, another waits with nothing moving: nothing moves on this rank
+    assert _rank(plan, idle, None, [stuck]) == _in(3, 9, False, (0, 4.0))
+    # its main group waits with nothing moving while another still receives: it moves
+    assert _rank(plan, stuck, None, [flowing])["moving"] is True
+    assert _rank(plan, idle, None, [idle])["moving"] is True  # between collectives
+    # at the outcome, a transfer still moving on another group keeps the rank moving
+    assert _rank(plan, idle, (3, 9), [flowing])["moving"] is True
+    assert _rank(plan, idle, (3, 9), [idle])["moving"] is False
+    # the claims of every group, the longest per member; a retired epoch's group says nothing
+    longer = _Group(busy=True, moving=False, silent=[(0, 9.0), (2, 1.0)])
+    old = _Group(busy=True, moving=False, silent=[(1, 30.0)], epoch=2)
+    assert _rank(plan, stuck, None, [longer, old]) == _in(3, 9, False, (0, 9.0), (2, 1.0))
+
+
+def test_the_leaders_heartbeat_works_out_its_transfer_once() -> None:
+    asked: list[str] = []
+
+    class Counted(_Group):
+        def busy(self) -> bool:
+            asked.append("busy")
+            return super().busy()
+
+        def moving(self) -> bool:
+            asked.append("moving")
+            return super().moving()
+
+        def silent_members(self) -> list[tuple[int, float]]:
+            asked.append("silent")
+            return super().silent_members()
+
+    me = IslandSession.__new__(IslandSession)  # a leader's heartbeat, with no other rank heard
+    stats = SimpleNamespace(bytes_sent=0, by_op={})
+    reach = SimpleNamespace(take_outcomes=list)
+    island = SimpleNamespace(size=2)
+    me.__dict__.update(info={}, revision=4, stats=stats, _graveyard=[], reach=reach, _watch=None)
+    me.__dict__.update(island=island, island_bytes=[0, 0], _rank_done=None, _extra=[])
+    me.__dict__.update(_in_round=SimpleNamespace(epoch=3, round=9))
+    me.__dict__.update(_group=Counted(busy=True, moving=False, silent=[(1, 6.0)]))
+    info = me._heartbeat_info()
+    # the follower was not heard: the island moves; the leader's claim rides along
+    assert info["transfer"] == {
+        **_in(3, 9, True),
+        "silent": [{"epoch": 3, "rank": 1, "for_s": 6.0}],
+    }
+    assert sorted(asked) == ["busy", "moving", "silent"]
 
 
 SCHEMA = [TensorSpec("w", (2, 3), "torch.float32")]

@@ -199,29 +199,29 @@ class IslandSession(Session):
 
     def _rank_transfer(self) -> dict[str, Any] | None:
         """What this rank's cross-island connections say of the round (``info.transfer`` as
-        :func:`~isthmus.comm.unacked.transfer_info` makes it for its group, with the silent
-        claims of its other groups): sent to the leader with each beat, or merged by it. A rank
-        that reached the round's outcome has nothing more to send: it moves only while its
-        group's transfer still does (its ``moving``), not as one about to transfer would."""
+        :func:`~isthmus.comm.unacked.transfer_info` makes it for one group), over every group
+        of the epoch the rank is in (beside islands of other sizes, several: :class:`_Groups`):
+        sent to the leader with each beat, or merged by it. A rank that reached the round's
+        outcome has nothing more to send: it moves only while one of its groups' transfers
+        still does, not as one about to transfer would."""
         plan, g = self._in_round, self._group
-        info = transfer_info(plan, g)
+        groups = None
+        if g is not None:
+            groups = _Groups([g, *(x for x in list(self._extra) if x.epoch == g.epoch)])
+        info = transfer_info(plan, groups)
         if plan is not None and info is not None and self._rank_done == (plan.epoch, plan.round):
-            info["moving"] = g is not None and g.moving()
-        extra = [
-            {"epoch": x.epoch, "rank": r, "for_s": round(s, 1)}
-            for x in list(self._extra)
-            for r, s in x.silent_members()
-        ]
-        if extra:
-            info = dict(info or {})
-            info["silent"] = [*info.get("silent", []), *extra]
+            # transfer_info asked the groups whether they move only where one is busy
+            info["moving"] = bool(info["moving"]) and groups is not None and groups.busy()
         return info
+
+    def _transfer_info(self) -> dict[str, Any] | None:
+        # the island's transfer: every rank's (the followers' relayed over the watch), the
+        # leader's own worked out once a heartbeat
+        followers = self._watch.transfers() if self._watch is not None else {}
+        return island_transfer(self._rank_transfer(), followers, self.island.size)
 
     def _heartbeat_info(self) -> dict[str, Any]:
         info = super()._heartbeat_info()
-        # the island's transfer: every rank's (the followers' relayed over the watch)
-        followers = self._watch.transfers() if self._watch is not None else {}
-        info["transfer"] = island_transfer(self._rank_transfer(), followers, self.island.size)
         info["island"] = {"size": self.island.size, "bytes_sent": list(self.island_bytes)}
         info["bytes_sent"] = sum(self.island_bytes)  # the peer's figure is the island's
         return info
@@ -465,3 +465,29 @@ def _session_class(island: Any) -> type[Session] | None:
 
 
 IslandDispatch.island_factory = _session_class
+
+
+class _Groups:
+    """A rank's cross-island groups of one epoch (its main group first), seen as one group by
+    :func:`~isthmus.comm.unacked.transfer_info`: busy while any operation on any of them runs,
+    moving while any of them moves (a group that moves nothing is not busy, or stuck), and
+    silent toward each member any of them is silent toward (the longest silence). Beside
+    islands of other sizes a rank holds one group per tuple of owners, and a round's operations
+    may wait on any of them: a transfer stuck on one of the others is the rank's too."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups = groups
+        self.epoch = groups[0].epoch
+
+    def busy(self) -> bool:
+        return any(x.busy() for x in self.groups)
+
+    def moving(self) -> bool:
+        return any(x.moving() for x in self.groups)
+
+    def silent_members(self) -> list[tuple[int, float]]:
+        longest: dict[int, float] = {}
+        for x in self.groups:
+            for rank, for_s in x.silent_members():
+                longest[rank] = max(for_s, longest.get(rank, 0.0))
+        return sorted(longest.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -179,11 +179,16 @@ class Session(IslandDispatch, VoteAhead):
             "bytes_sent": self.stats.bytes_sent,
             "bytes_by_op": dict(self.stats.by_op),
             "parked_groups": len(self._graveyard),
-            "transfer": transfer_info(self._in_round, self._group),  # see the function
+            "transfer": self._transfer_info(),
         }
         if probes := self.reach.take_outcomes():  # those the coordinator asked for
             info["probes"] = probes
         return info
+
+    def _transfer_info(self) -> dict[str, Any] | None:
+        """What a heartbeat says of this peer's round: ``info.transfer``
+        (:func:`~isthmus.comm.unacked.transfer_info`)."""
+        return transfer_info(self._in_round, self._group)
 
     def _on_push(self, msg: msgs.Push) -> None:
         if isinstance(msg, msgs.AbortPush):
