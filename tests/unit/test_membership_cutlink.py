@@ -21,11 +21,12 @@ NAMES = ("peer0", "peer1", "peer2", "peer3")
 class Run:
     """Four peers on a fake clock; every peer heartbeats at each step of :meth:`tick`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, no_listener: int | None = None) -> None:
         self.now = 0.0
         self.m = Membership(MembershipConfig(start_peers=4, heartbeat_timeout=3.0))
         self.pids = [
-            self.m.register(n, 0.0, {"probe": f"10.0.0.{i + 2}:4100"}) for i, n in enumerate(NAMES)
+            self.m.register(n, 0.0, {} if i == no_listener else {"probe": f"10.0.0.{i + 2}:4100"})
+            for i, n in enumerate(NAMES)
         ]
         self.info: dict[int, dict[str, Any]] = {p: {"transfer": None} for p in self.pids}
         self.nonce = 0
@@ -170,3 +171,40 @@ def test_a_member_that_has_not_reported_names_the_member_itself() -> None:
     ]
     r.tick(30.0)
     assert r.state(plan) == "wait"
+
+
+def test_a_receiver_without_a_probe_listener_is_marked_down_and_probes_the_sender() -> None:
+    # peer2 (the receiver, the junior end) registered no probe listener: the pair is down all
+    # the same, or the next round would form it again and lose another stall_s to the cut
+    r = Run(no_listener=2)
+    first = r.round()
+    for pid in r.pids:
+        r.report(pid, first)
+    plan = r.round()
+    receiver, sender = r.pids[2], r.pids[1]
+    assert str(receiver) not in (plan.reach or {})
+    for pid in r.pids:
+        if pid != receiver:
+            r.report(pid, plan)
+    r.info[receiver] = _receiving(plan, False)
+    r.info[sender] = _silent(plan, plan.members.index(receiver), 10.4)
+    r.tick(0.5)
+    assert r.state(plan) == "aborted"
+    unreachable = [e for e in r.m.events if e["kind"] == "unreachable"]
+    assert [(e["name"], e["remote_name"], e["how"], e["address"]) for e in unreachable] == [
+        ("peer1", "peer2", "stalled", None)
+    ]
+    assert r.m.reach.down_pairs(NAMES) == [("peer1", "peer2")]
+    for pid in r.pids:
+        r.info[pid] = {"transfer": None}
+    nxt = r.round()
+    assert nxt.members == (r.pids[0], sender, r.pids[3])
+    why = "isolated: peer1 cannot reach it at no known address (stalled)"
+    assert r.m.peers[receiver].isolated == why
+    # the kept end cannot probe a listener the other end lacks: the other end probes its own
+    r.m.take_notices()
+    r.tick(5.0)
+    probes = [(to, msg) for to, msg in r.m.take_notices() if msg["type"] == "probe"]
+    assert probes == [
+        ((receiver,), {"type": "probe", "reason": "", "peer": sender, "address": "10.0.0.3:4100"})
+    ], probes

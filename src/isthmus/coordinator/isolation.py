@@ -25,7 +25,11 @@ from isthmus.coordinator.protocol import ProbeOutcome, ProbePush, Unreached
 from isthmus.coordinator.state import RunState
 from isthmus.coordinator.wire import encode
 
-__all__ = ["ask_probes", "probed", "seniority", "sit_out", "unreached"]
+__all__ = ["NO_ADDRESS", "ask_probes", "probed", "seniority", "sit_out", "stalled", "unreached"]
+
+NO_ADDRESS = "no known address"
+"""Where a pair's reason (``isolated: cannot reach peer1 at ...``) says the member was not
+reached when the coordinator knows no probe listener of it."""
 
 
 def unreached(s: RunState, reporter: Peer, entries: Iterable[Unreached], now: float) -> None:
@@ -35,17 +39,38 @@ def unreached(s: RunState, reporter: Peer, entries: Iterable[Unreached], now: fl
         remote = s.roster.active(u.peer)
         if remote is None or remote.id == reporter.id:
             continue
-        s.reach.report(FailureReport(reporter.name, remote.name, u.address, How(u.how), now))
-        s.note(
-            now,
-            "unreachable",
-            peer=reporter.id,
-            name=reporter.name,
-            remote=remote.id,
-            remote_name=remote.name,
-            address=u.address,
-            how=u.how,
-        )
+        _down(s, reporter, remote, u.address, How(u.how), now)
+
+
+def stalled(s: RunState, sender: Peer, receiver: Peer, address: str | None, now: float) -> None:
+    """``sender``'s data to ``receiver`` has gone unacknowledged past the stall rule (the link
+    between them is cut): the pair is down from ``now``, as a failure report of ``sender``'s
+    naming ``receiver`` (``stalled``, at its probe listener ``address``) marks it. Without a
+    listener (``address`` None: a peer whose listener could not bind, or of an earlier release)
+    the pair is down all the same, or the next round would form it again and lose another
+    ``stall_s`` to the same cut; its reason then says :data:`NO_ADDRESS`, and
+    :func:`ask_probes` asks ``receiver`` to probe ``sender``'s listener instead. Ignored when
+    either end is no longer active."""
+    if s.roster.active(sender.id) is None or s.roster.active(receiver.id) is None:
+        return
+    _down(s, sender, receiver, address, How.STALLED, now)
+
+
+def _down(
+    s: RunState, reporter: Peer, remote: Peer, address: str | None, how: How, now: float
+) -> None:
+    where = NO_ADDRESS if address is None else address
+    s.reach.report(FailureReport(reporter.name, remote.name, where, how, now))
+    s.note(
+        now,
+        "unreachable",
+        peer=reporter.id,
+        name=reporter.name,
+        remote=remote.id,
+        remote_name=remote.name,
+        address=address,
+        how=how.value,
+    )
 
 
 def probed(s: RunState, prober: Peer, outcomes: Iterable[ProbeOutcome], now: float) -> bool:
@@ -111,7 +136,9 @@ def sit_out(s: RunState, ready: list[int], now: float) -> list[int]:
 
 def ask_probes(s: RunState, now: float) -> None:
     """Queue a ``probe`` push for each down pair due one (at most one per pair every
-    ``probe_every_s``): to the kept end, of the other end's probe listener."""
+    ``probe_every_s``): to the kept end, of the other end's probe listener, or the other way
+    round where only the kept end has a listener (a probe connects either way; with neither, the
+    pair waits for its trial, ``PartitionConfig.trial_after_s``)."""
     if s.reach.empty:
         return  # no pair is down: nothing to probe (and no need to list the peers)
     every = s.config.partition.probe_every_s
@@ -125,6 +152,8 @@ def ask_probes(s: RunState, now: float) -> None:
         order = seniority(s, [pa.id, pb.id])
         ends = sorted(order, key=lambda i: s.peers[i].isolated is not None)
         prober, target = s.peers[ends[0]], s.peers[ends[1]]
+        if target.probe_address is None:  # no listener there: the other end's, if it has one
+            prober, target = target, prober
         address = target.probe_address
         if address is None or prober.state is not PeerState.ACTIVE:
             continue

@@ -58,7 +58,6 @@ from __future__ import annotations
 from typing import Any
 
 from isthmus.coordinator import forming, isolation
-from isthmus.coordinator.partition import How
 from isthmus.coordinator.peers import MembershipConfig, Peer, PeerState
 from isthmus.coordinator.protocol import (
     Decision,
@@ -250,9 +249,7 @@ class Membership(RunState):
             return
         for sender, to, _ in cut:
             address = (plan.reach or {}).get(str(to.id)) or to.probe_address
-            if address is not None:
-                entry = Unreached(to.id, address, How.STALLED.value)
-                isolation.unreached(self, sender, (entry,), now)
+            isolation.stalled(self, sender, to, address, now)
         sender, to, for_s = cut[0]
         self.abort(
             now,
