@@ -10,10 +10,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from isthmus.comm.group import CollectiveError
 from isthmus.comm.island import IslandSession
 from isthmus.comm.island_watch import MAX_MERGED, island_transfer
+from isthmus.comm.peer_reach import named_unreached
+from isthmus.comm.session import Session
+from isthmus.comm.session_config import RoundFailed
 from isthmus.coordinator.membership import Membership, MembershipConfig
-from isthmus.coordinator.protocol import RoundPlan, TensorSpec
+from isthmus.coordinator.protocol import RoundPlan, TensorSpec, Transfer
 
 
 def _in(epoch: int, rnd: int, moving: bool, *silent: tuple[int, float]) -> dict[str, Any]:
@@ -150,6 +156,97 @@ def test_the_leaders_heartbeat_works_out_its_transfer_once() -> None:
         "silent": [{"epoch": 3, "rank": 1, "for_s": 6.0}],
     }
     assert sorted(asked) == ["busy", "moving", "silent"]
+
+
+def test_the_member_a_followers_failure_names_rides_on_the_islands_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a cut between two followers: the leader's own connections are clean, its follower's wait
+    # gave up on a silent connection naming its remote by rank (the round plan's order)
+    reported: dict[str, Any] = {}
+
+    def report(_self: Any, _plan: Any, **kw: Any) -> bool:
+        reported.update(kw)
+        return False
+
+    monkeypatch.setattr(Session, "_report_outcome", report)
+    remote = "rank 0 at 10.0.0.12:41234"
+    follower = (
+        False,
+        f"all_reduce made no progress: no acknowledgement from {remote}",
+        7,
+        (remote,),
+    )
+    island = SimpleNamespace(
+        leader=True, size=2, gather=lambda mine: [mine, follower], broadcast=lambda obj=None: obj
+    )
+    me = IslandSession.__new__(IslandSession)
+    me.__dict__.update(island=island, stats=SimpleNamespace(bytes_sent=5), _extra=[])
+    plan = RoundPlan(9, 3, (4, 7), (), {}, False, reach={"4": "10.0.0.2:4100"})
+    assert me._report_outcome(plan, ok=True, error="", t0=0.0) is False
+    assert reported["ok"] is False and reported["error"].startswith("rank 1: all_reduce")
+    cause = reported["cause"]
+    assert isinstance(cause, CollectiveError) and cause.unreached == (remote,)
+    # the peer's naming rule reads it as the other island, at its probe listener
+    u = named_unreached(cause.unreached[0], plan, {4: "10.0.0.2:4100"})
+    assert u is not None and (u.peer, u.address, u.how) == (4, "10.0.0.2:4100", "stalled")
+    assert me.island_bytes == [5, 7]
+    # nobody named: the leader's own cause (none when it succeeded), as before
+    follower = (False, "a transfer failed", 7, ())
+    me._report_outcome(plan, ok=True, error="", t0=0.0)
+    assert reported["cause"] is None
+
+
+def _setup_collectives(monkeypatch: pytest.MonkeyPatch, *, leader: bool) -> list[str]:
+    """The island's collectives one rank makes setting up a round with a resync, where the
+    follower's cross-island group does not connect (a cut between followers) and the leader's
+    does."""
+    calls: list[str] = []
+    monkeypatch.setattr(
+        "isthmus.comm.island.island_transfers", lambda *a, **k: calls.append("transfers")
+    )
+    plan = RoundPlan(9, 3, (4, 7), (Transfer(4, 7, ("w",)),), {"w": "aa"}, True)
+
+    def group_for(_plan: RoundPlan) -> Any:
+        if not leader:
+            raise CollectiveError("epoch3 did not connect")
+        return SimpleNamespace(rank=0, world=2)
+
+    def gather(obj: Any) -> list[Any]:
+        calls.append("gather")
+        return [True, False]
+
+    def report(_plan: RoundPlan, **kw: Any) -> bool:
+        calls.append("report")
+        return False
+
+    me = IslandSession.__new__(IslandSession)
+    me.__dict__.update(
+        _closed=False,
+        _graveyard=SimpleNamespace(reap=lambda: None),
+        config=SimpleNamespace(round_timeout=60.0, max_attempts=1),
+        _ask_for_round=lambda deadline: plan,
+        _group_for=group_for,
+        _report_outcome=report,
+        island=SimpleNamespace(leader=leader, size=2, gather=gather),
+        state=None,
+        peer_id=7,
+        pieces=None,
+        island_sizes=[2, 2],
+    )
+    with pytest.raises(RoundFailed):
+        me.begin()
+    return calls
+
+
+def test_a_round_whose_followers_group_alone_did_not_connect_is_given_up_by_every_rank_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # every rank makes the same island collectives in the same order: none starts the resync
+    # when one rank's group did not connect, and every rank reports the attempt
+    leader = _setup_collectives(monkeypatch, leader=True)
+    follower = _setup_collectives(monkeypatch, leader=False)
+    assert leader == follower == ["gather", "report"]
 
 
 SCHEMA = [TensorSpec("w", (2, 3), "torch.float32")]

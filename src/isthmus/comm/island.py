@@ -41,7 +41,9 @@ channel, so every rank cuts its own cross-island groups at once; the other way, 
 follower's transfer (whether it moves, the members its data does not reach) reaches the leader
 there, and the leader's heartbeats carry the island's merge, so that a link cut between two
 followers after the data was handed over aborts the round as it does between plain peers
-(docs/PROTOCOL.md, "A link cut after the data was handed over"). A coordinator's ``restore``
+(docs/PROTOCOL.md, "A link cut after the data was handed over"); a failure that names the
+member a rank could not reach (a silent connection's remote) names it in the island's report,
+so that a cut between followers marks the pair of islands down. A coordinator's ``restore``
 reaches the leader; it tells the followers, and every rank loads its part of the checkpoint
 together. Not built yet (refused with an error naming it): link probing.
 """
@@ -271,12 +273,16 @@ class IslandSession(Session):
             if plan is None:
                 continue
             t0, self._in_round = time.monotonic(), plan  # on every rank: its heartbeat's round
-            error = ""
+            error, cause = "", None
             try:
                 group = self._group_for(plan)
             except (CollectiveError, TransferError) as e:
-                error = str(e)
-            if plan.transfers and not error:  # every rank: the island's verdict is collective
+                error, cause = str(e), e
+            # every rank together, whether or not its own group connected (a follower's may fail
+            # alone: a cut between followers): a rank that skipped the transfers, or this
+            # gather, would meet the others' collectives with a different one
+            connected = all(self.island.gather(not error))
+            if plan.transfers and connected:  # every rank: the island's verdict is collective
                 try:
                     island_transfers(
                         group,
@@ -289,9 +295,11 @@ class IslandSession(Session):
                     if self.peer_id in plan.resynced:
                         self.revision = plan.round
                 except (CollectiveError, TransferError) as e:
-                    error = str(e)
-            if error or not all(ok for ok in self.island.gather(not error)):
-                self._report_outcome(plan, ok=not error, error=error, t0=t0, stage="setup")
+                    error, cause = str(e), e  # on every rank (the verdict is the island's)
+            if error or not connected:
+                self._report_outcome(
+                    plan, ok=not error, error=error, t0=t0, stage="setup", cause=cause
+                )
                 continue
             self.rank, self.world = group.rank, group.world
             rnd = Round(self, plan, group, t0)
@@ -402,18 +410,29 @@ class IslandSession(Session):
         cause: BaseException | None = None,
     ) -> bool:
         self._rank_done = (plan.epoch, plan.round)
-        outcomes = self.island.gather((ok, error, self.stats.bytes_sent))
-        self.island_bytes = [int(b) for _, _, b in outcomes]
-        all_ok = all(o for o, _, _ in outcomes)
-        failed = [(i, e) for i, (o, e, _) in enumerate(outcomes) if not o]
+        # the members this rank's failure names (a silent connection's remote, by its rank in
+        # the round plan's order, which every cross-island group keeps): a cut between two
+        # followers is named by them only, the leaders' connections being clean
+        named = tuple(getattr(cause, "unreached", ()) or ()) if not ok else ()
+        outcomes = self.island.gather((ok, error, self.stats.bytes_sent, named))
+        self.island_bytes = [int(b) for _, _, b, _ in outcomes]
+        all_ok = all(o for o, _, _, _ in outcomes)
+        failed = [(i, e) for i, (o, e, _, _) in enumerate(outcomes) if not o]
         if len({e for _, e in failed}) == 1 and len(failed) == self.island.size:
             why = failed[0][1]  # the island's own verdict (a resync), the same on every rank
         else:
             why = "; ".join(f"rank {i}: {e}" for i, e in failed)
         if self.island.leader:
+            unreached = list(dict.fromkeys(u for *_, us in outcomes for u in us))
+            failure = CollectiveError(why, unreached=unreached) if unreached else cause
             try:
                 committed = super()._report_outcome(
-                    plan, ok=all_ok, error=why, t0=t0, stage=stage, cause=None if ok else cause
+                    plan,
+                    ok=all_ok,
+                    error=why,
+                    t0=t0,
+                    stage=stage,
+                    cause=None if all_ok else failure,
                 )
             except BaseException as e:
                 self._tell("error", e)
