@@ -68,7 +68,7 @@ from isthmus.comm.layout import piece_groups
 from isthmus.comm.session import Round, Session
 from isthmus.comm.session_config import IslandDispatch, RoundFailed, SessionConfig
 from isthmus.comm.transfer import TransferError
-from isthmus.comm.unacked import transfer_info
+from isthmus.comm.unacked import Groups, transfer_info
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator.protocol import RoundPlan
 
@@ -201,15 +201,16 @@ class IslandSession(Session):
 
     def _rank_transfer(self) -> dict[str, Any] | None:
         """What this rank's cross-island connections say of the round (``info.transfer`` as
-        :func:`~isthmus.comm.unacked.transfer_info` makes it for one group), over every group
-        of the epoch the rank is in (beside islands of other sizes, several: :class:`_Groups`):
-        sent to the leader with each beat, or merged by it. A rank that reached the round's
+        :func:`~isthmus.comm.unacked.transfer_info` makes it), over every group of the epoch
+        the rank is in (beside islands of other sizes, several, seen as one:
+        :class:`~isthmus.comm.unacked.Groups`): sent to the leader with each beat, or merged by
+        it. A rank that reached the round's
         outcome has nothing more to send: it moves only while one of its groups' transfers
         still does, not as one about to transfer would."""
         plan, g = self._in_round, self._group
         groups = None
         if g is not None:
-            groups = _Groups([g, *(x for x in list(self._extra) if x.epoch == g.epoch)])
+            groups = Groups([g, *(x for x in list(self._extra) if x.epoch == g.epoch)])
         info = transfer_info(plan, groups)
         if plan is not None and info is not None and self._rank_done == (plan.epoch, plan.round):
             # transfer_info asked the groups whether they move only where one is busy
@@ -484,29 +485,3 @@ def _session_class(island: Any) -> type[Session] | None:
 
 
 IslandDispatch.island_factory = _session_class
-
-
-class _Groups:
-    """A rank's cross-island groups of one epoch (its main group first), seen as one group by
-    :func:`~isthmus.comm.unacked.transfer_info`: busy while any operation on any of them runs,
-    moving while any of them moves (a group that moves nothing is not busy, or stuck), and
-    silent toward each member any of them is silent toward (the longest silence). Beside
-    islands of other sizes a rank holds one group per tuple of owners, and a round's operations
-    may wait on any of them: a transfer stuck on one of the others is the rank's too."""
-
-    def __init__(self, groups: list[Group]) -> None:
-        self.groups = groups
-        self.epoch = groups[0].epoch
-
-    def busy(self) -> bool:
-        return any(x.busy() for x in self.groups)
-
-    def moving(self) -> bool:
-        return any(x.moving() for x in self.groups)
-
-    def silent_members(self) -> list[tuple[int, float]]:
-        longest: dict[int, float] = {}
-        for x in self.groups:
-            for rank, for_s in x.silent_members():
-                longest[rank] = max(for_s, longest.get(rank, 0.0))
-        return sorted(longest.items(), key=lambda kv: (-kv[1], kv[0]))

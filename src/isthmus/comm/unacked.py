@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from isthmus.comm.handle import Watch
 from isthmus.comm.wires import Wires
 
-__all__ = ["Unacked", "transfer_info"]
+__all__ = ["Groups", "Unacked", "transfer_info"]
 
 _RANKED = re.compile(r"rank (\d+) at \S+")
 """How a group's connection is labelled when the member at its other end is known
@@ -137,3 +137,30 @@ def transfer_info(plan: _Round | None, group: _Group | None) -> dict[str, Any] |
     if silent:
         out["silent"] = silent
     return out
+
+
+class Groups:
+    """Several groups of one epoch (the main one first) seen as one by :func:`transfer_info`:
+    busy while an operation on any of them runs, moving while any of them moves (one that moves
+    nothing is idle, or stuck), and silent toward each member any of them is silent toward (the
+    longest silence). A rank of an island beside islands of other sizes holds one cross-island
+    group per tuple of owners, and its round may wait on any of them: a transfer stuck on one
+    is the rank's."""
+
+    def __init__(self, groups: list[_Group]) -> None:
+        self.groups = groups
+        self.epoch = groups[0].epoch
+
+    def busy(self) -> bool:
+        return any(x.busy() for x in self.groups)
+
+    def moving(self) -> bool:
+        return any(x.moving() for x in self.groups)
+
+    def silent_members(self) -> list[tuple[int, float]]:
+        longest: dict[int, float] = {}
+        for x in self.groups:
+            found = getattr(x, "silent_members", None)  # a group of another kind says nothing
+            for rank, for_s in found() if found is not None else ():
+                longest[rank] = max(for_s, longest.get(rank, 0.0))
+        return sorted(longest.items(), key=lambda kv: (-kv[1], kv[0]))
