@@ -181,7 +181,7 @@ def test_the_member_a_followers_failure_names_rides_on_the_islands_report(
         leader=True, size=2, gather=lambda mine: [mine, follower], broadcast=lambda obj=None: obj
     )
     me = IslandSession.__new__(IslandSession)
-    me.__dict__.update(island=island, stats=SimpleNamespace(bytes_sent=5), _extra=[])
+    me.__dict__.update(island=island, stats=SimpleNamespace(bytes_sent=5), _extra=[], _reach_of={})
     plan = RoundPlan(9, 3, (4, 7), (), {}, False, reach={"4": "10.0.0.2:4100"})
     assert me._report_outcome(plan, ok=True, error="", t0=0.0) is False
     assert reported["ok"] is False and reported["error"].startswith("rank 1: all_reduce")

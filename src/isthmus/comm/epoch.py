@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -56,6 +56,7 @@ def connect_epoch(
     graveyard: Graveyard,
     wishes: Sequence[int] = (),
     reach_source: str | None = None,
+    reach: Mapping[int, str] | None = None,
 ) -> tuple[Group, list[int]]:
     """The :class:`Group` of ``plan``'s epoch for member ``peer_id`` (``owner`` names the
     session in logs): a group of one without connections when the epoch has one member, else
@@ -64,7 +65,9 @@ def connect_epoch(
     meanwhile (the attempt is then abandoned). ``wishes`` go into the Gloo handshake
     (:func:`~isthmus.comm.stripes.connect_stripes`); returned with the group is their maximum
     over the members (empty for a group of one or NCCL, which have no handshake).
-    ``reach_source``: the local address probes go out from (this peer's Gloo address). Raises
+    ``reach_source``: the local address probes go out from (this peer's Gloo address);
+    ``reach``: the probe listeners of the group's other members (default: the plan's ``reach``;
+    an island's rank probes the ranks its group holds). Raises
     :class:`CollectiveError` as the module docstring says."""
     name = f"epoch{plan.epoch}"
     rank, world = plan.rank_of(peer_id), len(plan.members)
@@ -119,7 +122,7 @@ def connect_epoch(
         graveyard.park(attempt)  # until its thread is out of torch
         if aborted():
             raise
-        raise _name_unreached(e, plan, peer_id, cfg.probe_timeout, reach_source) from None
+        raise _name_unreached(e, plan, peer_id, cfg.probe_timeout, reach_source, reach) from None
     # a second connection set (one per stripe), built on first use by Group.exchange
     reverse = reverse_sets(gloo, store, cfg.connections) if backend == "gloo" else None
     group = Group(
@@ -140,16 +143,24 @@ def connect_epoch(
 
 
 def _name_unreached(
-    e: CollectiveError, plan: RoundPlan, peer_id: int, timeout_s: float, source: str | None
+    e: CollectiveError,
+    plan: RoundPlan,
+    peer_id: int,
+    timeout_s: float,
+    source: str | None,
+    reach: Mapping[int, str] | None,
 ) -> CollectiveError:
-    """``e`` with the members whose probe listeners did not answer named in its text and in
-    its ``unreached`` (``(peer id, address, How)``); ``e`` itself when all answered or the plan
-    carries no addresses."""
-    addresses = {
-        int(k): a
-        for k, a in (plan.reach or {}).items()
-        if k.isdigit() and int(k) != peer_id and int(k) in plan.members
-    }
+    """``e`` with the members whose probe listeners (``reach``, else the plan's) did not answer
+    named in its text and in its ``unreached`` (``(peer id, address, How)``); ``e`` itself when
+    all answered or no addresses are known."""
+    if reach is not None:
+        addresses = {m: a for m, a in reach.items() if m != peer_id and m in plan.members}
+    else:
+        addresses = {
+            int(k): a
+            for k, a in (plan.reach or {}).items()
+            if k.isdigit() and int(k) != peer_id and int(k) in plan.members
+        }
     if not addresses:
         return e
     found = probe_all(addresses, timeout_s=timeout_s, source=source)

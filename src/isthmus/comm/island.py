@@ -43,16 +43,18 @@ there, and the leader's heartbeats carry the island's merge, so that a link cut 
 followers after the data was handed over aborts the round as it does between plain peers
 (docs/PROTOCOL.md, "A link cut after the data was handed over"); a failure that names the
 member a rank could not reach (a silent connection's remote) names it in the island's report,
-so that a cut between followers marks the pair of islands down. A coordinator's ``restore``
-reaches the leader; it tells the followers, and every rank loads its part of the checkpoint
-together. Not built yet (refused with an error naming it): link probing.
+so that a cut between followers marks the pair of islands down; every rank's probe listener
+is registered, and a down pair of islands is probed rank to rank
+(:mod:`isthmus.comm.island_probe`), so the pair stays down while that path is cut. A
+coordinator's ``restore`` reaches the leader; it tells the followers, and every rank loads its
+part of the checkpoint together. Not built yet (refused with an error naming it): link probing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
-import sys
 import time
 from typing import Any
 
@@ -61,9 +63,16 @@ import torch
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import FaultInjector
 from isthmus.comm.group import CollectiveError, Group
+from isthmus.comm.island_probe import IslandProber, group_addresses, rank_unreached
 from isthmus.comm.island_state import NPROC_VAR, Island, IslandState, find_island
 from isthmus.comm.island_transfer import island_transfers
-from isthmus.comm.island_watch import IslandWatch, bind_watch, island_transfer
+from isthmus.comm.island_watch import (
+    ISLAND_LOST_EXIT,
+    IslandWatch,
+    bind_watch,
+    island_lost,
+    island_transfer,
+)
 from isthmus.comm.layout import piece_groups
 from isthmus.comm.session import Round, Session
 from isthmus.comm.session_config import IslandDispatch, RoundFailed, SessionConfig
@@ -80,10 +89,6 @@ __all__ = [
     "IslandState",
     "find_island",
 ]
-
-ISLAND_LOST_EXIT = 75
-"""The exit status of a rank that found another rank of its island silent (stopped or dead)
-for the coordinator's ``heartbeat_timeout``: it ends itself so that its island leaves whole."""
 
 
 class IslandSession(Session):
@@ -108,6 +113,12 @@ class IslandSession(Session):
         self._asking = False
         self._watch: IslandWatch | None = None
         self._extra: list[Group] = []  # this epoch's other groups (islands of other sizes)
+        self._listeners: list[str | None] | None = None  # every rank's probe listener
+        # rank-to-rank probes (its reach and watch are set once they exist); a follower's
+        # answer comes over the watch, a few seconds at most after its probes' bound
+        shapes, limit = (lambda: self.state.sharded_shapes()), config.probe_timeout + 5.0
+        self._prober = IslandProber(size=found.size, shapes=shapes, limit_s=limit)
+        self._reach_of: dict[int, str] = {}  # the listeners of the ranks rank i's group holds
         # the (epoch, round) whose outcome this rank has reached: its own part is done
         self._rank_done: tuple[int, int] | None = None
         self.island_sizes: list[int] = []
@@ -135,6 +146,9 @@ class IslandSession(Session):
         return kind, payload
 
     def _register(self) -> None:
+        if self._listeners is None:  # once, every rank (a leader registering again is alone)
+            self._listeners = self.island.gather(self.reach.address)
+            self._prober.reach = self.reach
         if not self.island.leader:
             _kind, reply = self._hear()
             self._adopt(reply)
@@ -142,6 +156,8 @@ class IslandSession(Session):
         try:
             info: dict[str, Any] = {"pid": os.getpid(), "host": os.uname().nodename}
             info["island"] = {"size": self.island.size}
+            if all(self._listeners):  # the coordinator probes a down pair of islands rank to rank
+                info["island"]["probes"] = list(self._listeners)
             if self.reach.address is not None:
                 info["probe"] = self.reach.address
             reply = self._client.register(self.name, info)
@@ -179,22 +195,13 @@ class IslandSession(Session):
                 self.island.gather(address),
                 interval=min(reply.heartbeat_interval, timeout / 3),
                 timeout=timeout,
-                on_lost=self._island_lost,
+                on_lost=functools.partial(island_lost, f"{self.name} rank {self.island.rank}"),
                 on_abort=self._relayed_abort,
                 status=None if self.island.leader else self._rank_transfer,
+                on_probe=self._prober.asked,
+                on_probed=self._prober.answered,
             )
-
-    def _island_lost(self, ranks: list[int]) -> None:
-        # Runs on the watch's thread while the main thread may be blocked in a collective with
-        # the silent rank, which nothing can interrupt: ending the process ends the island.
-        print(
-            f"isthmus island: {self.name} rank {self.island.rank}: rank(s) {ranks} of the island "
-            f"silent for {self._watch.timeout if self._watch else 0:.1f} s (stopped or dead); "
-            f"this rank exits with {ISLAND_LOST_EXIT} so that the island leaves as a whole",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(ISLAND_LOST_EXIT)
+            self._prober.watch = self._watch
 
     def _relayed_abort(self, epoch: int, rnd: int, reason: str) -> None:
         self._on_push(msgs.AbortPush(reason=reason, epoch=epoch, round=rnd))
@@ -204,9 +211,8 @@ class IslandSession(Session):
         :func:`~isthmus.comm.unacked.transfer_info` makes it), over every group of the epoch
         the rank is in (beside islands of other sizes, several, seen as one:
         :class:`~isthmus.comm.unacked.Groups`): sent to the leader with each beat, or merged by
-        it. A rank that reached the round's
-        outcome has nothing more to send: it moves only while one of its groups' transfers
-        still does, not as one about to transfer would."""
+        it. A rank that reached the round's outcome has nothing more to send: it moves only
+        while one of its groups' transfers still does, not as one about to transfer would."""
         plan, g = self._in_round, self._group
         groups = None
         if g is not None:
@@ -320,7 +326,7 @@ class IslandSession(Session):
         # only then do the other ranks connect theirs, which depend on the sizes.
         if self.island.leader:
             try:
-                g = self._connect(plan, "rank0")
+                g = self._connect(plan, (0,) * len(plan.members))
                 sizes = g.all_gather_flat(torch.tensor([float(self.island.size)]))
                 sizes = [int(s) for s in sizes.tolist()]
             except BaseException as e:
@@ -333,12 +339,12 @@ class IslandSession(Session):
         self.pieces = None
         if len(set(sizes)) == 1:  # rank i meets rank i of every other island
             if not self.island.leader:
-                g = self._connect(plan, f"rank{self.island.rank}")
+                g = self._connect(plan, (self.island.rank,) * len(plan.members))
             self._set_group(g)
             return g
         # Islands of different sizes: one group per tuple of owners (comm/layout.py), connected
         # in the same order everywhere, so that no two ranks wait for each other in a cycle.
-        shapes = [self.state.full_shape(n) for n, p in self.state.placements.items() if p]
+        shapes = self.state.sharded_shapes()
         me = plan.rank_of(self.peer_id or 0)
         pieces: dict[tuple[int, ...], Group] = {}
         for owners in piece_groups(shapes, sizes):
@@ -347,7 +353,7 @@ class IslandSession(Session):
             if self.island.leader and not any(owners):
                 pieces[owners] = g  # rank 0 of every island: the group the leaders just made
             else:
-                pieces[owners] = self._connect(plan, "g" + "-".join(map(str, owners)))
+                pieces[owners] = self._connect(plan, owners, piece=True)
         if not pieces:
             raise RoundFailed(
                 f"rank {self.island.rank} of an island of {self.island.size} holds no part of "
@@ -359,7 +365,10 @@ class IslandSession(Session):
         self.pieces = pieces
         return primary
 
-    def _connect(self, plan: RoundPlan, key: str) -> Group:
+    def _connect(self, plan: RoundPlan, owners: tuple[int, ...], *, piece: bool = False) -> Group:
+        key = "g" + "-".join(map(str, owners)) if piece else f"rank{owners[0]}"
+        reach = group_addresses(plan, self.peer_id or 0, owners)
+        self._reach_of = {} if piece else reach  # where a silent connection's remote is named
         g, _agreed = connect_epoch(
             plan,
             peer_id=self.peer_id or 0,
@@ -372,7 +381,8 @@ class IslandSession(Session):
             stores=self._stores,  # type: ignore[arg-type]
             aborted=lambda: plan.epoch in self._aborted_epochs,
             graveyard=self._graveyard,
-            reach_source=self.reach.source if self.island.leader else None,
+            reach_source=self.reach.source,
+            reach=reach,
         )
         if plan.epoch in self._aborted_epochs:
             g.abort(f"epoch {plan.epoch} was aborted")
@@ -393,6 +403,8 @@ class IslandSession(Session):
             self._extra = []
 
     def _on_push(self, msg: Any) -> None:
+        if isinstance(msg, msgs.ProbePush) and self._prober.start(msg):
+            return  # probed rank to rank: one outcome when every rank has answered
         super()._on_push(msg)
         if isinstance(msg, msgs.AbortPush) and self.island.leader and self._watch is not None:
             self._watch.tell_abort(msg.epoch, msg.round, msg.reason)  # followers cut theirs too
@@ -415,6 +427,7 @@ class IslandSession(Session):
         # the round plan's order, which every cross-island group keeps): a cut between two
         # followers is named by them only, the leaders' connections being clean
         named = tuple(getattr(cause, "unreached", ()) or ()) if not ok else ()
+        named = rank_unreached(named, plan, self._reach_of)  # at the listener of that rank
         outcomes = self.island.gather((ok, error, self.stats.bytes_sent, named))
         self.island_bytes = [int(b) for _, _, b, _ in outcomes]
         all_ok = all(o for o, _, _, _ in outcomes)

@@ -202,6 +202,10 @@ class IslandState(SharedState):
         p = self.placements.get(name)
         return tuple(self[name].shape) if p is None else p.full_shape
 
+    def sharded_shapes(self) -> list[tuple[int, ...]]:
+        """The full shapes of the tensors split over the island's ranks (with a placement)."""
+        return [self.full_shape(n) for n, p in self.placements.items() if p]
+
     def schema(self) -> list[TensorSpec]:
         return [TensorSpec(n, self.full_shape(n), str(t.dtype)) for n, t in self.items()]
 

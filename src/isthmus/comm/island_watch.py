@@ -13,7 +13,11 @@ the sockets of every group close, and ``--max-restarts`` starts the island again
 The same channel carries the leader's relay of the coordinator's round aborts
 (:meth:`IslandWatch.tell_abort`), so that a follower cuts its own cross-island groups at once
 rather than waiting for the far ends to close. Datagrams are tiny and never block the sender;
-an abort is sent three times, since a datagram may be dropped.
+an abort is sent three times, since a datagram may be dropped. It also carries the probes of a
+pair of islands rank to rank (:mod:`isthmus.comm.island_probe`): the leader asks one follower
+for its paths (:meth:`IslandWatch.tell_probe`, ``{"probe": [token, [host:port, ...]]}``) and
+the follower answers (:meth:`IslandWatch.tell_probed`, ``{"probed": [token, [how, ...]]}``); a
+lost one costs that probe its outcome, never a wrong one.
 
 Only the leader heartbeats, so each follower's beat to the leader also carries what its own
 cross-island connections say of the round (its ``status``: ``{epoch, round, moving, silent}``,
@@ -30,17 +34,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["IslandWatch", "bind_watch", "island_transfer"]
+__all__ = ["ISLAND_LOST_EXIT", "IslandWatch", "bind_watch", "island_lost", "island_transfer"]
 
 log = logging.getLogger(__name__)
 
 ABORT_COPIES = 3
+
+ISLAND_LOST_EXIT = 75
+"""The exit status of a rank that found another rank of its island silent (stopped or dead)
+for the coordinator's ``heartbeat_timeout``: it ends itself so that its island leaves whole."""
 
 MAX_RELAYED = 16
 """At most this many ``silent`` entries travel in one follower's beat (a datagram stays small;
@@ -112,6 +122,20 @@ def island_transfer(
     return out
 
 
+def island_lost(who: str, ranks: list[int]) -> NoReturn:
+    """End this process with :data:`ISLAND_LOST_EXIT`, saying why on stderr: ``ranks`` of
+    ``who``'s island were silent for the watch's bound. Called on the watch's thread while
+    the main thread may be blocked in a collective with the silent rank, which nothing can
+    interrupt: ending the process ends the island."""
+    print(
+        f"isthmus island: {who}: rank(s) {ranks} of the island silent (stopped or dead); this "
+        f"rank exits with {ISLAND_LOST_EXIT} so that the island leaves as a whole",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(ISLAND_LOST_EXIT)
+
+
 def bind_watch() -> tuple[socket.socket, tuple[str, int]]:
     """A UDP socket for this rank's watch, and the address (host name, port) the other ranks
     reach it at (they use 127.0.0.1 when they run on the same host)."""
@@ -143,6 +167,8 @@ class IslandWatch:
         on_lost: Callable[[list[int]], None],
         on_abort: Callable[[int, int, str], None] | None = None,
         status: Callable[[], dict[str, Any] | None] | None = None,
+        on_probe: Callable[[int, list[str]], None] | None = None,
+        on_probed: Callable[[int, int, list[str | None]], None] | None = None,
     ) -> None:
         if interval <= 0 or timeout <= interval:
             raise ValueError(f"need 0 < interval < timeout, got {interval} and {timeout}")
@@ -160,6 +186,7 @@ class IslandWatch:
         self._heard = dict.fromkeys(self._peers, now)
         self._on_lost = on_lost
         self._on_abort = on_abort
+        self._on_probe, self._on_probed = on_probe, on_probed
         self._status = status if rank != 0 else None
         self._relayed: dict[int, tuple[float, dict[str, Any] | None]] = {}  # on rank 0
         self._status_failed = False
@@ -172,6 +199,20 @@ class IslandWatch:
     def tell_abort(self, epoch: int, round: int, reason: str) -> None:
         """Relay a round abort to every other rank (their ``on_abort`` runs)."""
         self._send({"abort": [epoch, round, reason[:500]]}, copies=ABORT_COPIES)
+
+    def tell_probe(self, rank: int, token: int, addresses: list[str]) -> None:
+        """Ask rank ``rank`` to probe ``addresses`` (its ``on_probe(token, addresses)`` runs)."""
+        self._send_to(rank, {"probe": [token, addresses[:32]]})
+
+    def tell_probed(self, token: int, hows: list[str | None]) -> None:
+        """Answer the leader's probe ``token`` (its ``on_probed(rank, token, hows)`` runs)."""
+        self._send_to(0, {"probed": [token, hows[:32]]})
+
+    def _send_to(self, rank: int, body: dict[str, object]) -> None:
+        addr = self._peers.get(rank)
+        if addr is not None:
+            with contextlib.suppress(OSError):  # lost: the probe is dropped without an outcome
+                self._sock.sendto(json.dumps({"r": self.rank, **body}).encode(), addr)
 
     def transfers(self) -> dict[int, dict[str, Any] | None]:
         """Each follower's latest relayed transfer (by local rank), of those heard within
@@ -262,3 +303,11 @@ class IslandWatch:
         if abort and self._on_abort is not None:
             epoch, rnd, reason = abort
             self._on_abort(int(epoch), int(rnd), str(reason))
+        try:
+            if (ask := msg.get("probe")) and self._on_probe is not None and r == 0:
+                self._on_probe(int(ask[0]), [str(a) for a in ask[1]])
+            if (got := msg.get("probed")) and self._on_probed is not None and self.rank == 0:
+                hows = [None if h is None else str(h) for h in got[1]]
+                self._on_probed(r, int(got[0]), hows)
+        except (ValueError, TypeError, IndexError):
+            return  # malformed: that probe gets no outcome

@@ -129,6 +129,11 @@ class PeerReach:
         with self._lock:
             self._outcomes.append(out)
 
+    def add_outcome(self, outcome: dict[str, Any]) -> None:
+        """An outcome made elsewhere (an island's rank-to-rank probe) for the next heartbeat."""
+        with self._lock:
+            self._outcomes.append(outcome)
+
     def take_outcomes(self) -> list[dict[str, Any]]:
         """The probe outcomes since the last call (for a heartbeat's ``probes``)."""
         with self._lock:

@@ -24,7 +24,7 @@ is not held for the members left out.
 
 from __future__ import annotations
 
-from isthmus.coordinator.isolation import sit_out
+from isthmus.coordinator.isolation import plan_reach, sit_out
 from isthmus.coordinator.parity import canonical, repairs
 from isthmus.coordinator.peers import PeerState
 from isthmus.coordinator.phase import Phase, Round
@@ -231,8 +231,7 @@ def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: 
         expected=expected,
         new_epoch=new_epoch,
         stale=stale,
-        reach={str(pid): a for pid in members if (a := s.peers[pid].probe_address) is not None}
-        or None,
+        reach=plan_reach(s, members) or None,
     )
     nonces = {pid: s.peers[pid].ready_nonce or "" for pid in members}
     s.phase.to(Phase.RUNNING, Round(plan, now, nonces))

@@ -10,7 +10,9 @@ of a :class:`~.state.RunState`; pure like it (times are passed in).
   ``wait`` with the reason (``isolated: cannot reach peer2 at 10.0.0.4:41234 (refused)``), and
   ``/v1/status``, the events (``isolated``, ``readmitted``) and the counters show it.
 * While a pair is down, the kept end (the more senior one when both are kept or both out) is
-  pushed a ``probe`` of the other's probe listener every ``PartitionConfig.probe_every_s``.
+  pushed a ``probe`` of the other's probe listener every ``PartitionConfig.probe_every_s``;
+  between two islands that sent their ranks' listeners (``info.island.probes``) the push
+  carries the other island's, and the island probes rank to rank (``comm/island_probe.py``).
 * When the pair is up again the member is kept in the next round; it joins as a peer that missed
   commits and is resynced like any stale peer.
 """
@@ -25,11 +27,54 @@ from isthmus.coordinator.protocol import ProbeOutcome, ProbePush, Unreached
 from isthmus.coordinator.state import RunState
 from isthmus.coordinator.wire import encode
 
-__all__ = ["NO_ADDRESS", "ask_probes", "probed", "seniority", "sit_out", "stalled", "unreached"]
+__all__ = [
+    "NO_ADDRESS",
+    "ask_probes",
+    "plan_reach",
+    "probed",
+    "rank_listeners",
+    "seniority",
+    "sit_out",
+    "stalled",
+    "unreached",
+]
 
 NO_ADDRESS = "no known address"
 """Where a pair's reason (``isolated: cannot reach peer1 at ...``) says the member was not
 reached when the coordinator knows no probe listener of it."""
+
+
+def rank_listeners(p: Peer) -> tuple[str, ...] | None:
+    """The probe listener of every local rank of island ``p`` (``info.island.probes``, rank 0
+    first), or None: not an island, an island of an earlier release, or a list that is not one
+    well-formed ``host:port`` per rank (it would break every plan that carried it)."""
+    island = p.info.get("island")
+    if not isinstance(island, dict):
+        return None
+    probes, size = island.get("probes"), island.get("size")
+    if not isinstance(probes, list) or not isinstance(size, int) or len(probes) != size:
+        return None
+    for a in probes:
+        if not isinstance(a, str):
+            return None
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or len(a) > 300:
+            return None
+    return tuple(probes)
+
+
+def plan_reach(s: RunState, members: Iterable[int]) -> dict[str, str]:
+    """A round plan's ``reach``: each member's probe listener under its peer id, and an
+    island's followers' under ``<peer id>.<local rank>``."""
+    out: dict[str, str] = {}
+    for pid in members:
+        p = s.peers[pid]
+        if (a := p.probe_address) is not None:
+            out[str(pid)] = a
+        for r, a in enumerate(rank_listeners(p) or ()):
+            if r:
+                out[f"{pid}.{r}"] = a
+    return out
 
 
 def unreached(s: RunState, reporter: Peer, entries: Iterable[Unreached], now: float) -> None:
@@ -138,7 +183,10 @@ def ask_probes(s: RunState, now: float) -> None:
     """Queue a ``probe`` push for each down pair due one (at most one per pair every
     ``probe_every_s``): to the kept end, of the other end's probe listener, or the other way
     round where only the kept end has a listener (a probe connects either way; with neither, the
-    pair waits for its trial, ``PartitionConfig.trial_after_s``)."""
+    pair waits for its trial, ``PartitionConfig.trial_after_s``). Between two islands that both
+    sent their ranks' listeners (:func:`rank_listeners`) the push carries the target's, so
+    that the prober checks the paths between its ranks and the target's, not only the
+    leaders'."""
     if s.reach.empty:
         return  # no pair is down: nothing to probe (and no need to list the peers)
     every = s.config.partition.probe_every_s
@@ -158,5 +206,6 @@ def ask_probes(s: RunState, now: float) -> None:
         if address is None or prober.state is not PeerState.ACTIVE:
             continue
         s.probe_asked[(a, b)] = now
-        msg = encode(ProbePush(peer=target.id, address=address))
+        ranks = rank_listeners(target) if rank_listeners(prober) is not None else None
+        msg = encode(ProbePush(peer=target.id, address=address, ranks=ranks))
         s.record.push((prober.id,), msg)

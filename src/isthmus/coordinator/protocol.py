@@ -151,7 +151,8 @@ class RoundPlan:
     reach: dict[str, str] | None = None
     """Each member's probe listener (peer id as text -> ``host:port``), for members that sent
     one: a member whose group cannot connect probes the others there to name who it cannot
-    reach. None from a coordinator that sends none."""
+    reach; an island's follower's under ``<peer id>.<local rank>`` (keys that are not numbers
+    are skipped by readers that know only members). None from a coordinator that sends none."""
 
     def rank_of(self, peer_id: int) -> int:
         return self.members.index(peer_id)
@@ -545,10 +546,13 @@ class EvictedPush(Push):
 @dataclass(frozen=True)
 class ProbePush(Push):
     """Probe member ``peer`` at ``address`` (its probe listener) and report the outcome on the
-    next heartbeat (``info["probes"]``, a list of :class:`ProbeOutcome`)."""
+    next heartbeat (``info["probes"]``, a list of :class:`ProbeOutcome`). ``ranks``: when both
+    ends are islands that sent their ranks' listeners, the other island's, by local rank: the
+    island probes rank to rank the paths its groups would take, and reports one outcome."""
 
     peer: int = -1
     address: str = ""
+    ranks: tuple[str, ...] | None = None
     __wire_tag_value__: ClassVar[str] = "probe"
 
 
