@@ -5,7 +5,11 @@ island1's follower is dropped, while both leaders, and both followers' ties to t
 and to their own leaders, stay clean. The round aborts within seconds naming the pair of
 islands (``stalled``: a follower's connection went silent past ``stall_s``, whether its data
 was still in flight or already handed to its kernel), the pair is marked down, and the run
-goes on: the next rounds commit with one island while the other sits out, told why.
+goes on: the next rounds commit with one island while the other sits out, told why. Probes of
+the pair go rank to rank (every ``probe_every_s``, 3 s here): while the cut holds the
+followers' probe fails, so the pair stays down and no round of both is formed (no attempt
+hangs in the followers' connect bound); once the drop rules are removed the next probe
+connects on every path and the island is taken back and commits with the other.
 
 Each island lives in a namespace of its own (one node of :class:`~isthmus.lab.wan.WanNetwork`);
 its follower binds its cross-island group to a second address of that node
@@ -146,6 +150,15 @@ def _cut_followers(net: WanNetwork) -> None:
     )
 
 
+def _heal(net: WanNetwork) -> None:
+    subprocess.run(
+        ["ip", "netns", "exec", net.node(0).netns, "nft", "delete", "table", "inet", "cut"],
+        check=True,
+        capture_output=True,
+        timeout=20,
+    )
+
+
 def _wait_for(
     coord: Coordinator,
     procs: list[subprocess.Popen[Any]],
@@ -178,9 +191,8 @@ def test_a_cut_between_two_islands_followers_aborts_naming_them_and_the_run_goes
     membership = MembershipConfig(
         start_peers=2,
         heartbeat_timeout=3.0,
-        # probes go leader to leader, whose link is clean: one connects at once and the pair
-        # is tried again; this test looks at the rounds before that
-        partition=PartitionConfig(probe_every_s=120.0),
+        # probes go rank to rank: the followers' path is probed every 3 s
+        partition=PartitionConfig(probe_every_s=3.0),
     )
     procs: list[subprocess.Popen[Any]] = []
     with WanNetwork(2, prefix=prefix) as net:
@@ -223,9 +235,14 @@ def test_a_cut_between_two_islands_followers_aborts_naming_them_and_the_run_goes
             pairs = {(e["name"], e["remote_name"]) for e in named}
             assert pairs <= {NAMES, NAMES[::-1]}, named
             assert all(e["how"] == "stalled" for e in named), named
-            # the address named is the other island's probe listener, on its leader's address
+            # the address named is the other island's probe listener: its follower's (a rank's
+            # failure names the rank it could not reach), or its leader's (the coordinator's
+            # rule for data handed over names the member)
             ips = {NAMES[i]: net.node(i).ip for i in (0, 1)}
-            assert all(e["address"].startswith(ips[e["remote_name"]] + ":") for e in named), named
+            hosts = {n: (ip, _follower_ip(ip)) for n, ip in ips.items()}
+            assert all(e["address"].rpartition(":")[0] in hosts[e["remote_name"]] for e in named), (
+                named
+            )
             aborts = [e for e in coord.events() if e["kind"] == "abort" and e["t"] > t_cut]
             assert aborts, coord.events()[-20:]
             # the run goes on with one island; the other sits out, told why
@@ -248,6 +265,57 @@ def test_a_cut_between_two_islands_followers_aborts_naming_them_and_the_run_goes
                 f"ISLAND_CUT named after {named[0]['t'] - t_cut:.1f}s, aborted after "
                 f"{aborts[0]['t'] - t_cut:.1f}s ({aborts[0]['reason'][:300]}), first commit "
                 f"alone after {alone[0]['t'] - t_cut:.1f}s"
+            )
+
+            # while the cut holds, the probes (rank to rank) fail: the pair stays down through
+            # several of them, and the kept island commits on without a failed attempt
+            reach = coord.membership.reach
+            t_hold, probes_seen = coord.now(), set()
+
+            def probed_down(_ev: list[dict[str, Any]]) -> bool:
+                st = reach.pair_state(*NAMES)
+                assert st.down, "the pair was taken back while the cut holds"
+                if st.last_probe_at is not None and st.last_probe_at > t_hold:
+                    probes_seen.add(st.last_probe_at)
+                return len(probes_seen) >= 4
+
+            _wait_for(coord, procs, tmp_path, probed_down, "4 failed probes of the pair", 120)
+            evs = coord.events()
+            held = _commits(evs, t_hold, 1)
+            assert len(held) >= 2, "the kept island stopped committing while the cut held"
+            assert not _commits(evs, t_cut, 2), "a round of both over the cut"
+            assert not [e for e in evs if e["kind"] == "readmitted" and e["t"] > t_cut], evs[-20:]
+            later = [e for e in evs if e["kind"] == "abort" and e["t"] > alone[0]["t"]]
+            assert not later, f"an attempt failed while the pair was down: {later}"
+            print(
+                f"ISLAND_CUT held {coord.now() - t_hold:.1f}s: {len(probes_seen)} failed probes, "
+                f"{len(held)} commits of one island, no abort"
+            )
+
+            # the link heals: the next probe connects on every path, the island is taken back
+            t_heal = coord.now()
+            _heal(net)
+            back = _wait_for(
+                coord,
+                procs,
+                tmp_path,
+                lambda ev: [e for e in ev if e["kind"] == "readmitted" and e["t"] > t_heal],
+                "the island taken back",
+                120,
+            )
+            assert back[0]["name"] == iso[0]["name"], back
+            both = _wait_for(
+                coord,
+                procs,
+                tmp_path,
+                lambda ev: _commits(ev, t_heal, 2),
+                "a commit of both islands after the heal",
+                180,
+            )
+            assert coord.status()["down_pairs"] == [], coord.status()["down_pairs"]
+            print(
+                f"ISLAND_CUT healed: taken back after {back[0]['t'] - t_heal:.1f}s, "
+                f"both commit after {both[0]['t'] - t_heal:.1f}s"
             )
         finally:
             for p in procs:

@@ -95,3 +95,41 @@ def test_followers_relay_their_transfer_to_the_leader() -> None:
     finally:
         for w in watches:
             w.close()
+
+
+def test_the_leader_asks_a_follower_to_probe_and_hears_its_answer() -> None:
+    bound = [bind_watch() for _ in range(2)]
+    addresses = [a for _, a in bound]
+    asked: list[tuple[int, list[str]]] = []
+    answered: list[tuple[int, int, list[str | None]]] = []
+    watches = [
+        IslandWatch(
+            r,
+            sock,
+            addresses,
+            interval=0.05,
+            timeout=5.0,
+            on_lost=lambda ranks: None,
+            on_probe=lambda t, a: asked.append((t, a)),
+            on_probed=lambda r, t, h: answered.append((r, t, h)),
+        )
+        for r, (sock, _) in enumerate(bound)
+    ]
+    try:
+        watches[0].tell_probe(1, 7, ["10.0.0.13:4101"])
+        deadline = time.monotonic() + 5.0
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked == [(7, ["10.0.0.13:4101"])]
+        watches[1].tell_probed(7, ["timed out"])
+        watches[1].tell_probed(8, [None])
+        while len(answered) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert answered == [(1, 7, ["timed out"]), (1, 8, [None])]
+        # a follower's "probe" word is not taken from anyone but the leader
+        watches[1]._send_to(0, {"probe": [9, ["10.0.0.2:4100"]]})
+        time.sleep(0.3)
+        assert len(asked) == 1
+    finally:
+        for w in watches:
+            w.close()

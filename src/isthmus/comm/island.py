@@ -157,7 +157,7 @@ class IslandSession(Session):
             info: dict[str, Any] = {"pid": os.getpid(), "host": os.uname().nodename}
             info["island"] = {"size": self.island.size}
             if all(self._listeners):  # the coordinator probes a down pair of islands rank to rank
-                info["island"]["probes"] = list(self._listeners)
+                info["rank_probes"] = list(self._listeners)
             if self.reach.address is not None:
                 info["probe"] = self.reach.address
             reply = self._client.register(self.name, info)

@@ -11,7 +11,7 @@ of a :class:`~.state.RunState`; pure like it (times are passed in).
   ``/v1/status``, the events (``isolated``, ``readmitted``) and the counters show it.
 * While a pair is down, the kept end (the more senior one when both are kept or both out) is
   pushed a ``probe`` of the other's probe listener every ``PartitionConfig.probe_every_s``;
-  between two islands that sent their ranks' listeners (``info.island.probes``) the push
+  between two islands that sent their ranks' listeners (``info.rank_probes``) the push
   carries the other island's, and the island probes rank to rank (``comm/island_probe.py``).
 * When the pair is up again the member is kept in the next round; it joins as a peer that missed
   commits and is resynced like any stale peer.
@@ -45,13 +45,13 @@ reached when the coordinator knows no probe listener of it."""
 
 
 def rank_listeners(p: Peer) -> tuple[str, ...] | None:
-    """The probe listener of every local rank of island ``p`` (``info.island.probes``, rank 0
-    first), or None: not an island, an island of an earlier release, or a list that is not one
+    """The probe listener of every local rank of island ``p`` (``info.rank_probes``, sent at
+    registration, rank 0 first; heartbeats never carry the key, so it stays), or None: not an island, an island of an earlier release, or a list that is not one
     well-formed ``host:port`` per rank (it would break every plan that carried it)."""
     island = p.info.get("island")
     if not isinstance(island, dict):
         return None
-    probes, size = island.get("probes"), island.get("size")
+    probes, size = p.info.get("rank_probes"), island.get("size")
     if not isinstance(probes, list) or not isinstance(size, int) or len(probes) != size:
         return None
     for a in probes:
