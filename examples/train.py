@@ -58,6 +58,7 @@ def main() -> None:
     strategy = isthmus.DiLoCo(session, model, inner, isthmus.DiLoCoConfig(sync_every=20))
     strategy.run_steps = args.steps  # the last round begins no other
     with session:
+        strategy.join()  # the catch-up round now, not as a first step whose work is dropped
         while strategy.step_count < args.steps:
             x, y = corpus.batch(
                 step=strategy.step_count,

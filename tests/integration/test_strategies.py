@@ -26,10 +26,13 @@ from isthmus.strategies import (
     DiLoCoConfig,
     EagerConfig,
     EagerDiLoCo,
+    SparseLoCo,
+    SparseLoCoConfig,
     Strategy,
     StreamingConfig,
     StreamingDiLoCo,
 )
+from isthmus.strategies.sparseloco import SparseRound
 
 TINY = GPTConfig.tiny()
 
@@ -39,13 +42,22 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def train(
-    make: Callable[[torch.nn.Module, torch.optim.Optimizer], Strategy], corpus: Corpus, steps: int
+    make: Callable[[torch.nn.Module, torch.optim.Optimizer], Strategy],
+    corpus: Corpus,
+    steps: int,
+    *,
+    join: bool = False,
 ) -> Strategy:
-    """The loop of isthmus.job, one thread."""
+    """The loop of isthmus.job, one thread (``join``: with ``strategy.join()`` before it); the
+    strategy's ``forwards`` counts the model's forward passes."""
     torch.set_num_threads(1)
     model = GPT(TINY, seed=21)
     opt = adamw(model)
     st = make(model, opt)
+    forwards = [0]
+    model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    if join:
+        st.join()
     while st.step_count < steps:
         x, y = corpus.batch(
             step=st.step_count, rank=0, world=1, batch_size=4, block_size=TINY.block_size
@@ -54,6 +66,7 @@ def train(
         st.step()
         opt.zero_grad()
     st.finish()
+    st.forwards = forwards[0]  # type: ignore[attr-defined]
     return st
 
 
@@ -127,32 +140,67 @@ def test_streaming_one_peer_failed_inflight_fragment_changes_nothing(one_peer, c
     assert_same(state_of(failed), state_of(clean))
 
 
-def test_diloco_first_round_commits_without_reducing(one_peer, corpus, monkeypatch):
+FIRST_ROUND = {
+    "diloco": lambda s, m, o: DiLoCo(s, m, o, DiLoCoConfig(sync_every=4)),
+    # one fragment: with P > 1 the catch-up round shifts the fragment schedule (round % P)
+    # against a run without a session, which has no such round
+    "streaming": lambda s, m, o: StreamingDiLoCo(
+        s, m, o, StreamingConfig(sync_every=4, fragments=1, overlap=1)
+    ),
+    "sparseloco": lambda s, m, o: SparseLoCo(s, m, o, SparseLoCoConfig(sync_every=4)),
+    "eager": ONE_PEER["eager"],
+    "co2": ONE_PEER["co2"],
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_ROUND))
+def test_first_round_commits_without_reducing(one_peer, corpus, monkeypatch, name):
     # The run's first round (every peer's catch-up, nobody has trained) begins and commits, so
-    # joiners and parity checks keep their round, but it reduces nothing: only the two
-    # boundaries' rounds reach the reducer, and the state is the one a run without a session ends
-    # on, bit for bit.
-    cfg = DiLoCoConfig(sync_every=4)
+    # joiners and parity checks keep their round, but it reduces nothing: round 0 never reaches
+    # the reducer (nor SparseLoCo's exchange), and the state is the one a run without a session
+    # ends on, bit for bit.
+    make = FIRST_ROUND[name]
     steps = 8
-    alone = train(lambda m, o: DiLoCo(None, m, o, cfg), corpus, steps)
+    alone = train(lambda m, o: make(None, m, o), corpus, steps)
     s = one_peer()
     reduced: list[int] = []
-    start = Reducer.start
+    start, exchange = Reducer.start, SparseRound.start
 
     def counting(self: Reducer, rnd, items, **kw):  # type: ignore[no-untyped-def]
         reduced.append(rnd.number)
         return start(self, rnd, items, **kw)
 
+    def counting_exchange(self: SparseRound, rnd, contribute):  # type: ignore[no-untyped-def]
+        reduced.append(rnd.number)
+        return exchange(self, rnd, contribute)
+
     monkeypatch.setattr(Reducer, "start", counting)
-    clean = train(lambda m, o: DiLoCo(s, m, o, cfg), corpus, steps)
-    assert [(r["round"], r["outcome"]) for r in s.rounds] == [
-        (0, "committed"),
-        (1, "committed"),
-        (2, "committed"),
-    ]
-    assert reduced == [1, 2]
-    assert clean.outer_rounds == 3 and clean.step_count == steps  # type: ignore[attr-defined]
+    monkeypatch.setattr(SparseRound, "start", counting_exchange)
+    clean = train(lambda m, o: make(s, m, o), corpus, steps)
+    rounds = [(r["round"], r["outcome"]) for r in s.rounds]
+    assert rounds[0] == (0, "committed") and all(o == "committed" for _, o in rounds), rounds
+    assert reduced == [r for r, _ in rounds[1:]], (reduced, rounds)
+    assert clean.step_count == steps
     assert_same(state_of(clean), state_of(alone))
+
+
+@pytest.mark.parametrize("name", ["diloco", "streaming", "eager"])
+def test_join_runs_the_catch_up_round_before_the_first_forward_pass(one_peer, corpus, name):
+    # join() runs the catch-up round that the first step() would have been: no forward and
+    # backward pass is thrown away (steps passes in all, one more without it) and the state ends
+    # bit for bit where the loop without join() ends, and where a run without a session ends.
+    make = FIRST_ROUND[name]
+    steps = 8
+    alone = train(lambda m, o: make(None, m, o), corpus, steps)
+    s1, s2 = one_peer(), one_peer()
+    late = train(lambda m, o: make(s1, m, o), corpus, steps)
+    early = train(lambda m, o: make(s2, m, o), corpus, steps, join=True)
+    assert late.forwards == steps + 1 and early.forwards == steps  # type: ignore[attr-defined]
+    assert [r["round"] for r in s1.rounds] == [r["round"] for r in s2.rounds]
+    assert_same(state_of(early), state_of(late))
+    assert_same(state_of(early), state_of(alone))
+    early.join()  # a peer that joined already: nothing happens
+    assert [r["round"] for r in s2.rounds] == [r["round"] for r in s1.rounds]
 
 
 # -- several peers: kill during an in-flight reduction, join while one is in flight ------------

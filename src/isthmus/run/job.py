@@ -305,6 +305,9 @@ def run_job(job: PeerJob) -> PeerResult:
     t0 = time.monotonic()
     ev = run.eval
     try:
+        # the catch-up round of the DiLoCo family and gossip, before the first forward pass
+        # (else the first step would be that round, its forward and backward pass thrown away)
+        strategy.join()
         while strategy.step_count < run.steps:
             step = strategy.step_count
             x, y = corpus.batch(
@@ -319,6 +322,7 @@ def run_job(job: PeerJob) -> PeerResult:
             if flip is not None and step >= me.attack_from_step:
                 y = flip(y)
             extra: dict[str, Any] = {}
+            before = strategy.step_count
             revision, began = session.revision, time.monotonic()
             timing: dict[str, Any] = {}  # this step's work and sync seconds (stragglers)
             if getattr(strategy, "takes_batch_fn", False):
@@ -376,7 +380,10 @@ def run_job(job: PeerJob) -> PeerResult:
                 "bytes_sent": session.stats.bytes_sent,
                 **extra,
             }
-            if ev.eval_every and strategy.step_count % ev.eval_every == 0:
+            # an eval after every eval_every steps trained, not after a step that trained
+            # nothing (an aborted round's, a catch-up round's), which would repeat the last one
+            advanced = strategy.step_count != before
+            if ev.eval_every and advanced and strategy.step_count % ev.eval_every == 0:
                 record["eval_loss"] = evaluate(
                     model, corpus, batch_size=run.data.batch_size, n_batches=ev.eval_batches
                 )

@@ -31,9 +31,10 @@ exact values, all of them in every fragment's round); **decoupled_momentum** (De
 (averaged every step over the peers present). In mixed
 precision the DiLoCo family keeps fp32 global state (theta, the outer optimizer, the buffers'
 copy) for bf16/fp16 tensors and casts it into the model; fp32 models are unchanged bit for bit.
-A catch-up round (the first step of the DiLoCo family and gossip with a session) drops its
-forward pass's statistics with its gradient, so with one peer every strategy equals its run
-without a session bit for bit, buffers included.
+A catch-up round (the first step of the DiLoCo family and gossip with a session, unless
+``strategy.join()`` ran it before the first forward pass) drops its forward pass's statistics
+with its gradient, so with one peer every strategy equals its run without a session bit for
+bit, buffers included.
 
 To add a strategy: write one module (or folder) here with a subclass of :class:`PhasedStrategy`
 when it trains in phases (it then implements ``catch_up`` and ``boundary`` and keeps only its own

@@ -2,7 +2,7 @@
 
 A strategy wraps the user's model and optimizer. The user's loop stays a normal torch loop::
 
-    loss = model(x, y)[1]
+    loss = model(x, y)[1]    # (before the first: strategy.join(), optional)
     loss.backward()
     strategy.step()          # instead of optimizer.step()
     optimizer.zero_grad()
@@ -408,6 +408,15 @@ class Strategy(ABC):
         settled here too, its vote sent without a begin; if it aborted, the state is back where
         it was and :attr:`step_count` below ``run_steps``, so the loop runs the step again."""
         self._step(*args, **kwargs)
+        self._after_step()
+
+    def join(self) -> None:  # noqa: B027 (optional hook, empty by default)
+        """The catch-up round before the first forward pass, where a strategy's first step would
+        be one (:meth:`PhasedStrategy.join <isthmus.strategies.phased.PhasedStrategy.join>`);
+        nothing here: the first step trains."""
+
+    def _after_step(self) -> None:
+        """What follows a step, and a catch-up round run by :meth:`join` (see :meth:`step`)."""
         self.let_go_gathered()
         s = self.session
         pending = getattr(s, "pending_revision", None)  # None too for sessions without it

@@ -19,7 +19,7 @@ from isthmus.reduce.compress.compressor import all_finite
 from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.model_state import SharedBuffers, as_started, load_tensors
 from isthmus.strategies.outer_home import LocalView, OuterHome
-from isthmus.strategies.phased import PhasedStrategy
+from isthmus.strategies.phased import PhasedStrategy, nobody_trained
 from isthmus.strategies.pipeline import Flight, Planned, RoundPipeline, SteadyOverlap
 from isthmus.strategies.sharded import island_snapshot
 
@@ -160,6 +160,8 @@ class DelayedOuter(PhasedStrategy):
                 exact=buffers.flat(snap) if buffers else None,
                 tag=int(self.global_step) + h,
                 placements=self.placements,
+                # the run's first round is every member's catch-up: nobody sends anything
+                idle=rnd is not None and nobody_trained(rnd),
             )
 
         flight = self.pipeline.issue(build)

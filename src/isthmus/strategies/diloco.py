@@ -18,11 +18,12 @@ outer gradients again; their H inner steps of local progress are kept (the outer
 recomputed from the unchanged local parameters). A resynced peer contributes nothing to that
 round (its local parameters did not start from theta) and restarts from the new theta.
 
-Joining: a peer's first ``step()`` is a catch-up round before any inner step (that call's
-gradient is dropped). A joiner thus waits for the members' next outer round, receives theta, and
+Joining: a peer's first round is a catch-up round before any inner step, run by
+:meth:`~isthmus.strategies.base.Strategy.join` before the first forward pass, or else by the
+first ``step()`` (whose gradient is then dropped). A joiner thus waits for the members' next outer round, receives theta, and
 starts from it instead of training from its own initialization. At the start of a run this first
 round is the parity check of the initial states (and a joiner's repair); nobody has trained, so it
-reduces nothing (:func:`nobody_trained`) and leaves theta as it is. The
+reduces nothing (:func:`~isthmus.strategies.phased.nobody_trained`) and leaves theta as it is. The
 step counter advances by the mean of the contributors' inner-step counts, which rides in the
 same all-reduce, so every peer agrees on it.
 
@@ -62,7 +63,7 @@ from isthmus.reduce.reducer import Reduced
 from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.model_state import SharedBuffers, as_started
 from isthmus.strategies.outer_home import OuterDevice, OuterHome, check_outer_device
-from isthmus.strategies.phased import PhasedStrategy
+from isthmus.strategies.phased import PhasedStrategy, nobody_trained
 from isthmus.strategies.sharded import island_snapshot, island_vote, start_reduction
 
 __all__ = ["DiLoCo", "DiLoCoConfig"]
@@ -115,19 +116,6 @@ class DiLoCoConfig:
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         check_outer_device(self.outer_state_device)
-
-
-def nobody_trained(rnd: Round) -> bool:
-    """Whether no member of ``rnd`` can have local work to contribute, decided from the round's
-    plan alone so that every member decides the same: the run's first round. No round has
-    committed yet, so every member's ``step()`` so far was its catch-up round, with nothing
-    trained (a peer resumed with its local state is at its checkpoint's revision, never at
-    round 0; a member that trained on the tentative result of an aborted first round is void
-    and would contribute nothing either). Such a round still begins and commits (a joiner's
-    repair, the parity check of the initial states, a checkpoint of its revision), but its
-    reduction would carry only zeros and leave theta, the outer momentum and the buffers as
-    they are, so it is not run."""
-    return rnd.number == 0
 
 
 class DiLoCo(PhasedStrategy):

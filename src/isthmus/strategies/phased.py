@@ -6,18 +6,22 @@ loop; :class:`PhasedStrategy` owns it once, and each strategy says only what its
     step():  check faults
              re-issue the round a loaded checkpoint caught in flight    (reissue)
              first step with a session: catch up with the run, drop this step's gradient
-                                                                        (catch_up)
+                                           (catch_up; or before it, by join())
              otherwise: one inner step                                  (inner_step)
                         a boundary if the phase is over                 (boundary_due, boundary)
     finish(): the last round of a peer that joined                      (final_round)
 
-**Catch-up.** A peer's first ``step()`` with a session is a round before any inner step: a
-joiner receives the run's state there instead of training from its own initialization, and at
-the start of a run that round doubles as the parity check of the initial states. That call's
-gradient is dropped, and so is what its forward pass added to the model's buffers
-(:meth:`~isthmus.strategies.base.Strategy.drop_catch_up_forward`), so a one-peer run equals its
-run without a session bit for bit. Without a session there is nobody to catch up with: the
-first step trains.
+**Catch-up.** A peer's first round with a session comes before any inner step: a joiner
+receives the run's state there instead of training from its own initialization, and at the
+start of a run that round doubles as the parity check of the initial states. A loop that calls
+:meth:`~isthmus.strategies.base.Strategy.join` before its first forward pass runs it there;
+otherwise it is the first ``step()``, whose gradient is then dropped, and so is what its
+forward pass added to the model's buffers
+(:meth:`~isthmus.strategies.base.Strategy.drop_catch_up_forward`): one forward and backward
+pass spent for nothing, the same round and the same bits either way. A one-peer run equals
+its run without a session bit for bit. Without a session there is nobody to catch up with: the
+first step trains. At the start of a run nobody has trained, and the first round reduces
+nothing (:func:`nobody_trained`), decided alike by every member.
 
 **Counters.** ``since`` counts the inner steps since the phase began and ``outer_rounds`` the
 rounds applied; :attr:`step_count` is the shared step counter (advanced at boundaries) plus
@@ -40,9 +44,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from isthmus.comm.session import Round
 from isthmus.strategies.base import Strategy
 
-__all__ = ["PhasedStrategy"]
+__all__ = ["PhasedStrategy", "nobody_trained"]
+
+
+def nobody_trained(rnd: Round) -> bool:
+    """Whether no member of ``rnd`` can have local work to contribute, decided from the round's
+    plan alone so that every member decides the same: the run's first round. No round has
+    committed yet, so every member's first round is its catch-up round, before any inner step
+    (a peer resumed with its local state is at its checkpoint's revision, never at round 0; a
+    member that trained on the tentative result of an aborted first round is void and would
+    contribute nothing either). Such a round still begins and commits (a joiner's repair, the
+    parity check of the initial states, a checkpoint of its revision), but its reduction would
+    carry only zeros and give the result of nobody's work (None: theta, the outer state and the
+    buffers' global copy stay as they are), so a strategy for which that holds does not run it."""
+    return rnd.number == 0
 
 
 class PhasedStrategy(Strategy):
@@ -90,6 +108,24 @@ class PhasedStrategy(Strategy):
         self.since += 1
         if self.boundary_due():
             self.boundary()
+
+    def join(self) -> None:
+        """Run the catch-up round that this peer's first ``step()`` would be, now, before the
+        first forward pass, so that no forward and backward pass is spent on a step whose
+        gradient is dropped: the same round with the same bits, followed by what follows a
+        step (a pipelined round's vote, a checkpoint due); the next ``step()`` trains.
+        Optional: a loop without it catches up at its first ``step()``. Does nothing without a
+        session and for a peer that joined already (a second call, a peer loaded with its local
+        state, a call after the first step). Raises what the round raises (see
+        :meth:`Session.run_round <isthmus.comm.session.Session.run_round>`)."""
+        if self.joined:
+            return
+        self.check_faults("step")  # as the first step would, before its catch-up round
+        self.joined = True
+        # no forward pass ran for this round: nothing to take back from the buffers
+        self._built_buffers = []
+        self.catch_up()
+        self._after_step()
 
     def inner_step(self, *args: Any, **kwargs: Any) -> bool:
         """One step on this peer alone (default: the user's optimizer steps); False when the

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -99,6 +100,10 @@ class Planned:
     placements: list[Placement | None] | None = None
     """On a rank of an island: each item's placement in its full tensor (None: held whole), so
     that the reduction goes by shard (:func:`~isthmus.strategies.sharded.start_reduction`)."""
+    idle: bool = False
+    """Nobody in the round can contribute, decided alike by every member from the round's plan
+    (:func:`~isthmus.strategies.phased.nobody_trained`): no collective runs and the result is
+    None, what a reduction of nobody's work gives. The round still begins and commits."""
 
 
 Build = Callable[[Round | None], Planned]
@@ -233,6 +238,11 @@ class RoundPipeline:
         return self._retry(f, error or "the round did not commit")
 
     def _start(self, rnd: Round, plan: Planned) -> PendingMean:
+        if plan.idle:
+            plan.contribute = False
+            done: Future[Reduced | None] = Future()
+            done.set_result(None)
+            return PendingMean(done)
         if plan.exchange is not None:
             return plan.exchange.start(rnd, plan.contribute)
         # an island decides as one, and the strategy reads the decision from the plan

@@ -78,7 +78,7 @@ from isthmus.strategies.base import outer_sgd, register_optimizer
 from isthmus.strategies.diloco import DiLoCoConfig
 from isthmus.strategies.model_state import SharedBuffers, as_started
 from isthmus.strategies.outer_home import OuterHome
-from isthmus.strategies.phased import PhasedStrategy
+from isthmus.strategies.phased import PhasedStrategy, nobody_trained
 from isthmus.strategies.pipeline import Planned, RoundPipeline, SteadyOverlap
 from isthmus.strategies.sharded import island_snapshot
 from isthmus.strategies.streaming.math import (
@@ -204,7 +204,7 @@ class StreamingDiLoCo(PhasedStrategy):
 
     def catch_up(self) -> None:
         """A blocking round: a joiner receives theta and the members' step; at the start of a
-        run it syncs fragment 0's zero outer gradient, exactly like DiLoCo."""
+        run it is fragment 0's round and reduces nothing, exactly like DiLoCo's."""
         self._issue(self.step_count, catch_up=True)
         self._settle()
         self.steady.mark_start()  # the catch-up round blocks by design
@@ -264,6 +264,9 @@ class StreamingDiLoCo(PhasedStrategy):
                 ),
                 tag=_Sync(frag, apply_step, base, tuple(snap) if ok else None),
                 placements=[self.placements[i] for i in idx],
+                # the run's first round: every member is in its catch-up round (no fragment's
+                # outer gradient, no outer momentum step, no error feedback to carry)
+                idle=rnd is not None and nobody_trained(rnd),
             )
             return self._planned(frag, plan)
 
