@@ -7,8 +7,6 @@ point and go on together, ending identical at one revision."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from collections import Counter
 from pathlib import Path
@@ -18,7 +16,7 @@ import torch
 from isthmus.checkpoint import CheckpointStore, read_manifest
 from isthmus.checkpoint.inspect import templates
 from isthmus.checkpoint.load import load_shared
-from isthmus.cli import main as cli_main
+from support.cli import run_cli
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_ckpt_peer.py"
 
@@ -27,20 +25,15 @@ def _run(tmp: Path, name: str, *args: str, script: tuple[str, ...]) -> tuple[int
     out = tmp / f"{name}-out"
     out.mkdir()
     run_dir = tmp / name
-    # `isthmus run` in this process (its command line, parsed and run as the console script
-    # runs it): the launcher and the fork server it forks the islands from need no fresh
-    # interpreter of their own, and this process has torch imported already.
-    # A 10 s heartbeat bound (an island's ranks watch each other with the same bound): the
+    # a 10 s heartbeat bound (an island's ranks watch each other with the same bound): the
     # ranks die by SIGKILL or exit here, and under make test's load a live rank of an island of
     # four was once silent for 3 s, so its island left a run that tests checkpoints, not that
-    said = io.StringIO()
-    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-        code = cli_main(
-            ["run", "--no-progress", "--quiet", "--heartbeat-timeout", "10",
-             "--run-dir", str(run_dir), *args, str(SCRIPT), "--out", str(out), *script]
-        )  # fmt: skip
+    code, said = run_cli(
+        "run", "--no-progress", "--quiet", "--heartbeat-timeout", "10",
+        "--run-dir", str(run_dir), *args, str(SCRIPT), "--out", str(out), *script,
+    )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
-    return code, out, said.getvalue() + logs
+    return code, out, said + logs
 
 
 def _used(out: Path, before: int | None = None) -> list[tuple[int, int]]:
