@@ -41,7 +41,7 @@ pytestmark = pytest.mark.root
 
 TOKEN = "partition-test-token"
 CLONE_NEWNET = 0x40000000
-NETNS_JOB = Path(__file__).resolve().parent / "scripts" / "netns_job.py"
+NETNS_EXEC = Path(__file__).resolve().parent / "scripts" / "netns_exec.py"
 
 
 def _start_coordinator_in(netns: str, config: CoordinatorConfig) -> Coordinator:
@@ -132,7 +132,14 @@ class Run:
         # rather than a fresh interpreter under `ip netns exec`: four fresh peers cost seconds
         # of CPU each before the first round, on a machine running other tests beside this one
         self.procs[name] = forkserver.popen(
-            [sys.executable, str(NETNS_JOB), self.net.node(i).netns, str(path)],
+            [
+                sys.executable,
+                str(NETNS_EXEC),
+                self.net.node(i).netns,
+                "-m",
+                "isthmus.run.job",
+                str(path),
+            ],
             env={**os.environ, **self.net.env(i), "PYTHONUNBUFFERED": "1"},
             log_path=self.out / f"{name}.log",
         )
