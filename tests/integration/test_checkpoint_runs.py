@@ -13,6 +13,7 @@ from isthmus.checkpoint import CheckpointStore, inspect, load_latest
 from isthmus.cli import main as cli_main
 from isthmus.run.builtin_run import demo_config, run_builtin
 from isthmus.run.record import Summary
+from support.cli import run_cli
 
 BASE: dict[str, Any] = {
     "model": "tiny",
@@ -138,24 +139,20 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
 def test_a_users_script_checkpoints_through_its_session_and_resumes(tmp_path: Path) -> None:
     """SessionConfig(checkpoint_dir=..., checkpoint_every=2, resume=...) in a user's own loop under
     `isthmus run`: the strategy writes the checkpoints and a second run resumes from the last."""
-    import subprocess
-    import sys
-
     script = Path(__file__).resolve().parent / "scripts" / "user_train.py"
     ck = tmp_path / "ck"
 
-    def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--run-dir",
-             str(tmp_path / name), "--peers", "2", str(script), *extra],
-            capture_output=True, text=True, timeout=240, check=False,
+    def run(name: str, *extra: str) -> tuple[int, str]:
+        return run_cli(
+            "run", "--no-progress", "--run-dir", str(tmp_path / name), "--peers", "2",
+            str(script), *extra,
         )  # fmt: skip
 
-    first = run("first", "--steps", "20", "--checkpoint-dir", str(ck))
-    assert first.returncode == 0, first.stdout + first.stderr
+    code, said = run("first", "--steps", "20", "--checkpoint-dir", str(ck))
+    assert code == 0, said
     revisions = CheckpointStore(str(ck)).revisions()
     assert revisions, "no complete checkpoint"
-    second = run("second", "--steps", "40", "--resume", str(ck))
-    assert second.returncode == 0, second.stdout + second.stderr
+    code, said = run("second", "--steps", "40", "--resume", str(ck))
+    assert code == 0, said
     logs = "".join((tmp_path / "second" / f"peer{i}.log").read_text() for i in range(2))
     assert logs.count(f"resumed from revision {revisions[-1]}") == 2, logs

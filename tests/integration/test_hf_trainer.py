@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from isthmus.checkpoint import export, inspect
+from support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer.py"
@@ -35,14 +34,13 @@ LINE = re.compile(
 """The line each peer prints last (examples/hf_trainer.py)."""
 
 
-def _isthmus_run(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _isthmus_run(run_dir: Path, *args: str) -> tuple[int, str]:
+    return run_cli(
         # a 10 s heartbeat bound: these runs test the Trainer integration, and under make test's
         # workers a peer starved of the CPU for over the 3 s default was once evicted alive
         # (eviction itself is tested in test_silent_peer and test_fault_runs)
-        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--run-dir", str(run_dir),
-         "--summary-json", str(run_dir.parent / "s.json"), "--heartbeat-timeout", "10", *args],
-        capture_output=True, text=True, timeout=300, check=False,
+        "run", "--no-progress", "--run-dir", str(run_dir),
+        "--summary-json", str(run_dir.parent / "s.json"), "--heartbeat-timeout", "10", *args,
     )  # fmt: skip
 
 
@@ -71,17 +69,17 @@ def _saved_weights_equal(saved: Path, state: dict[str, torch.Tensor]) -> None:
 
 def test_two_peers_end_with_the_same_model_and_save_it_once(tmp_path: Path) -> None:
     out = tmp_path / "model"
-    p = _isthmus_run(
+    code, said = _isthmus_run(
         tmp_path / "run", "--peers", "2", str(EXAMPLE), "--steps", "24", "--sync-every", "4",
         "--out", str(out), "--trainer-dir", str(tmp_path / "trainer"),
     )  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert code == 0, said
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["peers_final"] == 2 and s["parity_failures"] == 0, s
     # a catch-up round, then one outer round every 4 of the 24 steps
     assert s["rounds_committed"] == 7, s
     ends = _ends(tmp_path / "run")
-    assert set(ends) == {"peer0", "peer1"}, p.stdout
+    assert set(ends) == {"peer0", "peer1"}, said
     assert {e[0] for e in ends.values()} == {24}
     assert len({e[1] for e in ends.values()}) == 1, ends  # the same shared state
     assert len({e[2] for e in ends.values()}) == 1, ends  # the same model, every byte
@@ -105,7 +103,7 @@ def test_a_killed_peer_restarts_joins_and_every_row_is_used_once(tmp_path: Path)
     # five epochs of 12 global batches and more; the pace leaves the restarted peer (it imports
     # transformers afresh) the time to join well before the end
     steps = 64
-    p = _isthmus_run(
+    code, said = _isthmus_run(
         tmp_path / "run", "--peers", "2", "--max-restarts", "1", str(PEER),
         "--fault", "kill@collective:step=12", "--delay", "0.3",
         "--steps", str(steps), "--sync-every", "4", "--rows", str(ROWS),
@@ -113,7 +111,7 @@ def test_a_killed_peer_restarts_joins_and_every_row_is_used_once(tmp_path: Path)
         "--checkpoint-dir", str(ck), "--checkpoint-every", "4",
         "--trainer-dir", str(tmp_path / "trainer"),
     )  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert code == 0, said
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["restarts"] == 1 and s["exit_codes"]["peer1"] == -9, s
     assert s["exit_codes"]["peer0"] == 0 and s["exit_codes"]["peer1.1"] == 0, s
@@ -121,7 +119,7 @@ def test_a_killed_peer_restarts_joins_and_every_row_is_used_once(tmp_path: Path)
     assert s["peers_final"] == 2 and s["parity_failures"] == 0, s
 
     ends = _ends(tmp_path / "run")
-    assert set(ends) == {"peer0", "peer1.1"}, p.stdout
+    assert set(ends) == {"peer0", "peer1.1"}, said
     # the restarted peer continued from the run's state: it jumped to the run's step at its
     # catch-up round (not step 1), stopped at the run's end, and holds the same bytes
     assert ends["peer1.1"][3] > 12, ends

@@ -8,8 +8,6 @@ point and go on together, ending identical at one revision."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 from isthmus.checkpoint import CheckpointStore, read_manifest
 from isthmus.checkpoint.inspect import templates
 from isthmus.checkpoint.load import load_shared
+from support.cli import run_cli
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_ckpt_peer.py"
 
@@ -29,14 +28,12 @@ def _run(tmp: Path, name: str, *args: str, script: tuple[str, ...]) -> tuple[int
     # a 10 s heartbeat bound (an island's ranks watch each other with the same bound): the
     # ranks die by SIGKILL or exit here, and under make test's load a live rank of an island of
     # four was once silent for 3 s, so its island left a run that tests checkpoints, not that
-    p = subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
-         "--heartbeat-timeout", "10",
-         "--run-dir", str(run_dir), *args, str(SCRIPT), "--out", str(out), *script],
-        capture_output=True, text=True, timeout=300, check=False,
+    code, said = run_cli(
+        "run", "--no-progress", "--quiet", "--heartbeat-timeout", "10",
+        "--run-dir", str(run_dir), *args, str(SCRIPT), "--out", str(out), *script,
     )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
-    return p.returncode, out, p.stdout + p.stderr + logs
+    return code, out, said + logs
 
 
 def _used(out: Path, before: int | None = None) -> list[tuple[int, int]]:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import torch
 
 import isthmus
 from isthmus.testing import local_groups, run_parallel
+from support.cli import run_cli
 from support.sessions import CommittedRound, Rounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the peers' processes run one thread too
@@ -93,14 +92,13 @@ def _islands(
 ) -> dict[str, dict[str, Any]]:
     out, run_dir = tmp / "out", tmp / "run"
     out.mkdir(parents=True)
-    p = subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
-         "--run-dir", str(run_dir), "--peers", "2", "--nproc-per-peer", sizes, str(SCRIPT),
-         "--out", str(out), "--strategy", name, "--steps", str(steps), *extra],
-        capture_output=True, text=True, timeout=300, check=False,
+    code, said = run_cli(
+        "run", "--no-progress", "--quiet",
+        "--run-dir", str(run_dir), "--peers", "2", "--nproc-per-peer", sizes, str(SCRIPT),
+        "--out", str(out), "--strategy", name, "--steps", str(steps), *extra,
     )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
-    assert p.returncode == 0, p.stdout + p.stderr + logs
+    assert code == 0, said + logs
     return {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
 
 
@@ -154,16 +152,15 @@ def test_sparseloco_island_with_a_rank_killed_in_the_exchange_rejoins(tmp_path: 
     restarts, rejoins, and every rank ends on one state."""
     out, run_dir = tmp_path / "out", tmp_path / "run"
     out.mkdir()
-    p = subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
-         "--run-dir", str(run_dir), "--summary-json", str(tmp_path / "s.json"), "--peers", "2",
-         "--nproc-per-peer", "2", "--max-restarts", "1", str(SCRIPT), "--out", str(out),
-         "--strategy", "sparseloco", "--steps", "16", "--delay", "0.3",
-         "--fault", "kill@collective:step=5", "--fault-rank", "peer1.1"],
-        capture_output=True, text=True, timeout=400, check=False,
+    code, said = run_cli(
+        "run", "--no-progress", "--quiet",
+        "--run-dir", str(run_dir), "--summary-json", str(tmp_path / "s.json"), "--peers", "2",
+        "--nproc-per-peer", "2", "--max-restarts", "1", str(SCRIPT), "--out", str(out),
+        "--strategy", "sparseloco", "--steps", "16", "--delay", "0.3",
+        "--fault", "kill@collective:step=5", "--fault-rank", "peer1.1",
     )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
-    assert p.returncode == 0, p.stdout + p.stderr + logs
+    assert code == 0, said + logs
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["restarts"] == 1 and summary["rounds_aborted"] >= 1, summary
     assert summary["peers_final"] == 2 and summary["parity_failures"] == 0, summary

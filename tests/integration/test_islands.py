@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import pytest
 import torch
 
 import isthmus
+from support.cli import run_cli
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_peer.py"
 
@@ -41,17 +40,15 @@ def _run(
     out = tmp / f"{name}-out"
     out.mkdir()
     run_dir = tmp / name
-    p = subprocess.run(
-        # a 10 s heartbeat bound (the island's ranks watch each other with it): under make
-        # test's load a live rank was silent 3 s and its island left a run that tests results
-        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--quiet",
-         "--heartbeat-timeout", "10",
-         "--run-dir", str(run_dir), "--summary-json", str(run_dir / "s.json"), *args,
-         str(SCRIPT), "--out", str(out), "--strategy", strategy, *extra],
-        capture_output=True, text=True, timeout=300, check=False,
+    # a 10 s heartbeat bound (the island's ranks watch each other with it): under make
+    # test's load a live rank was silent 3 s and its island left a run that tests results
+    code, said = run_cli(
+        "run", "--no-progress", "--quiet", "--heartbeat-timeout", "10",
+        "--run-dir", str(run_dir), "--summary-json", str(run_dir / "s.json"), *args,
+        str(SCRIPT), "--out", str(out), "--strategy", strategy, *extra,
     )  # fmt: skip
     logs = "".join(f.read_text() for f in sorted(run_dir.glob("peer*.log")))
-    assert p.returncode == 0, p.stdout + p.stderr + logs
+    assert code == 0, said + logs
     records = {f.stem: torch.load(f, weights_only=False) for f in sorted(out.glob("*.pt"))}
     return json.loads((run_dir / "s.json").read_text()), records
 

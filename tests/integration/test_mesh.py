@@ -29,6 +29,8 @@ from isthmus.coordinator.server import Coordinator, CoordinatorConfig
 from isthmus.lab.netns import inside_namespace
 from isthmus.lab.scenario import parse_scenario
 from isthmus.lab.wan import WanNetwork
+from isthmus.run import forkserver
+from isthmus.run.forkserver import PeerProcess
 from isthmus.run.lab_run import LabOptions, run_lab
 
 MISSING = [t for t in ("wireguard-go", "tcpdump", "nft", "wg") if shutil.which(t) is None]
@@ -36,6 +38,7 @@ needs_tools = pytest.mark.skipif(
     bool(MISSING), reason=f"needs {', '.join(MISSING)} (tools/test_deps.sh installs them)"
 )
 SCRIPT = Path(__file__).parent / "scripts" / "mesh_peer.py"
+NETNS_EXEC = Path(__file__).parent / "scripts" / "netns_exec.py"
 ADMIN = "mesh-test-admin-token"
 TENSOR = "49534854484d55532d54454e534f522d"  # b"ISTHMUS-TENSOR-" + "-", as hex
 CLEAR = b"ISTHMUS-CLEARTEXT-CONTROL"
@@ -68,7 +71,7 @@ def _send(net: WanNetwork, peer: int, host: str, port: int, data: bytes) -> None
 def test_mesh_hides_tensors_and_drops_a_revoked_peer(tmp_path: Path, prefix: str) -> None:
     env = {"PYTHONPATH": os.pathsep.join(sys.path)}
     stop = tmp_path / "stop"
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[PeerProcess] = []
     with WanNetwork(3, rates_mbit=100, nat=[1, 2], prefix=prefix) as net:
         membership = MembershipConfig(start_peers=3, start_timeout=60.0)
         with inside_namespace(net.coordinator.netns):
@@ -114,8 +117,16 @@ def test_mesh_hides_tensors_and_drops_a_revoked_peer(tmp_path: Path, prefix: str
                     "--stop", str(stop),
                     *(["--relay"] if i == 0 else []),
                 ]  # fmt: skip
-                log = open(tmp_path / f"peer{i}.log", "wb")  # noqa: SIM115
-                procs.append(net.popen(i, argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+                # forked from the warm server (torch imported) into the peer's namespace: a
+                # fresh interpreter under `ip netns exec` costs seconds of CPU before it joins
+                argv[1:1] = [str(NETNS_EXEC), net.peers[i].netns]
+                procs.append(
+                    forkserver.popen(
+                        argv,
+                        env={**os.environ, **net.env(i), **env},
+                        log_path=tmp_path / f"peer{i}.log",
+                    )
+                )
             logs = [tmp_path / f"peer{i}.log" for i in range(3)]
 
             def done() -> bool:

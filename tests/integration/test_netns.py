@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,8 +29,10 @@ from isthmus.lab.netns import (
 )
 from isthmus.lab.scenario import parse_scenario
 from isthmus.lab.wan import WanNetwork
+from isthmus.run import forkserver
 
 REASON = unavailable_reason()
+NETNS_EXEC = Path(__file__).resolve().parent / "scripts" / "netns_exec.py"
 
 
 def _ours(prefix: str) -> list[str]:
@@ -229,6 +232,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys, time
     from isthmus.lab.wan import WanNetwork
+from isthmus.run import forkserver
     with WanNetwork(2, rates_mbit=20, prefix=sys.argv[1]) as net:
         sleeper = net.popen(1, ["sleep", "120"])
         print(json.dumps({"names": net.namespaces, "sleeper": sleeper.pid}), flush=True)
@@ -376,7 +380,7 @@ _GLOO = textwrap.dedent(
     pg = build_process_group(store, rank, 2, timeout_s=30, interface=os.environ["GLOO_SOCKET_IFNAME"])
     t = torch.full((n,), float(rank + 1))
     pg.allreduce([t]).wait()
-    print(float(t.min()), float(t.max()), flush=True)
+    print("RESULT", float(t.min()), float(t.max()), flush=True)
     store.set(f"done{rank}", "1")
     store.wait([f"done{1 - rank}"])  # both have their result before either leaves
     # rank 0 hosts the store: it leaves only after rank 1's last wait has been answered (it
@@ -394,24 +398,36 @@ _GLOO = textwrap.dedent(
 
 
 @pytest.mark.root
-def test_gloo_all_reduce_across_namespaces_and_counters_match_its_volume(prefix: str) -> None:
+def test_gloo_all_reduce_across_namespaces_and_counters_match_its_volume(
+    prefix: str, tmp_path: Path
+) -> None:
     n = 1 << 20  # 4 MiB of float32
+    script = tmp_path / "gloo_rank.py"
+    script.write_text(_GLOO)
     with WanNetwork(2, rates_mbit=200, prefix=prefix) as net:
         host = net.peers[0].ip
         before = net.counters()
+        # each rank forked from the warm server (torch imported) into its node's namespace,
+        # not a fresh interpreter under `ip netns exec`
+        logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+
+        def args(r: int) -> list[str]:
+            return [str(r), host, str(n)]
+
         procs = [
-            net.popen(
-                r,
-                [sys.executable, "-c", _GLOO, str(r), host, str(n)],
-                stdout=subprocess.PIPE,
-                text=True,
+            forkserver.popen(
+                [sys.executable, str(NETNS_EXEC), net.peers[r].netns, str(script), *args(r)],
+                env={**os.environ, **net.env(r)},
+                log_path=logs[r],
             )
             for r in range(2)
         ]
-        outs = [p.communicate(timeout=60)[0] for p in procs]
+        codes = [p.wait(60) for p in procs]
         after = net.counters()
-    assert [p.returncode for p in procs] == [0, 0]
-    assert [o.split() for o in outs] == [["3.0", "3.0"], ["3.0", "3.0"]]
+    outs = [f.read_text() for f in logs]
+    assert codes == [0, 0], outs
+    results = [[ln.split()[1:] for ln in o.splitlines() if ln.startswith("RESULT ")] for o in outs]
+    assert results == [[["3.0", "3.0"]], [["3.0", "3.0"]]], outs
     # ring all-reduce, 2 ranks: each sends 2(n-1)/n = 1x the buffer; the interfaces carry that
     # plus headers, acknowledgements and the store's rendezvous traffic
     for r in range(2):

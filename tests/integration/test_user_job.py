@@ -5,14 +5,13 @@ aborted round, and the Hugging Face example end to end (save_pretrained loads ba
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from isthmus.data import TokenDataset, prepare
+from support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -26,13 +25,10 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _isthmus_run(
-    run_dir: Path, *args: str, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "isthmus.cli", "run", "--no-progress", "--run-dir", str(run_dir),
-         "--summary-json", str(run_dir / "s.json"), *args],
-        capture_output=True, text=True, timeout=timeout, check=False,
+def _isthmus_run(run_dir: Path, *args: str) -> tuple[int, str]:
+    return run_cli(
+        "run", "--no-progress", "--run-dir", str(run_dir),
+        "--summary-json", str(run_dir / "s.json"), *args,
     )  # fmt: skip
 
 
@@ -52,13 +48,13 @@ def test_every_sample_is_used_once_across_a_kill_an_abort_and_a_join(
     prepare([SCRIPTS / "sampled_train.py"], small, progress=False)
     n = len(TokenDataset(small, 16, split="train"))
     steps = -(-n // 12) + 8
-    p = _isthmus_run(
+    code, said = _isthmus_run(
         tmp_path / "run", "--peers", "3", "--max-restarts", "1",
         str(SCRIPTS / "sampled_train.py"), "--data", str(small), "--steps", str(steps),
         "--used-dir", str(used_dir), "--fault", "kill@collective:step=5", "--delay", "0.2",
         "--short-delay", "1",
     )  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert code == 0, said
     s = json.loads((tmp_path / "run" / "s.json").read_text())
     assert s["restarts"] == 1 and s["exit_codes"]["peer1"] == -9, s
     assert s["rounds_aborted"] >= 1 and s["peers_final"] == 3 and s["parity_failures"] == 0, s
@@ -79,11 +75,11 @@ def test_every_sample_is_used_once_across_a_kill_an_abort_and_a_join(
 def test_the_hugging_face_example_on_two_peers(tokens: Path, tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the Hugging Face example needs transformers")
     out = tmp_path / "model"
-    p = _isthmus_run(
+    code, said = _isthmus_run(
         tmp_path / "run", "--peers", "2", str(ROOT / "examples" / "hf_causal_lm.py"),
         "--data", str(tokens), "--steps", "40", "--sync-every", "10", "--out", str(out),
     )  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert code == 0, said
     s = json.loads((tmp_path / "run" / "s.json").read_text())
     assert s["peers_final"] == 2 and s["parity_failures"] == 0, s
     import torch
