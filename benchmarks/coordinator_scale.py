@@ -209,7 +209,12 @@ def client_main(
                 elif cmd == "go":
                     break
             deadline = time.monotonic() + limit_s
+            beats_before = sum(p.heartbeats for p in peers)
             await asyncio.gather(*(p.run_until(rounds, deadline) for p in peers))
+            beats = (
+                sum(p.heartbeats for p in peers) - beats_before,
+                sum(getattr(p, "infos_in_begins", 0) for p in peers),
+            )
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
             framed = sum(p.frames_sent for p in peers)
@@ -218,7 +223,7 @@ def client_main(
                 for k, v in p.failure_kinds.items():
                     kinds[k] = kinds.get(k, 0) + v
             rounds_of = [[vars(r) for r in p.rounds] for p in peers]
-            conn.send(("rounds", (rounds_of, lost, framed, kinds)))
+            conn.send(("rounds", (rounds_of, lost, framed, kinds, beats)))
             await asyncio.gather(*(p.close() for p in peers))
 
     asyncio.run(main())
@@ -308,9 +313,12 @@ def measure(
     evicted = failed = framed = 0
     failure_kinds: dict[str, int] = {}
     t_rounds = time.monotonic()
+    round_beats = carried = 0
     for a in pipes:
-        kind, (per_peer, (ev, fails), sent, kinds) = a.recv()
+        kind, (per_peer, (ev, fails), sent, kinds, (hb, infos)) = a.recv()
         assert kind == "rounds"
+        round_beats += hb
+        carried += infos
         evicted += ev
         failed += fails
         framed += sent
@@ -364,6 +372,8 @@ def measure(
     gc_at = {c[0]: c[3] for c in stats["commits"] if len(c) > 3}
     gc_cpu = [gc_at[r + 1] - gc_at[r] for r in counted if r in gc_at and r + 1 in gc_at]
     hb_rate = (b1 - b0) / (t1 - t0)
+    idle_frac = (c1 - c0) / (t1 - t0)
+    committed = max(1, stats["counters"]["rounds_committed"])
     return {
         "peers": n,
         "mode": "one" if carry else "two",
@@ -386,6 +396,10 @@ def measure(
             "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
         },
         "gc_by_generation": stats.get("gc_by_generation"),
+        "cpu_ms_per_round_net": 1e3
+        * (statistics.median(cpu) - idle_frac * statistics.median(wall)),
+        "heartbeats_per_round": round_beats / committed,
+        "infos_in_begins_per_round": carried / committed,
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "cpu_us_per_heartbeat": 1e6 * (c1 - c0) / max(1, b1 - b0),
@@ -419,6 +433,7 @@ def _row(r: dict[str, Any]) -> str:
     return (
         f"| {r['peers']} | {r['mode']} | {r['transport']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
         f"| {w['median']:.1f} / {w['p99']:.1f} | {cpu['median']:.1f} / {cpu['p99']:.1f} "
+        f"| {r['cpu_ms_per_round_net']:.0f} | {r['heartbeats_per_round']:.0f} / {r['infos_in_begins_per_round']:.0f} "
         f"| {r['heartbeats_per_s']:.0f} | {r['cpu_us_per_heartbeat']:.0f} | {r['idle_cpu_pct']:.1f} "
         f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} / {r['request_failures']} |"
     )
@@ -426,8 +441,9 @@ def _row(r: dict[str, Any]) -> str:
 
 HEADER = (
     "| peers | requests | transport | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
-    "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| net of idle CPU over the round's wall (ms) | heartbeats / infos in begins per round "
+    "| heartbeats/s (idle) | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

@@ -131,8 +131,25 @@ class Membership(RunState):
             else:
                 self.claims.discard(pid)
             p.info.update(info)
+            p.beats += 1
         if probes and isolation.probed(self, p, probes, now):
             self.try_form(now)
+        return True
+
+    def same_beat(self, pid: int, now: float, beats: int) -> bool | None:
+        """A heartbeat that repeats, word for word, the info recorded as the peer's ``beats``-th
+        (:attr:`Peer.beats`): a sign of life that changes nothing else, since recording the
+        same info again would set the same fields (a ``moving`` transfer still counts as
+        progress now). None when another info was recorded since (record this one in full
+        with :meth:`heartbeat`); False if the peer is no longer active."""
+        p = self.roster.active(pid)
+        if p is None:
+            return False
+        if p.beats != beats:
+            return None
+        p.last_seen = now
+        if p.moving:
+            p.progress_at = now
         return True
 
     def _in_transfer(self, pid: int) -> bool:
