@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.protocol import TensorSpec
 
@@ -111,3 +113,22 @@ def test_a_round_of_begins_looks_at_every_peer_a_constant_number_of_times(monkey
             assert d.kind == ("go" if k == N - 1 else "wait"), (k, d)
         assert len(passes) <= 3, passes
         monkeypatch.setattr(forming, "sit_out", real)
+
+
+def test_with_no_pair_down_and_nobody_isolated_nobody_is_looked_at_to_sit_out() -> None:
+    """The full pass's question "who sits out" has the answer "nobody" while no pair is known
+    down and nobody was ever isolated: it is answered without listing every member (the
+    expected members, the voters, the seniority) and gives the ready peers back."""
+    from isthmus.coordinator.isolation import sit_out
+
+    m, pids = _run(list(range(N)))
+
+    def everyone() -> list[int]:
+        raise AssertionError("listed every member although nobody can sit out")
+
+    m.expected = everyone  # type: ignore[method-assign]
+    ready = pids[: N // 2]
+    assert sit_out(m, ready, 1.0) is ready
+    m.counters["isolations"] = 1  # once somebody was isolated, the pass looks again
+    with pytest.raises(AssertionError, match="listed every member"):
+        sit_out(m, ready, 1.0)

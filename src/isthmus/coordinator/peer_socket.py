@@ -5,7 +5,10 @@ The gate let the socket in for peer ``peer`` (its token may act for it). Every f
 with :func:`.frames.read_uplink`:
 
 * a heartbeat goes to the membership (and its ``timing`` to the straggler detector); a
-  malformed one is not counted as one;
+  malformed one is not counted as one. A heartbeat whose text repeats the socket's last
+  recorded one word for word (no probes in it, no other info recorded for the peer since:
+  :meth:`~.membership.Membership.same_beat`) is only a sign of life: it is not decoded again,
+  since recording the same info again would change nothing else;
 * a begin or commit frame must name the socket's peer (else 403) and is charged to the
   identity's request bucket like an HTTP request (429 when empty, the socket stays open); it is
   handed to :class:`~.rounds.Rounds`, exactly as the HTTP request would be, and answered with a
@@ -18,6 +21,9 @@ A frame that is not text, or more frames than the socket's message bucket allows
 and malformed frames), closes the socket. A closed socket evicts the peer at once (its
 process exited or crashed: a live one keeps it for its whole life); the socket's begins and
 commits still held are dropped with it.
+
+:meth:`PeerSockets.record` also records the heartbeat's info a begin carries
+(:attr:`~.protocol.Begin.info`, :data:`~.protocol.INFO_IN_BEGIN`), for either transport.
 """
 
 from __future__ import annotations
