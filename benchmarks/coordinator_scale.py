@@ -4,7 +4,7 @@ commit with hashes, the same messages real peers send, no torch).
 
     python benchmarks/coordinator_scale.py [--peers 10,100,1000] [--rounds 30] [--procs 2]
         [--idle 5] [--mode two|one|both] [--transport frames|http] [--profile DIR]
-        [--json FILE]
+        [--heartbeat-timeout S] [--parity-every K] [--json FILE]
 
 For each size: a coordinator in a process of its own (its defaults, but ``start_peers`` = the
 size so that the first round waits for everyone), and the peers spread over ``--procs`` client
@@ -79,10 +79,12 @@ def serve(
     profile: Path | None,
     warmup: int = 0,
     heartbeat_timeout: float = 0.0,
+    parity_every: int = 1,
 ) -> None:
     """Run a coordinator on ``port`` until stdin closes, then write what it measured to
     ``out`` (JSON): the CPU time and clock at every commit, RSS, counters.
-    ``heartbeat_timeout``: the membership's bound, where positive (else its default)."""
+    ``heartbeat_timeout``: the membership's bound, where positive (else its default);
+    ``parity_every``: the membership's, hashes checked every this many rounds."""
     import cProfile
     import gc
     import resource
@@ -99,6 +101,7 @@ def serve(
             start_peers=peers,
             start_timeout=600.0,
             **({"heartbeat_timeout": heartbeat_timeout} if heartbeat_timeout > 0 else {}),
+            **({"parity_every": parity_every} if parity_every > 1 else {}),
         ),
     )
     coord = Coordinator(cfg)
@@ -181,6 +184,7 @@ def client_main(
     conn: Any,
     carry: bool = False,
     frames: bool = True,
+    parity_every: int = 1,
 ) -> None:
     """Host the peers ``names`` in this process: register them, connect their heartbeats, say
     ``ready``, wait for ``go``, run ``rounds`` rounds and send back every peer's round times.
@@ -194,7 +198,7 @@ def client_main(
 
     async def main() -> None:
         async with open_session() as session:
-            cfg = SwarmConfig(vote_in_begin=carry, frames=frames)
+            cfg = SwarmConfig(vote_in_begin=carry, frames=frames, parity_every=parity_every)
             peers = [ProtoPeer(base, join_token(TOKEN, n), n, session, cfg) for n in names]
             for i in range(0, len(peers), 50):  # not all at once: the loop's accept backlog
                 await asyncio.gather(*(p.register() for p in peers[i : i + 50]))
@@ -253,6 +257,7 @@ def measure(
     carry: bool = False,
     frames: bool = True,
     heartbeat_timeout: float = 0.0,
+    parity_every: int = 1,
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
@@ -262,7 +267,10 @@ def measure(
             sys.executable,
             __file__,
             "serve",
-            *(str(x) for x in (port, n, out, profile or "", warmup, heartbeat_timeout)),
+            *(
+                str(x)
+                for x in (port, n, out, profile or "", warmup, heartbeat_timeout, parity_every)
+            ),
         ],
         stdin=subprocess.PIPE,
         env=env,
@@ -286,7 +294,7 @@ def measure(
         a, b = ctx.Pipe()
         w = ctx.Process(
             target=client_main,
-            args=(base, names[j::k], rounds, limit_s, b, carry, frames),
+            args=(base, names[j::k], rounds, limit_s, b, carry, frames, parity_every),
             daemon=True,
         )
         w.start()
@@ -377,6 +385,7 @@ def measure(
     return {
         "peers": n,
         "mode": "one" if carry else "two",
+        "parity_every": parity_every,
         "transport": "frames" if framed else "http",
         "frames_sent": framed,
         "procs": k,
@@ -449,8 +458,16 @@ HEADER = (
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        _, _, port, n, out, prof, warmup, hb = sys.argv
-        serve(int(port), int(n), Path(out), Path(prof) if prof else None, int(warmup), float(hb))
+        _, _, port, n, out, prof, warmup, hb, parity = sys.argv
+        serve(
+            int(port),
+            int(n),
+            Path(out),
+            Path(prof) if prof else None,
+            int(warmup),
+            float(hb),
+            int(parity),
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", default="10,100,1000")
@@ -483,6 +500,13 @@ def main() -> None:
         help="the coordinator's heartbeat_timeout in seconds (default: its own, 5 s); a "
         "longer one keeps a machine that other work loads from evicting starved clients",
     )
+    ap.add_argument(
+        "--parity-every",
+        type=int,
+        default=1,
+        help="the coordinator's parity_every (hashes checked every this many rounds; the peers "
+        "send hashes only then, and when asked); default 1, the coordinator's own",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     results = []
@@ -503,6 +527,7 @@ def main() -> None:
             carry=carry,
             frames=a.transport == "frames",
             heartbeat_timeout=a.heartbeat_timeout,
+            parity_every=a.parity_every,
         )
         results.append(r)
         print(json.dumps(r), flush=True)
