@@ -270,9 +270,7 @@ class StragglerDetector:
         when ``p`` reports, so it is judged then and counted)."""
         k, m = self.config.factor, self.config.rounds
         slow = bool(
-            p.sync_recent
-            and len(p.sync) >= m
-            and _median(p.sync_recent) > k * _median(p.sync)
+            p.sync_recent and len(p.sync) >= m and _median(p.sync_recent) > k * _median(p.sync)
         )
         self._sync_slow += slow - p.sync_slow
         p.sync_slow = slow
