@@ -4,7 +4,7 @@ commit with hashes, the same messages real peers send, no torch).
 
     python benchmarks/coordinator_scale.py [--peers 10,100,1000] [--rounds 30] [--procs 2]
         [--idle 5] [--mode two|one|both] [--transport frames|http] [--profile DIR]
-        [--json FILE]
+        [--heartbeat-timeout S] [--parity-every K] [--json FILE]
 
 For each size: a coordinator in a process of its own (its defaults, but ``start_peers`` = the
 size so that the first round waits for everyone), and the peers spread over ``--procs`` client
@@ -79,10 +79,12 @@ def serve(
     profile: Path | None,
     warmup: int = 0,
     heartbeat_timeout: float = 0.0,
+    parity_every: int = 1,
 ) -> None:
     """Run a coordinator on ``port`` until stdin closes, then write what it measured to
     ``out`` (JSON): the CPU time and clock at every commit, RSS, counters.
-    ``heartbeat_timeout``: the membership's bound, where positive (else its default)."""
+    ``heartbeat_timeout``: the membership's bound, where positive (else its default);
+    ``parity_every``: the membership's, hashes checked every this many rounds."""
     import cProfile
     import gc
     import resource
@@ -99,6 +101,7 @@ def serve(
             start_peers=peers,
             start_timeout=600.0,
             **({"heartbeat_timeout": heartbeat_timeout} if heartbeat_timeout > 0 else {}),
+            **({"parity_every": parity_every} if parity_every > 1 else {}),
         ),
     )
     coord = Coordinator(cfg)
@@ -181,6 +184,7 @@ def client_main(
     conn: Any,
     carry: bool = False,
     frames: bool = True,
+    parity_every: int = 1,
 ) -> None:
     """Host the peers ``names`` in this process: register them, connect their heartbeats, say
     ``ready``, wait for ``go``, run ``rounds`` rounds and send back every peer's round times.
@@ -194,7 +198,7 @@ def client_main(
 
     async def main() -> None:
         async with open_session() as session:
-            cfg = SwarmConfig(vote_in_begin=carry, frames=frames)
+            cfg = SwarmConfig(vote_in_begin=carry, frames=frames, parity_every=parity_every)
             peers = [ProtoPeer(base, join_token(TOKEN, n), n, session, cfg) for n in names]
             for i in range(0, len(peers), 50):  # not all at once: the loop's accept backlog
                 await asyncio.gather(*(p.register() for p in peers[i : i + 50]))
@@ -209,7 +213,12 @@ def client_main(
                 elif cmd == "go":
                     break
             deadline = time.monotonic() + limit_s
+            beats_before = sum(p.heartbeats for p in peers)
             await asyncio.gather(*(p.run_until(rounds, deadline) for p in peers))
+            beats = (
+                sum(p.heartbeats for p in peers) - beats_before,
+                sum(getattr(p, "infos_in_begins", 0) for p in peers),
+            )
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
             framed = sum(p.frames_sent for p in peers)
@@ -218,7 +227,7 @@ def client_main(
                 for k, v in p.failure_kinds.items():
                     kinds[k] = kinds.get(k, 0) + v
             rounds_of = [[vars(r) for r in p.rounds] for p in peers]
-            conn.send(("rounds", (rounds_of, lost, framed, kinds)))
+            conn.send(("rounds", (rounds_of, lost, framed, kinds, beats)))
             await asyncio.gather(*(p.close() for p in peers))
 
     asyncio.run(main())
@@ -248,6 +257,7 @@ def measure(
     carry: bool = False,
     frames: bool = True,
     heartbeat_timeout: float = 0.0,
+    parity_every: int = 1,
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
@@ -257,7 +267,10 @@ def measure(
             sys.executable,
             __file__,
             "serve",
-            *(str(x) for x in (port, n, out, profile or "", warmup, heartbeat_timeout)),
+            *(
+                str(x)
+                for x in (port, n, out, profile or "", warmup, heartbeat_timeout, parity_every)
+            ),
         ],
         stdin=subprocess.PIPE,
         env=env,
@@ -281,7 +294,7 @@ def measure(
         a, b = ctx.Pipe()
         w = ctx.Process(
             target=client_main,
-            args=(base, names[j::k], rounds, limit_s, b, carry, frames),
+            args=(base, names[j::k], rounds, limit_s, b, carry, frames, parity_every),
             daemon=True,
         )
         w.start()
@@ -308,9 +321,12 @@ def measure(
     evicted = failed = framed = 0
     failure_kinds: dict[str, int] = {}
     t_rounds = time.monotonic()
+    round_beats = carried = 0
     for a in pipes:
-        kind, (per_peer, (ev, fails), sent, kinds) = a.recv()
+        kind, (per_peer, (ev, fails), sent, kinds, (hb, infos)) = a.recv()
         assert kind == "rounds"
+        round_beats += hb
+        carried += infos
         evicted += ev
         failed += fails
         framed += sent
@@ -364,9 +380,12 @@ def measure(
     gc_at = {c[0]: c[3] for c in stats["commits"] if len(c) > 3}
     gc_cpu = [gc_at[r + 1] - gc_at[r] for r in counted if r in gc_at and r + 1 in gc_at]
     hb_rate = (b1 - b0) / (t1 - t0)
+    idle_frac = (c1 - c0) / (t1 - t0)
+    committed = max(1, stats["counters"]["rounds_committed"])
     return {
         "peers": n,
         "mode": "one" if carry else "two",
+        "parity_every": parity_every,
         "transport": "frames" if framed else "http",
         "frames_sent": framed,
         "procs": k,
@@ -386,6 +405,10 @@ def measure(
             "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
         },
         "gc_by_generation": stats.get("gc_by_generation"),
+        "cpu_ms_per_round_net": 1e3
+        * (statistics.median(cpu) - idle_frac * statistics.median(wall)),
+        "heartbeats_per_round": round_beats / committed,
+        "infos_in_begins_per_round": carried / committed,
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "cpu_us_per_heartbeat": 1e6 * (c1 - c0) / max(1, b1 - b0),
@@ -419,6 +442,7 @@ def _row(r: dict[str, Any]) -> str:
     return (
         f"| {r['peers']} | {r['mode']} | {r['transport']} | {r['rounds']} | {f['median']:.1f} / {f['p99']:.1f} | {c['median']:.1f} / {c['p99']:.1f} "
         f"| {w['median']:.1f} / {w['p99']:.1f} | {cpu['median']:.1f} / {cpu['p99']:.1f} "
+        f"| {r['cpu_ms_per_round_net']:.0f} | {r['heartbeats_per_round']:.0f} / {r['infos_in_begins_per_round']:.0f} "
         f"| {r['heartbeats_per_s']:.0f} | {r['cpu_us_per_heartbeat']:.0f} | {r['idle_cpu_pct']:.1f} "
         f"| {rss['start']:.0f} / {rss['end']:.0f} | {r['counters']['rounds_aborted']} / {r['evicted']} / {r['request_failures']} |"
     )
@@ -426,15 +450,24 @@ def _row(r: dict[str, Any]) -> str:
 
 HEADER = (
     "| peers | requests | transport | rounds | formation ms (median / p99) | commit ms | round wall ms | coordinator CPU ms per round "
-    "| heartbeats/s | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| net of idle CPU over the round's wall (ms) | heartbeats / infos in begins per round "
+    "| heartbeats/s (idle) | CPU us per heartbeat | idle CPU % | RSS MB (start / end) | aborts / evictions / failed requests |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        _, _, port, n, out, prof, warmup, hb = sys.argv
-        serve(int(port), int(n), Path(out), Path(prof) if prof else None, int(warmup), float(hb))
+        _, _, port, n, out, prof, warmup, hb, parity = sys.argv
+        serve(
+            int(port),
+            int(n),
+            Path(out),
+            Path(prof) if prof else None,
+            int(warmup),
+            float(hb),
+            int(parity),
+        )
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", default="10,100,1000")
@@ -467,6 +500,13 @@ def main() -> None:
         help="the coordinator's heartbeat_timeout in seconds (default: its own, 5 s); a "
         "longer one keeps a machine that other work loads from evicting starved clients",
     )
+    ap.add_argument(
+        "--parity-every",
+        type=int,
+        default=1,
+        help="the coordinator's parity_every (hashes checked every this many rounds; the peers "
+        "send hashes only then, and when asked); default 1, the coordinator's own",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     results = []
@@ -487,6 +527,7 @@ def main() -> None:
             carry=carry,
             frames=a.transport == "frames",
             heartbeat_timeout=a.heartbeat_timeout,
+            parity_every=a.parity_every,
         )
         results.append(r)
         print(json.dumps(r), flush=True)

@@ -11,7 +11,12 @@ that lists ``ws-rounds``) begin and commit go as frames on the heartbeat websock
 (``coordinator/frames.py``), as a real peer's client sends them; with :attr:`SwarmConfig.vote_in_begin` (and a
 coordinator that lists ``vote-in-begin``) the ``ok`` rides in the next begin instead (one
 request per round, as a peer with ``pipeline_commit`` sends it), every message encoded and decoded with the shared
-codec (``coordinator/wire.py``). Every peer of a swarm holds the same "state" (the same hashes),
+codec (``coordinator/wire.py``). With :attr:`SwarmConfig.info_in_begin` (and a coordinator that
+lists ``info-in-begin``) a begin frame sent half an interval or more after the last heartbeat
+carries the heartbeat's info, and the next heartbeat goes one interval after it, as a real
+peer's client does. The peers of one process share the decoding of a round's reply: every
+member gets the same decision text, which hundreds of peers on one loop would otherwise decode
+hundreds of times (on a thousand machines each would decode it once, in parallel). Every peer of a swarm holds the same "state" (the same hashes),
 so parity always agrees. One process holds hundreds of them on one event loop and one HTTP
 connection pool.
 
@@ -26,6 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,6 +49,26 @@ __all__ = ["ProtoPeer", "RoundTimes", "SwarmConfig", "open_session"]
 WS_ROUNDS = "ws-rounds"
 """``coordinator/frames.py``'s feature, named here so that these clients also run against the
 source of a release from before frames (the benchmark's "before" rows)."""
+
+
+INFO_IN_BEGIN = "info-in-begin"
+"""``coordinator/protocol.py``'s feature, named here for the same reason."""
+
+_REPLY = re.compile(r'\{"type":"reply","id":(-?\d+),"status":200,"decision":')
+"""The head of a reply the coordinator wrote with a decision (``frames.reply_text``)."""
+
+_DECIDED: dict[str, msgs.Decision] = {}
+"""Decision text -> its decoded decision, shared by the peers of this process (a few kept)."""
+
+
+def _decision(text: str) -> msgs.Decision:
+    """The decision ``text`` (JSON), decoded once for every peer of this process."""
+    d = _DECIDED.get(text)
+    if d is None:
+        if len(_DECIDED) > 64:
+            _DECIDED.clear()
+        d = _DECIDED[text] = decode(msgs.Decision, json.loads(text))
+    return d
 
 
 @dataclass(kw_only=True)
@@ -63,6 +91,10 @@ class SwarmConfig:
     frames: bool = True
     """Send begin and commit as frames on the heartbeat websocket where the coordinator lists
     ``ws-rounds`` (else, or with False, as HTTP requests)."""
+    info_in_begin: bool = True
+    """Carry the heartbeat's info in a begin frame where the coordinator lists
+    ``info-in-begin`` and half an interval passed since the last info (the next heartbeat
+    then goes one interval after the begin), as a real peer's client does."""
 
     def schema(self) -> tuple[msgs.TensorSpec, ...]:
         return tuple(
@@ -135,8 +167,12 @@ class ProtoPeer:
     """How many of :attr:`failures` each kind of error was."""
     _ws: aiohttp.ClientWebSocketResponse | None = None
     _hb_task: asyncio.Task[None] | None = None
-    _replies: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    _replies: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     _next_id: int = 0
+    _info_at: float = -math.inf
+    """Monotonic time at which the last info went (a heartbeat, or a begin carrying it)."""
+    infos_in_begins: int = 0
+    """Heartbeat infos sent inside begins."""
 
     async def _post(self, path: str, message: Any) -> dict[str, Any]:
         if time.monotonic() > self.deadline:
@@ -151,6 +187,9 @@ class ProtoPeer:
                 raise ProtocolError(f"{self.name}: {path} answered {r.status}: {await r.text()}")
             return dict(await r.json())
 
+    async def _post_decision(self, path: str, message: Any) -> msgs.Decision:
+        return decode(msgs.Decision, await self._post(path, message))
+
     def framed(self) -> bool:
         """Whether begin and commit go as websocket frames (asked, offered, socket open)."""
         return (
@@ -160,12 +199,12 @@ class ProtoPeer:
             and not self._ws.closed
         )
 
-    async def _ask(self, path: str, message: msgs.Begin | msgs.Commit) -> dict[str, Any]:
-        """A begin or commit, as a frame when :meth:`framed`, else over HTTP; the decision's
-        JSON. A frame's reply other than a decision raises :class:`ProtocolError`; a socket
-        that closes before the reply, :class:`ConnectionError`."""
+    async def _ask(self, path: str, message: msgs.Begin | msgs.Commit) -> msgs.Decision:
+        """A begin or commit, as a frame when :meth:`framed`, else over HTTP; the decision.
+        A frame's reply other than a decision raises :class:`ProtocolError`; a socket that
+        closes before the reply, :class:`ConnectionError`."""
         if not self.framed():
-            return await self._post(path, message)
+            return await self._post_decision(path, message)
         if time.monotonic() > self.deadline:
             raise TimeoutError(f"{self.name}: out of time asking {path}")
         assert self._ws is not None
@@ -174,14 +213,27 @@ class ProtoPeer:
         fid = self._next_id
         fut = asyncio.get_running_loop().create_future()
         self._replies[fid] = fut
+        body = encode(message)
+        now = time.monotonic()
+        if (
+            kind == "begin"
+            and self.config.info_in_begin
+            and INFO_IN_BEGIN in self.features
+            and now - self._info_at >= self.config.heartbeat_interval / 2
+        ):
+            body["info"] = self.info()
+            self._info_at = now
+            self.infos_in_begins += 1
         try:
-            await self._ws.send_json({"type": kind, "id": fid, kind: encode(message)})
+            await self._ws.send_json({"type": kind, "id": fid, kind: body})
             self.frames_sent += 1
             raw = await asyncio.wait_for(fut, self.config.read_timeout)
         finally:
             self._replies.pop(fid, None)
+        if isinstance(raw, msgs.Decision):
+            return raw
         if raw.get("status") == 200 and isinstance(raw.get("decision"), dict):
-            return raw["decision"]  # type: ignore[no-any-return]  # decoded by the caller
+            return decode(msgs.Decision, raw["decision"])
         raise ProtocolError(f"{self.name}: {kind} frame answered {raw!r:.500}")
 
     async def register(self) -> None:
@@ -221,6 +273,12 @@ class ProtoPeer:
             try:
                 async for raw in ws:
                     if raw.type == aiohttp.WSMsgType.TEXT:
+                        head = _REPLY.match(raw.data)
+                        if head is not None and raw.data.endswith("}"):
+                            fut = self._replies.get(int(head.group(1)))
+                            if fut is not None and not fut.done():
+                                fut.set_result(_decision(raw.data[head.end() : -1]))
+                            continue
                         frame = raw.json()
                         if frame.get("type") == "reply":
                             fut = self._replies.get(frame.get("id"))
@@ -239,9 +297,14 @@ class ProtoPeer:
             # at different moments do
             await asyncio.sleep(self.config.heartbeat_interval * (hash(self.name) % 997) / 997)
             while not ws.closed and not rtask.done():
+                # one interval after the last info, which a begin may have carried
+                due = self._info_at + self.config.heartbeat_interval - time.monotonic()
+                if due > 0:
+                    await asyncio.sleep(due)
+                    continue
                 await ws.send_json(encode(msgs.Heartbeat(self.info())))
+                self._info_at = time.monotonic()
                 self.heartbeats += 1
-                await asyncio.sleep(self.config.heartbeat_interval)
         except (ConnectionError, aiohttp.ClientError):
             pass
         finally:
@@ -297,7 +360,7 @@ class ProtoPeer:
             msg = dataclasses.replace(msg, prev=msgs.Vote(epoch=plan.epoch, round=plan.round))
             while True:
                 self.votes.append(("begin", plan.epoch, plan.round))
-                d = decode(msgs.Decision, await self._ask("/v1/begin", msg))
+                d = await self._ask("/v1/begin", msg)
                 if d.prev == "committed":
                     self._settled("committed")
                     if isinstance(d, msgs.Go) and d.plan is not None:
@@ -316,7 +379,7 @@ class ProtoPeer:
                     raise ProtocolError(f"{self.name}: begin with a vote answered {d}")
                 return await self.begin()
         while True:
-            d = decode(msgs.Decision, await self._ask("/v1/begin", msg))
+            d = await self._ask("/v1/begin", msg)
             msg = dataclasses.replace(msg, schema=None, hashes=None)
             if isinstance(d, msgs.SendHashes):
                 msg = dataclasses.replace(msg, hashes=self.config.hashes())
@@ -340,7 +403,7 @@ class ProtoPeer:
         )
         while True:
             self.votes.append(("commit", plan.epoch, plan.round))
-            d = decode(msgs.Decision, await self._ask("/v1/commit", msg))
+            d = await self._ask("/v1/commit", msg)
             if isinstance(d, msgs.Committed):
                 self.revision = plan.round + 1
                 return True

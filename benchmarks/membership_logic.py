@@ -1,8 +1,9 @@
 """The coordinator's membership logic alone, in one process (no HTTP, no heartbeats): CPU time of
 ``Membership.tick`` while a round of ``--peers`` members runs, and of one round's begins (32
-hashes each, parity every round), formation and commits, over ``--rounds`` rounds.
+hashes each, parity every round; with ``--parity-every K`` hashes only in the begins of every
+K-th round, as peers send them), formation and commits, over ``--rounds`` rounds.
 
-    python benchmarks/membership_logic.py [--peers 1000] [--rounds 5] [--ticks 50]
+    python benchmarks/membership_logic.py [--peers 1000] [--rounds 5] [--ticks 50] [--parity-every 1]
 
 What ``coordinator_scale.py`` measures minus the transport: the part of a round's coordinator
 CPU that the membership's own code costs.
@@ -28,10 +29,12 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ticks", type=int, default=50)
+    ap.add_argument("--parity-every", type=int, default=1)
     a = ap.parse_args()
     schema = [TensorSpec(f"layers.{i}.weight", (64, 64), "float32") for i in range(TENSORS)]
     hashes = {f"layers.{i}.weight": f"{i * 7919:016x}" for i in range(TENSORS)}
-    m = Membership(MembershipConfig(start_peers=a.peers, heartbeat_timeout=5.0))
+    cfg = MembershipConfig(start_peers=a.peers, heartbeat_timeout=5.0, parity_every=a.parity_every)
+    m = Membership(cfg)
     pids = [m.register(f"p{i:05d}", 0.0) for i in range(a.peers)]
     for p in pids:  # the first round (not counted: before the run starts, every begin looks)
         m.begin(p, 0.0, nonce="a", revision=0, hashes=hashes, schema=schema, explain=False)
@@ -48,15 +51,16 @@ def main() -> None:
             m.commit(p, 0.5, epoch=plan.epoch, round=plan.round, ok=True, explain=False)
         if rnd == a.rounds:
             break
+        sent = hashes if (rnd + 1) % a.parity_every == 0 else None
         for p in pids:
             m.begin(
-                p, 0.5, nonce=f"n{rnd}", revision=rnd + 1, hashes=hashes, schema=None, explain=False
+                p, 0.5, nonce=f"n{rnd}", revision=rnd + 1, hashes=sent, schema=None, explain=False
             )
         plan = m.running
         assert plan is not None and len(plan.members) == a.peers
     t3 = time.process_time()
     print(
-        f"{a.peers} members: tick during a round {1e3 * (t1 - t0) / a.ticks:.2f} ms; "
+        f"{a.peers} members, parity every {a.parity_every}: tick during a round {1e3 * (t1 - t0) / a.ticks:.2f} ms; "
         f"begins + formation + commits per round {1e3 * (t3 - t2) / a.rounds:.1f} ms"
     )
 

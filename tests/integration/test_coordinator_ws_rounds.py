@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -45,12 +46,18 @@ def _until(cond: Callable[[], bool], what: str) -> None:
 class _Peer:
     """A registered client with its heartbeat socket open."""
 
-    def __init__(self, coord: Coordinator, name: str) -> None:
+    def __init__(
+        self,
+        coord: Coordinator,
+        name: str,
+        interval: float = 0.2,
+        info: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
         self.client = CoordinatorClient(coord.address, TOKEN, connect_timeout=5)
         self.reg = self.client.register(name)
         self.pushes: list[msgs.Push] = []
         self.client.start_heartbeat(
-            self.reg.peer_id, 0.2, dict, self.pushes.append, run_id=self.reg.run_id
+            self.reg.peer_id, interval, info, self.pushes.append, run_id=self.reg.run_id
         )
         _until(lambda: self.client._ws is not None, f"{name}'s heartbeat socket did not open")
 
@@ -122,6 +129,46 @@ def test_rounds_go_as_frames_and_a_dropped_socket_falls_back_to_http(coord: Coor
         assert any(isinstance(x, msgs.HeartbeatLost) for x in a.pushes)
         st = coord.status(events=0)
         assert st["counters"]["evictions"] == 1
+    finally:
+        a.client.close()
+        b.client.close()
+
+
+def test_a_begin_carries_the_heartbeats_info_where_the_coordinator_records_it(
+    coord: Coordinator,
+) -> None:
+    # one heartbeat at the socket's start, the next one a long interval later: the begins
+    # sent meanwhile carry the info, which the coordinator records as that heartbeat's
+    counts = {"a": 0, "b": 0}
+
+    def info_of(name: str) -> Callable[[], dict[str, Any]]:
+        def info() -> dict[str, Any]:
+            counts[name] += 1
+            return {"calls": counts[name], "step": 7}
+
+        return info
+
+    a, b = _Peer(coord, "a", 30.0, info_of("a")), _Peer(coord, "b", 30.0, info_of("b"))
+    try:
+        assert msgs.INFO_IN_BEGIN in a.reg.features
+        peers = coord.hub.membership.peers
+        _until(lambda: peers[a.reg.peer_id].info.get("calls") == 1, "a's first heartbeat")
+        _until(lambda: peers[b.reg.peer_id].info.get("calls") == 1, "b's first heartbeat")
+        # the begins go within half an interval of that heartbeat: they carry nothing
+        _one_round([a, b], 0)
+        assert (a.client.infos_in_begins, counts["a"]) == (0, 1)
+        a.client._info_at -= 20.0  # as if the heartbeat had gone 20 s (two thirds of 30) ago
+        _one_round([a, b], 1)
+        assert (a.client.infos_in_begins, b.client.infos_in_begins) == (1, 0)
+        assert peers[a.reg.peer_id].info["calls"] == 2  # recorded with the begin
+        assert peers[b.reg.peer_id].info["calls"] == 1
+        assert counts == {"a": 2, "b": 1}  # no heartbeat went besides: the next is 30 s away
+        # a coordinator that does not list the feature (an older one) is never sent the info
+        a.client.features = tuple(f for f in a.client.features if f != msgs.INFO_IN_BEGIN)
+        a.client._info_at -= 20.0
+        _one_round([a, b], 2)
+        assert a.client.infos_in_begins == 1 and counts["a"] == 2
+        assert coord.status()["revision"] == 3
     finally:
         a.client.close()
         b.client.close()

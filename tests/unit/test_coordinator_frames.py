@@ -151,6 +151,14 @@ _COMMON = [
         BeginFrame(id=1, begin=p.Begin(peer=5, nonce="n", revision=7, run="r", hashes={"w": "0"}))
     ),
     encode(BeginFrame(id=2, begin=p.Begin(peer=5, nonce="n", revision=7, prev=p.Vote(3, 6)))),
+    encode(
+        BeginFrame(
+            id=5,
+            begin=p.Begin(
+                peer=5, nonce="n", revision=7, prev=p.Vote(3, 6), info={"step": 3, "t": {"a": 1}}
+            ),
+        )
+    ),
     encode(CommitFrame(id=3, commit=COMMIT)),
     encode(CommitFrame(id=4, commit=p.Commit(peer=5, epoch=3, round=7, ok=True))),
     encode(p.Heartbeat({"revision": 7, "timing": {"work_s": 0.5}})),

@@ -128,3 +128,23 @@ def test_an_error_while_deciding_is_told_to_the_asker() -> None:
         assert [str(e) for e in errors] == ["a bug"]
 
     asyncio.run(main())
+
+
+def test_a_begins_info_is_recorded_as_a_heartbeat_before_its_vote_and_begin() -> None:
+    async def main() -> None:
+        hub, rounds, pids = _coordinator()
+        seen: list[tuple[str, Any]] = []
+        rounds.on_info = lambda pid, info: seen.append(
+            ("info", (pid, info, hub.membership.revision))
+        )
+        vote = hub.membership.commit
+        hub.membership.commit = lambda *a, **k: (seen.append(("vote", a[0])), vote(*a, **k))[1]  # type: ignore[method-assign]
+        got: list[p.Decision] = []
+        msg = _begin(pids[0], "a", 0)
+        rounds.submit_begin(msg, got.append, print)  # no info: nothing recorded
+        assert seen == []
+        with_info = p.Begin(pids[1], "a", 0, "run1", {"w": "00"}, SCHEMA, p.Vote(1, 0), {"step": 2})
+        rounds.submit_begin(with_info, got.append, print)
+        assert seen[0] == ("info", (pids[1], {"step": 2}, 0)) and seen[1] == ("vote", pids[1])
+
+    asyncio.run(main())

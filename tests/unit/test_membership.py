@@ -420,3 +420,23 @@ def test_islands_and_single_process_peers_refuse_each_other():
     plain = r.m.register("plain", r.now)
     d = r.begin(plain)
     assert d.kind == "refused" and "this peer ('plain') is a single-process peer" in d.reason
+
+
+def test_a_repeated_heartbeat_is_a_sign_of_life_only_while_no_other_info_came_between():
+    m = Membership(MembershipConfig(heartbeat_timeout=5.0))
+    pid = m.register("a", 0.0)
+    moving = {"transfer": {"epoch": 1, "round": 0, "moving": True}, "step": 3}
+    assert m.heartbeat(pid, 1.0, moving)
+    p = m.peers[pid]
+    beats = p.beats
+    assert beats == 1 and p.moving and p.progress_at == 1.0
+    # the same info again: alive, seen now, and its moving transfer counts as progress now
+    assert m.same_beat(pid, 2.0, beats) is True
+    assert (p.last_seen, p.progress_at, p.beats) == (2.0, 2.0, beats)
+    # another info recorded since (a begin's): the repeat must be recorded in full
+    assert m.heartbeat(pid, 2.5, {"transfer": None, "step": 4})
+    assert not p.moving
+    assert m.same_beat(pid, 3.0, beats) is None
+    assert p.last_seen == 2.5 and not p.moving  # nothing was taken from the stale repeat
+    m.tick(9.0)  # silent past heartbeat_timeout: evicted
+    assert m.same_beat(pid, 9.5, p.beats) is False

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.protocol import TensorSpec
 
@@ -111,3 +113,64 @@ def test_a_round_of_begins_looks_at_every_peer_a_constant_number_of_times(monkey
             assert d.kind == ("go" if k == N - 1 else "wait"), (k, d)
         assert len(passes) <= 3, passes
         monkeypatch.setattr(forming, "sit_out", real)
+
+
+def test_with_no_pair_down_and_nobody_isolated_nobody_is_looked_at_to_sit_out() -> None:
+    """The full pass's question "who sits out" has the answer "nobody" while no pair is known
+    down and nobody was ever isolated: it is answered without listing every member (the
+    expected members, the voters, the seniority) and gives the ready peers back."""
+    from isthmus.coordinator.isolation import sit_out
+
+    m, pids = _run(list(range(N)))
+
+    def everyone() -> list[int]:
+        raise AssertionError("listed every member although nobody can sit out")
+
+    m.expected = everyone  # type: ignore[method-assign]
+    ready = pids[: N // 2]
+    assert sit_out(m, ready, 1.0) is ready
+    m.counters["isolations"] = 1  # once somebody was isolated, the pass looks again
+    with pytest.raises(AssertionError, match="listed every member"):
+        sit_out(m, ready, 1.0)
+
+
+def test_with_parity_every_k_the_waiting_begins_share_one_look_at_whether_hashes_are_needed(
+    monkeypatch,
+) -> None:
+    """Between parity rounds a begin carries no hashes, and each waiting one asks whether the
+    round needs them (someone ready not in sync): a pass over every peer. It is asked once per
+    change of the run, not once per begin and per poll (which made a round O(n^2))."""
+    from isthmus.coordinator import forming
+
+    m = Membership(MembershipConfig(start_peers=N, heartbeat_timeout=30.0, parity_every=10))
+    pids = [m.register(f"p{i:03d}", 0.0) for i in range(N)]
+    for pid in pids:
+        m.begin(pid, 0.0, nonce="a", revision=0, hashes=GOOD, schema=SCHEMA)
+    plan = m.running
+    assert plan is not None
+    for pid in pids:
+        m.commit(pid, 0.0, epoch=plan.epoch, round=0, ok=True)
+    looks: list[int] = []
+    real = forming.hashes_needed
+
+    def counted(s, ready):  # type: ignore[no-untyped-def]
+        looks.append(len(ready))
+        return real(s, ready)
+
+    monkeypatch.setattr(forming, "hashes_needed", counted)
+    for k, pid in enumerate(pids):
+        d = m.begin(pid, 1.0, nonce="b", revision=1, hashes=None, schema=None)
+        assert d.kind == ("go" if k == N - 1 else "wait"), (k, d)
+        for other in pids[:k]:  # every waiting begin is asked again
+            assert m.poll_begin(other, "b", explain=False).kind in ("wait", "go")
+    assert 0 < len(looks) <= 3, len(looks)
+    # a joiner (not in sync) among the ready peers: the waiting begins are asked for hashes
+    plan = m.running
+    assert plan is not None
+    for pid in pids:
+        m.commit(pid, 1.0, epoch=plan.epoch, round=1, ok=True)
+    assert m.revision == 2
+    m.begin(pids[0], 2.0, nonce="c", revision=2, hashes=None, schema=None)
+    joiner = m.register("new", 2.0)
+    m.begin(joiner, 2.0, nonce="j", revision=0, hashes=GOOD, schema=SCHEMA)
+    assert m.poll_begin(pids[0], "c", explain=False).kind == "hashes"

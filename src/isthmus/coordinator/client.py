@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import ssl
 import threading
 import time
@@ -27,6 +28,7 @@ import aiohttp
 
 from isthmus.coordinator.frames import MAX_FRAME_BYTES, WS_ROUNDS, Downlink, RoundReply
 from isthmus.coordinator.protocol import (
+    INFO_IN_BEGIN,
     Decision,
     Heartbeat,
     HeartbeatLost,
@@ -149,6 +151,12 @@ class CoordinatorClient:
         self._ws: aiohttp.ClientWebSocketResponse | None = None  # the heartbeat socket, on the loop
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # frame id -> its reply
         self._ids = itertools.count(1)
+        # the heartbeat's info callback and interval while it runs, and the loop's time at
+        # which the last info went (in a heartbeat or a begin)
+        self._beat: tuple[Callable[[], dict[str, Any]], float] | None = None
+        self._info_at = -math.inf
+        self.infos_in_begins = 0
+        """Heartbeat infos sent inside begins (each one a heartbeat left out)."""
 
     # -- loop helpers ---------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float) -> Any:
@@ -293,6 +301,8 @@ class CoordinatorClient:
         """``body`` as a frame on the heartbeat socket, its reply's decision; falls back to an
         HTTP request as :meth:`call` says."""
         ws, fid = self._ws, next(self._ids)
+        if kind == "begin":
+            body = self._with_info(body)
         text = json.dumps({"type": kind, "id": fid, kind: body})
         if ws is None or ws.closed or len(text) > MAX_FRAME_BYTES:
             return await self._post(path, body, read_timeout)
@@ -324,6 +334,27 @@ class CoordinatorClient:
             f"coordinator at {self.base} rejected {path} (a {kind} frame, {reply.status}): "
             f"{reply.error[:500]}"
         )
+
+    def _with_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The begin ``body`` with the heartbeat's info (:attr:`~.protocol.Begin.info`) where
+        the coordinator records it (:data:`~.protocol.INFO_IN_BEGIN`), the heartbeat runs and
+        half an interval or more passed since the last info went; the heartbeat loop then
+        sends its next beat one interval after this begin. Else ``body`` as it is. On the
+        loop."""
+        beat = self._beat
+        if beat is None or INFO_IN_BEGIN not in self.features:
+            return body
+        info, interval = beat
+        now = self._loop.time()
+        if now - self._info_at < interval / 2:
+            return body  # the heartbeat's info is fresh enough: carrying it would add work
+        try:
+            payload = info()
+        except Exception:  # a broken info callback costs this begin nothing
+            return body
+        self._info_at = now
+        self.infos_in_begins += 1
+        return {**body, "info": payload}
 
     def register(self, name: str, info: dict[str, Any] | None = None) -> Registered:
         """Register a peer called ``name`` (``info``: shown on the dashboard) with the
@@ -371,6 +402,12 @@ class CoordinatorClient:
         """Keep a websocket to the coordinator and send a :class:`Heartbeat` with ``info()``
         every ``interval`` seconds.
 
+        Where the coordinator lists :data:`~.protocol.INFO_IN_BEGIN`, a begin sent as a frame
+        (or as its HTTP fallback) half an interval or more after the last info carries
+        ``info()`` itself, and the next heartbeat goes one interval after that begin: a peer
+        whose rounds are shorter than the interval sends about one message a round, none of
+        them a bare heartbeat, and the coordinator still hears from it every ``interval``.
+
         Pushes from the coordinator (:class:`~isthmus.coordinator.protocol.AbortPush`,
         :class:`~isthmus.coordinator.protocol.EvictedPush`) are passed to ``on_push`` on the
         client's thread, and a :class:`~isthmus.coordinator.protocol.HeartbeatLost` when the
@@ -381,11 +418,13 @@ class CoordinatorClient:
         only for a new peer id.
         """
         self.stop_heartbeat()
+        self._beat = (info, interval)
         self._hb_task = asyncio.run_coroutine_threadsafe(
             self._heartbeat(peer_id, interval, info, on_push, run_id), self._loop
         )
 
     def stop_heartbeat(self) -> None:
+        self._beat = None
         if self._hb_task is not None:
             self._hb_task.cancel()
             self._hb_task = None
@@ -413,15 +452,21 @@ class CoordinatorClient:
                             break
 
                 rtask = asyncio.ensure_future(reader())
+                self._info_at = -math.inf
                 self._ws = ws
                 try:
                     while not ws.closed and not rtask.done():
+                        # one interval after the last info, which a begin may have carried
+                        due = self._info_at + interval - self._loop.time()
+                        if due > 0:
+                            await asyncio.sleep(due)
+                            continue
                         try:
                             payload = info()
                         except Exception:  # a broken info callback must not stop heartbeats
                             payload = {}
                         await ws.send_json(encode(Heartbeat(payload)))
-                        await asyncio.sleep(interval)
+                        self._info_at = self._loop.time()
                 finally:
                     rtask.cancel()
                     self._socket_closed(ws)

@@ -156,11 +156,13 @@ def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
             return None
         peer, nonce, revision = b.get("peer"), b.get("nonce"), b.get("revision")
         run, hashes, prev = b.get("run"), b.get("hashes"), b.get("prev")
+        info = b.get("info")
         if (
             type(peer) is not int
             or type(nonce) is not str
             or type(revision) is not int
             or (run is not None and type(run) is not str)
+            or (info is not None and type(info) is not dict)
             or b.get("schema") is not None
         ):
             return None
@@ -179,7 +181,13 @@ def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
         return BeginFrame(
             id=fid,
             begin=Begin(
-                peer=peer, nonce=nonce, revision=revision, run=run, hashes=hashes, prev=vote
+                peer=peer,
+                nonce=nonce,
+                revision=revision,
+                run=run,
+                hashes=hashes,
+                prev=vote,
+                info=None if info is None else dict(info),
             ),
         )
     if kind == "commit":

@@ -18,13 +18,12 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
 
 from isthmus.coordinator.membership import Membership
-from isthmus.coordinator.protocol import Decision
 
 __all__ = ["Hub"]
 
@@ -91,30 +90,6 @@ class Hub:
             # rather than wait_for's extra task per wait
             async with _timeout(timeout):
                 await self._changed.wait()
-
-    async def hold(
-        self,
-        poll: Callable[[], Decision],
-        poll_s: float,
-        explain: Callable[[], Decision] | None = None,
-    ) -> Decision:
-        """Re-evaluate ``poll()`` (under the lock) after every change until it is not ``wait``
-        or ``poll_s`` passes; returns the last answer. ``explain``: the same question answered
-        with its reason, asked once for a ``wait`` that is returned (``poll`` may leave
-        ``wait`` reasons out)."""
-        deadline = asyncio.get_running_loop().time() + poll_s
-        while True:
-            with self.lock:
-                d = poll()
-            if d.kind != "wait":
-                return d
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                if explain is not None:
-                    with self.lock:
-                        d = explain()
-                return d
-            await self.changed(remaining)
 
     async def tick_forever(self, tick_s: float) -> None:
         """Apply the membership's timeouts every ``tick_s`` seconds (until cancelled), waking

@@ -147,7 +147,10 @@ def sit_out(s: RunState, ready: list[int], now: float) -> list[int]:
     up (:meth:`~.partition.Reachability.decide`). The others are marked isolated (an event and
     a counter the first time, with the reason); isolated peers that are kept again are
     readmitted (an event). Deciding over the expected members too keeps the answer the same
-    while members begin one by one."""
+    while members begin one by one. With no pair known down and nobody ever isolated, that
+    set is everyone: ``ready`` is returned without a look at the others."""
+    if s.reach.empty and not s.counters["isolations"]:
+        return ready
     candidates = sorted(set(ready) | set(s.expected()))
     names = {s.peers[i].name: i for i in candidates}
     if len(names) != len(candidates):  # two peers share a name: the picture cannot tell them

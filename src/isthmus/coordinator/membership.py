@@ -88,6 +88,7 @@ class Membership(RunState):
 
     def __init__(self, config: MembershipConfig | None = None) -> None:
         super().__init__(config)
+        self._needed: tuple[tuple[int, ...], bool] | None = None  # _hashes_needed at a stamp
         self.claims: set[int] = set()
         """Peers whose last heartbeat named members their data does not reach
         (``transfer.silent``); :meth:`tick` looks for a cut link only while there are any."""
@@ -130,8 +131,25 @@ class Membership(RunState):
             else:
                 self.claims.discard(pid)
             p.info.update(info)
+            p.beats += 1
         if probes and isolation.probed(self, p, probes, now):
             self.try_form(now)
+        return True
+
+    def same_beat(self, pid: int, now: float, beats: int) -> bool | None:
+        """A heartbeat that repeats, word for word, the info recorded as the peer's ``beats``-th
+        (:attr:`Peer.beats`): a sign of life that changes nothing else, since recording the
+        same info again would set the same fields (a ``moving`` transfer still counts as
+        progress now). None when another info was recorded since (record this one in full
+        with :meth:`heartbeat`); False if the peer is no longer active."""
+        p = self.roster.active(pid)
+        if p is None:
+            return False
+        if p.beats != beats:
+            return None
+        p.last_seen = now
+        if p.moving:
+            p.progress_at = now
         return True
 
     def _in_transfer(self, pid: int) -> bool:
@@ -370,11 +388,24 @@ class Membership(RunState):
                     f"the run is over: its last members left after round {self.revision - 1} "
                     f"and no peer holding its state is here",
                 )
-        if p.hashes is None and p.ready_nonce:  # ready: active with a begin attempt
-            ready = self.roster.ready() if ready is None else ready
-            if forming.hashes_needed(self, ready):
-                return Decision("hashes", "send state hashes for the parity check")
+        if p.hashes is None and p.ready_nonce and self._hashes_needed(ready):
+            return Decision("hashes", "send state hashes for the parity check")
         return Decision("wait", self._waiting_reason(now) if explain else "")
+
+    def _hashes_needed(self, ready: list[int] | None) -> bool:
+        """:func:`.forming.hashes_needed` over the ready peers (``ready``, or listed here),
+        worked out once per :meth:`~.state.RunState.stamp`: only a begin from outside the
+        voters (which moves the stamp) or a change of the run can bring a peer that is not in
+        sync among the ready ones, so between two moves of the stamp the answer stands. Every
+        waiting begin without hashes asks it at every pass (with ``parity_every`` > 1 that is
+        every waiting begin): once per pass, not once per waiter, each a pass over every peer."""
+        if not self.started or self.revision % self.config.parity_every == 0:
+            return True  # scheduled, or the first round: no need to look at anyone
+        stamp = self.stamp()
+        if self._needed is None or self._needed[0] != stamp:
+            ready = self.roster.ready() if ready is None else ready
+            self._needed = (stamp, forming.hashes_needed(self, ready))
+        return self._needed[1]
 
     def _waiting_reason(self, now: float | None) -> str:
         if now is None:

@@ -5,7 +5,10 @@ The gate let the socket in for peer ``peer`` (its token may act for it). Every f
 with :func:`.frames.read_uplink`:
 
 * a heartbeat goes to the membership (and its ``timing`` to the straggler detector); a
-  malformed one is not counted as one;
+  malformed one is not counted as one. A heartbeat whose text repeats the socket's last
+  recorded one word for word (no probes in it, no other info recorded for the peer since:
+  :meth:`~.membership.Membership.same_beat`) is only a sign of life: it is not decoded again,
+  since recording the same info again would change nothing else;
 * a begin or commit frame must name the socket's peer (else 403) and is charged to the
   identity's request bucket like an HTTP request (429 when empty, the socket stays open); it is
   handed to :class:`~.rounds.Rounds`, exactly as the HTTP request would be, and answered with a
@@ -18,6 +21,9 @@ A frame that is not text, or more frames than the socket's message bucket allows
 and malformed frames), closes the socket. A closed socket evicts the peer at once (its
 process exited or crashed: a live one keeps it for its whole life); the socket's begins and
 commits still held are dropped with it.
+
+:meth:`PeerSockets.record` also records the heartbeat's info a begin carries
+(:attr:`~.protocol.Begin.info`, :data:`~.protocol.INFO_IN_BEGIN`), for either transport.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ __all__ = ["PeerSockets"]
 log = logging.getLogger("isthmus.coordinator")
 
 _INTERNAL = "internal error (see the coordinator log)"
+_REMOVED = "removed by the coordinator"
 
 
 def _fits(transport: asyncio.BaseTransport | None, text: str) -> bool:
@@ -113,10 +120,24 @@ class PeerSockets:
             await old.close()
         transport = request.transport
         asks: set[Any] = set()  # this socket's begins and commits in progress
+        # the text of this socket's last heartbeat recorded in full, and the peer's count of
+        # recorded infos after it: the same text again, with no other info recorded since,
+        # says nothing new but that the peer lives
+        last: tuple[str, int] | None = None
         try:
             async for raw in ws:
                 if raw.type != WSMsgType.TEXT:
                     break  # not a frame of this protocol: the peer is dropped
+                if last is not None and raw.data == last[0]:
+                    if not bucket.take(time.monotonic()):
+                        break
+                    with hub.lock:
+                        same = hub.membership.same_beat(pid, hub.now(), last[1])
+                    if same is False:  # no longer active
+                        await hub.send(ws, wire.encode(msgs.EvictedPush(_REMOVED)))
+                        break
+                    if same:
+                        continue
                 try:
                     frame = read_uplink(raw.data)
                 except BadFrame as e:
@@ -128,8 +149,11 @@ class PeerSockets:
                 if isinstance(frame, msgs.Heartbeat):
                     if not bucket.take(time.monotonic()):
                         break  # a flood of heartbeats: the peer is dropped
-                    if not await self._heartbeat(ws, pid, frame):
+                    alive, plain = self._record(pid, frame.info)
+                    if not alive:
+                        await hub.send(ws, wire.encode(msgs.EvictedPush(_REMOVED)))
                         break
+                    last = (raw.data, self._beats(pid)) if plain else None
                     continue
                 refused = self._round(ws, transport, pid, name, frame, asks)
                 if refused is not None:
@@ -149,24 +173,36 @@ class PeerSockets:
                 hub.mutated()
         return ws
 
-    async def _heartbeat(self, ws: web.WebSocketResponse, pid: int, hb: msgs.Heartbeat) -> bool:
-        """Record one heartbeat; False when the peer is no longer active (told so, dropped)."""
-        info = dict(hb.info)
-        try:  # probes the coordinator asked for ride on heartbeats (isolation.py)
-            probes = wire.decode(
-                tuple[msgs.ProbeOutcome, ...], info.pop("probes", []), "info.probes"
-            )
-        except ValueError:  # not counted as a heartbeat
-            return True
+    def record(self, pid: int, info: dict[str, Any]) -> bool:
+        """Record ``info`` as a heartbeat of peer ``pid`` (a heartbeat frame's, or the one a
+        begin carries: :attr:`~.protocol.Begin.info`); False when the peer is no longer
+        active. Malformed ``probes`` make it no heartbeat (nothing is recorded)."""
+        return self._record(pid, info)[0]
+
+    def _record(self, pid: int, info: dict[str, Any]) -> tuple[bool, bool]:
+        """:meth:`record`, and whether ``info`` was recorded in full with no probes (the same
+        text again would say nothing new)."""
+        probes: tuple[msgs.ProbeOutcome, ...] = ()
+        if "probes" in info:  # probes the coordinator asked for ride on heartbeats (isolation.py)
+            info = dict(info)
+            try:
+                probes = wire.decode(
+                    tuple[msgs.ProbeOutcome, ...], info.pop("probes"), "info.probes"
+                )
+            except ValueError:  # not counted as a heartbeat
+                return True, False
         hub = self.hub
         with hub.lock:
             alive = hub.membership.heartbeat(pid, hub.now(), info, probes=probes)
             evicted = alive and self._watch_timing(pid, info)
         if evicted or probes:
             hub.mutated()
-        if not alive:
-            await ws.send_json(wire.encode(msgs.EvictedPush("removed by the coordinator")))
-        return alive
+        return alive, not probes and not evicted
+
+    def _beats(self, pid: int) -> int:
+        with self.hub.lock:
+            p = self.hub.membership.peers.get(pid)
+            return -1 if p is None else p.beats
 
     def _round(
         self,

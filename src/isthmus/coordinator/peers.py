@@ -133,6 +133,8 @@ class Peer:
     # its last heartbeat's ``transfer.silent``: (epoch, rank, seconds) of each member its data
     # in flight does not reach (unacknowledged past the stall rule)
     silent: tuple[tuple[int, int, float], ...] = ()
+    # heartbeat infos recorded so far (a repeated heartbeat is new only if another came between)
+    beats: int = 0
 
     @property
     def probe_address(self) -> str | None:

@@ -26,6 +26,7 @@ from isthmus.coordinator.shapes import decode_shape
 from isthmus.coordinator.wire import UNVERSIONED, WireError, decode, encode
 
 __all__ = [
+    "INFO_IN_BEGIN",
     "VOTE_IN_BEGIN",
     "AbortPush",
     "Aborted",
@@ -411,6 +412,10 @@ class Registered:
 VOTE_IN_BEGIN = "vote-in-begin"
 """The feature of a coordinator that records :attr:`Begin.prev` as a ``commit(ok)``."""
 
+INFO_IN_BEGIN = "info-in-begin"
+"""The feature of a coordinator that records :attr:`Begin.info` as a heartbeat's info: a peer
+that sends it there may leave out the heartbeat it stands for."""
+
 
 @dataclass(frozen=True)
 class Vote:
@@ -436,6 +441,10 @@ class Begin:
     prev: Vote | None = None
     """This peer's ``ok`` for the round it just finished, recorded as a ``commit`` would be
     before the begin is looked at (only to a coordinator listing :data:`VOTE_IN_BEGIN`)."""
+    info: dict[str, Any] | None = None
+    """What this peer's next :class:`Heartbeat` would carry, recorded as that heartbeat before
+    the vote and the begin are looked at (only to a coordinator listing
+    :data:`INFO_IN_BEGIN`; the peer then sends its next heartbeat one interval after this)."""
 
 
 @dataclass(frozen=True)

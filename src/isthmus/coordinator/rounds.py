@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
 
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator import wire
@@ -133,6 +134,9 @@ class Rounds:
         self._sends: list[Awaitable[None]] = []  # answers' frames not yet sent
         self._waker: asyncio.Task[None] | None = None
         self._changed = False  # an answer changed the membership during the waker's pass
+        self.on_info: Callable[[int, dict[str, Any]], object] | None = None
+        """Records a begin's :attr:`~.protocol.Begin.info` as peer ``peer``'s heartbeat (the
+        server sets it to its sockets' recorder); without it the info is ignored."""
 
     # -- the coroutine form (HTTP) ----------------------------------------------------------------
     async def begin(self, msg: msgs.Begin) -> msgs.Decision:
@@ -218,6 +222,8 @@ class Rounds:
         if (stale := self.hub.stale_run(msg.run)) is not None:
             self._finish(ask, msgs.Evicted(reason=stale))
             return
+        if msg.info is not None and self.on_info is not None:
+            self.on_info(msg.peer, msg.info)  # the heartbeat it stands for, before the rest
         if msg.prev is None:
             self._begin_now(msg, ask)
             return

@@ -111,7 +111,17 @@ class _Peer:
 
     @property
     def current(self) -> float:
-        return statistics.median(self.recent)
+        return _median(self.recent)
+
+
+def _median(xs: Any) -> float:
+    """``statistics.median`` of a few numbers, without its general machinery (once per
+    report of every peer)."""
+    s = sorted(xs)
+    n = len(s)
+    if n % 2:
+        return float(s[n // 2])
+    return (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _number(value: Any) -> float | None:
@@ -215,24 +225,30 @@ class StragglerDetector:
         if reference is None:
             return []
         k, m = self.config.factor, self.config.rounds
-        slow = reference > 0 and p.current > k * reference
+        current = p.held if p.held is not None else p.current
+        slow = reference > 0 and current > k * reference
         p.slow_run, p.fine_run = (p.slow_run + 1, 0) if slow else (0, p.fine_run + 1)
-        detail = {
-            "peer": pid,
-            "name": p.name,
-            "step": p.step,
-            "work_s": round(p.current, 6),
-            "reference_s": round(reference, 6),
-            "ratio": round(p.current / reference, 3) if reference > 0 else None,
-        }
         if p.flagged_at is None and p.slow_run >= m:
             p.flagged_at = p.step
             self.flags += 1
+            detail = self._detail(pid, p, current, reference)
             return [("straggler", {**detail, "policy": self.config.policy})]
         if p.flagged_at is not None and p.fine_run >= m:
             p.flagged_at = None
-            return [("straggler_cleared", detail)]
+            return [("straggler_cleared", self._detail(pid, p, current, reference))]
         return []
+
+    @staticmethod
+    def _detail(pid: int, p: _Peer, current: float, reference: float) -> dict[str, Any]:
+        """An event's fields (built only for an event: most reports cause none)."""
+        return {
+            "peer": pid,
+            "name": p.name,
+            "step": p.step,
+            "work_s": round(current, 6),
+            "reference_s": round(reference, 6),
+            "ratio": round(current / reference, 3) if reference > 0 else None,
+        }
 
     def _judge_sync(self) -> list[Event]:
         """Every reporting peer's synchronization beyond k times its own baseline, nobody
@@ -254,9 +270,7 @@ class StragglerDetector:
         when ``p`` reports, so it is judged then and counted)."""
         k, m = self.config.factor, self.config.rounds
         slow = bool(
-            p.sync_recent
-            and len(p.sync) >= m
-            and statistics.median(p.sync_recent) > k * statistics.median(p.sync)
+            p.sync_recent and len(p.sync) >= m and _median(p.sync_recent) > k * _median(p.sync)
         )
         self._sync_slow += slow - p.sync_slow
         p.sync_slow = slow
