@@ -39,11 +39,11 @@ spec = "fail@collective:round=3"
 [[churn]]
 action = "kill"
 peer = 1
-at_step = 4
+at_step = 7
 [[churn]]
 action = "join"
 peer = 1
-at_step = 6
+at_step = 9
 """
 
 
@@ -73,8 +73,8 @@ def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(
 
     # the kill at a step is applied from outside (a script fires no faults of ours)
     kill = next(c for c in lab.churn_applied if c["action"] == "kill")
-    assert kill["peer"] == 1 and kill["how"] == "at step 4", lab.churn_applied
-    assert kill["run_step"] >= 4
+    assert kill["peer"] == 1 and kill["how"] == "at step 7", lab.churn_applied
+    assert kill["run_step"] >= 7
     assert s.exit_codes["peer0"] == 0 and s.exit_codes["peer1"] == -signal.SIGKILL
     assert s.kills == 1
     # the joiner came in and ended with the survivor (on a machine so loaded that its fresh
@@ -102,7 +102,7 @@ def test_a_user_script_in_the_lab_ends_in_parity_with_a_report(
     assert per_peer["peer0"]["wire_tx_bytes"] > per_peer["peer0"]["accounted_bytes"] > 0
     assert json.loads((run_dir / "scenario.json").read_text())["job"]["script"] == s.program
     report = (run_dir / "report.md").read_text()
-    assert "## Lab" in report and "| kill | 1 | at step 4 |" in report
+    assert "## Lab" in report and "| kill | 1 | at step 7 |" in report
     assert (run_dir / "loss_vs_step.png").stat().st_size > 1000
     # what the script printed reached this terminal, prefixed, as with `isthmus run`
     assert "[peer0] peer0: step 50, state " in capfd.readouterr().out

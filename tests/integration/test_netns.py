@@ -232,7 +232,6 @@ _CHILD = textwrap.dedent(
     """
     import json, sys, time
     from isthmus.lab.wan import WanNetwork
-from isthmus.run import forkserver
     with WanNetwork(2, rates_mbit=20, prefix=sys.argv[1]) as net:
         sleeper = net.popen(1, ["sleep", "120"])
         print(json.dumps({"names": net.namespaces, "sleeper": sleeper.pid}), flush=True)
