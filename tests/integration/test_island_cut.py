@@ -20,12 +20,9 @@ Assertions are on the coordinator's record, never on wall-clock times (the times
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +33,7 @@ import pytest
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.partition import PartitionConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
+from isthmus.lab.netns import inside_namespace
 from isthmus.lab.wan import WanNetwork
 
 pytestmark = [
@@ -49,35 +47,14 @@ pytestmark = [
 TOKEN = "island-cut-test-token"
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "island_peer.py"
 SRC = Path(__file__).resolve().parents[2] / "src"
-CLONE_NEWNET = 0x40000000
 NAMES = ("island0", "island1")
 
 
 def _coordinator_in(netns: str, config: CoordinatorConfig) -> Coordinator:
-    """A coordinator in this process whose sockets live in ``netns``: its server is started from
-    a thread that joined the namespace (the threads it starts inherit it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    box: dict[str, Any] = {}
-
-    def start() -> None:
-        fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
-        try:
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                box["error"] = OSError(ctypes.get_errno(), f"setns {netns}")
-                return
-        finally:
-            os.close(fd)
-        try:
-            box["coord"] = Coordinator(config).start()
-        except Exception as e:  # raised again in the test's thread
-            box["error"] = e
-
-    t = threading.Thread(target=start)
-    t.start()
-    t.join(60)
-    if "error" in box:
-        raise box["error"]
-    return box["coord"]  # type: ignore[no-any-return]
+    """A coordinator in this process whose sockets live in ``netns`` (started from this thread inside it: the
+    server's threads inherit the namespace; this thread goes back)."""
+    with inside_namespace(netns):
+        return Coordinator(config).start()
 
 
 def _follower_ip(leader_ip: str) -> str:

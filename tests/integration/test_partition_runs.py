@@ -15,13 +15,11 @@ the coordinator's record (commits, their world, isolation events), never on wall
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +30,7 @@ import pytest
 from isthmus.coordinator.membership import MembershipConfig
 from isthmus.coordinator.partition import PartitionConfig
 from isthmus.coordinator.server import Coordinator, CoordinatorConfig
+from isthmus.lab.netns import inside_namespace
 from isthmus.lab.wan import WanNetwork
 from isthmus.run import forkserver
 from isthmus.run.forkserver import PeerProcess
@@ -40,35 +39,14 @@ from isthmus.run.job import PeerJob
 pytestmark = pytest.mark.root
 
 TOKEN = "partition-test-token"
-CLONE_NEWNET = 0x40000000
 NETNS_EXEC = Path(__file__).resolve().parent / "scripts" / "netns_exec.py"
 
 
 def _start_coordinator_in(netns: str, config: CoordinatorConfig) -> Coordinator:
-    """A coordinator in this process whose sockets live in ``netns`` (its server thread is
-    started from a thread that joined that namespace; threads inherit it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
-        try:
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                out["error"] = OSError(ctypes.get_errno(), f"setns {netns}")
-                return
-        finally:
-            os.close(fd)
-        try:
-            out["coord"] = Coordinator(config).start()
-        except Exception as e:  # reported in the test's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(60)
-    if "error" in out:
-        raise out["error"]
-    return out["coord"]  # type: ignore[no-any-return]
+    """A coordinator in this process whose sockets live in ``netns`` (started from this thread inside it: the
+    server's threads inherit the namespace; this thread goes back)."""
+    with inside_namespace(netns):
+        return Coordinator(config).start()
 
 
 def _nft(net: WanNetwork, peer: int, script: str) -> None:
