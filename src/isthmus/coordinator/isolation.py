@@ -46,8 +46,9 @@ reached when the coordinator knows no probe listener of it."""
 
 def rank_listeners(p: Peer) -> tuple[str, ...] | None:
     """The probe listener of every local rank of island ``p`` (``info.rank_probes``, sent at
-    registration, rank 0 first; heartbeats never carry the key, so it stays), or None: not an island, an island of an earlier release, or a list that is not one
-    well-formed ``host:port`` per rank (it would break every plan that carried it)."""
+    registration, rank 0 first; heartbeats never carry the key, so it stays), or None: not an
+    island, an island of an earlier release, or a list that is not one well-formed
+    ``host:port`` per rank (it would break every plan that carried it)."""
     island = p.info.get("island")
     if not isinstance(island, dict):
         return None
