@@ -190,25 +190,47 @@ def test_the_callback_keeps_the_trainer_on_the_run(tmp_path: Path) -> None:
     reports: list[dict[str, Any]] = []
     session = SimpleNamespace(name="peer1.1", rank=1, report=lambda **kw: reports.append(kw))
     finished: list[bool] = []
-    strategy = SimpleNamespace(session=session, step_count=1, finish=lambda: finished.append(True))
+    joins: list[bool] = []
+    strategy = SimpleNamespace(
+        session=session, step_count=0, finish=lambda: finished.append(True),
+        join=lambda: joins.append(True),
+    )  # fmt: skip
     cb = hf.IsthmusCallback(strategy, save_pretrained=tmp_path / "m")  # type: ignore[arg-type]
     args = SimpleNamespace(max_steps=20, world_size=1)
     state, control = TrainerState(max_steps=20), TrainerControl()
     cb.on_train_begin(args, state, control)
+    assert joins == [True] and state.global_step == 0 and cb.joined_at is None  # a starter
     with pytest.raises(ValueError, match="max_steps"):
         cb.on_train_begin(SimpleNamespace(max_steps=-1, world_size=1), state, control)
 
-    state.global_step = 1
-    strategy.step_count = 12  # a joiner's catch-up round put it at the run's step
+    state.global_step, strategy.step_count = 1, 1
+    cb.on_step_end(args, state, control)
+    assert state.global_step == 1 and cb.joined_at is None and reports[-1] == {"step": 1}
+
+    # a joiner: its catch-up round, run by on_train_begin, put it at the run's step
+    cb = hf.IsthmusCallback(strategy, save_pretrained=tmp_path / "m")  # type: ignore[arg-type]
+    state, strategy.step_count = TrainerState(max_steps=20), 11
+    cb.on_train_begin(args, state, control)
+    assert joins == [True, True] and state.global_step == 11 and cb.joined_at == 11
+    state.global_step += 1  # the Trainer's count after its first step
+    strategy.step_count = 12
     control.should_save = True
     cb.on_step_end(args, state, control)
-    assert state.global_step == 12 and cb.joined_at == 12
+    assert state.global_step == 12 and cb.joined_at == 11
     assert not control.should_save and not control.should_training_stop
     assert reports[-1] == {"step": 12}
 
     state.global_step, strategy.step_count = 13, 20
     cb.on_step_end(args, state, control)
     assert control.should_training_stop and state.global_step == 20
+
+    # a strategy whose join() does nothing (DDP): a joiner jumps at its first step instead
+    ddp = hf.IsthmusCallback(strategy)  # type: ignore[arg-type]
+    ddp_state, strategy.step_count = TrainerState(max_steps=20), 0
+    ddp.on_train_begin(args, ddp_state, TrainerControl())
+    ddp_state.global_step, strategy.step_count = 1, 9
+    ddp.on_step_end(args, ddp_state, TrainerControl())
+    assert ddp_state.global_step == 9 and ddp.joined_at == 9
 
     saved: list[Path] = []
     model = SimpleNamespace(save_pretrained=saved.append)

@@ -20,7 +20,8 @@ What each piece does:
   parameter groups the learning-rate scheduler writes, ``zero_grad``, ``state_dict``) is the
   inner optimizer's. Gradient clipping and accumulation stay the Trainer's and happen before
   the step, on this peer's gradients.
-* :class:`IsthmusCallback` keeps the Trainer's ``global_step`` on the run's step (a joiner or a
+* :class:`IsthmusCallback` runs the strategy's catch-up round when training starts (before the
+  first batch), keeps the Trainer's ``global_step`` on the run's step (a joiner or a
   restarted peer jumps to it at its catch-up round, and its learning-rate schedule with it),
   stops at ``max_steps`` of the *run*, reports the step and loss to the coordinator, turns off
   the Trainer's own ``checkpoint-N`` saves (every peer would write them into one directory,
@@ -184,9 +185,10 @@ def _align_schedule(scheduler: Any, step: int) -> None:
 class IsthmusCallback(TrainerCallback):  # type: ignore[misc]
     """Keeps a ``Trainer`` on the run: its step, its end, the saved model.
 
-    After every optimizer step, sets ``state.global_step`` to the strategy's step (the run's:
-    a peer that joined or restarted gets it at its catch-up round) and the learning-rate
-    schedule to that step, reports the step to the coordinator, stops training once the run
+    At the start of training runs the strategy's catch-up round (``strategy.join()``, before
+    the first batch is drawn). Then, and after every optimizer step, sets ``state.global_step``
+    to the strategy's step (the run's: a peer that joined or restarted gets it at its catch-up
+    round) and the learning-rate schedule to that step; after every step it also reports the step to the coordinator, stops training once the run
     reached ``args.max_steps``, and cancels the Trainer's own checkpoint save (isthmus's
     checkpoints hold the shared state instead). At the end of training runs
     ``strategy.finish()`` (the final round and the last checkpoint, if any), then, with
@@ -214,10 +216,13 @@ class IsthmusCallback(TrainerCallback):  # type: ignore[misc]
         self.saved: Path | None = None
         """Where this peer wrote the model at the end (None: another peer did, or none)."""
         self.joined_at: int | None = None
-        """The run's step this peer jumped to at its first step, if it was not 1 (a joiner)."""
+        """The run's step this peer jumped to at its catch-up round, if the Trainer was not
+        there already (a joiner or a restarted peer); None otherwise."""
         self._warned_save = False
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kwargs: Any
+    ) -> Any:
         if args.max_steps is None or args.max_steps <= 0:
             raise ValueError(
                 "train with TrainingArguments(max_steps=N): the run's length in optimizer steps "
@@ -229,18 +234,29 @@ class IsthmusCallback(TrainerCallback):  # type: ignore[misc]
                 "peer is its own one-process Trainer and isthmus does the communication"
             )
         self.strategy.run_steps = args.max_steps  # the last round begins no other
+        # The catch-up round now, before the Trainer draws its first batch: otherwise the first
+        # optimizer step would be that round, its forward and backward pass thrown away (and
+        # its batch drawn before the round said this peer's rank and world).
+        self.strategy.join()
+        self._follow(state, lr_scheduler)
         return control
 
-    def on_step_end(
-        self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kwargs: Any
-    ) -> Any:
+    def _follow(self, state: Any, lr_scheduler: Any) -> None:
+        """Put ``state.global_step`` and the schedule on the strategy's step where they differ
+        (a joiner or a restarted peer, at its catch-up round)."""
         step = self.strategy.step_count
         if state.global_step != step:
-            if self.joined_at is None and state.global_step == 1:
+            if self.joined_at is None and state.global_step <= 1:
                 self.joined_at = step
                 log.info("%s joined the run at step %d", self.session.name, step)
             state.global_step = step
             _align_schedule(lr_scheduler, step)
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kwargs: Any
+    ) -> Any:
+        self._follow(state, lr_scheduler)
+        step = self.strategy.step_count
         self.session.report(step=step)
         if step >= state.max_steps:
             control.should_training_stop = True
