@@ -51,8 +51,8 @@ NAMES = ("island0", "island1")
 
 
 def _coordinator_in(netns: str, config: CoordinatorConfig) -> Coordinator:
-    """A coordinator in this process whose sockets live in ``netns`` (started from this thread inside it: the
-    server's threads inherit the namespace; this thread goes back)."""
+    """A coordinator in this process whose sockets live in ``netns``: started from this thread
+    inside it (the server's threads inherit the namespace; this thread goes back)."""
     with inside_namespace(netns):
         return Coordinator(config).start()
 

@@ -43,8 +43,8 @@ NETNS_EXEC = Path(__file__).resolve().parent / "scripts" / "netns_exec.py"
 
 
 def _start_coordinator_in(netns: str, config: CoordinatorConfig) -> Coordinator:
-    """A coordinator in this process whose sockets live in ``netns`` (started from this thread inside it: the
-    server's threads inherit the namespace; this thread goes back)."""
+    """A coordinator in this process whose sockets live in ``netns``: started from this thread
+    inside it (the server's threads inherit the namespace; this thread goes back)."""
     with inside_namespace(netns):
         return Coordinator(config).start()
 

@@ -185,15 +185,15 @@ def _align_schedule(scheduler: Any, step: int) -> None:
 class IsthmusCallback(TrainerCallback):  # type: ignore[misc]
     """Keeps a ``Trainer`` on the run: its step, its end, the saved model.
 
-    At the start of training runs the strategy's catch-up round (``strategy.join()``, before
-    the first batch is drawn). Then, and after every optimizer step, sets ``state.global_step``
-    to the strategy's step (the run's: a peer that joined or restarted gets it at its catch-up
-    round) and the learning-rate schedule to that step; after every step it also reports the step to the coordinator, stops training once the run
-    reached ``args.max_steps``, and cancels the Trainer's own checkpoint save (isthmus's
-    checkpoints hold the shared state instead). At the end of training runs
-    ``strategy.finish()`` (the final round and the last checkpoint, if any), then, with
-    ``save_pretrained``, writes the model there with ``model.save_pretrained`` on the peer of
-    rank ``saver_rank`` in the final round (exactly one peer).
+    At the start of training runs the strategy's catch-up round (``strategy.join()``, before the
+    first batch is drawn). Then, and after every optimizer step, sets ``state.global_step`` to
+    the strategy's step (the run's: a peer that joined or restarted gets it at its catch-up
+    round) and the learning-rate schedule to that step; after every step it also reports the
+    step to the coordinator, stops training once the run reached ``args.max_steps``, and cancels
+    the Trainer's own checkpoint save (isthmus's checkpoints hold the shared state instead). At
+    the end of training runs ``strategy.finish()`` (the final round and the last checkpoint, if
+    any), then, with ``save_pretrained``, writes the model there with ``model.save_pretrained``
+    on the peer of rank ``saver_rank`` in the final round (exactly one peer).
 
     ``args.max_steps`` must be set (the run's length in optimizer steps): a Trainer that
     counts epochs would end on each peer after its own number of batches. Raises ValueError at

@@ -20,12 +20,13 @@ round (its local parameters did not start from theta) and restarts from the new 
 
 Joining: a peer's first round is a catch-up round before any inner step, run by
 :meth:`~isthmus.strategies.base.Strategy.join` before the first forward pass, or else by the
-first ``step()`` (whose gradient is then dropped). A joiner thus waits for the members' next outer round, receives theta, and
-starts from it instead of training from its own initialization. At the start of a run this first
-round is the parity check of the initial states (and a joiner's repair); nobody has trained, so it
-reduces nothing (:func:`~isthmus.strategies.phased.nobody_trained`) and leaves theta as it is. The
-step counter advances by the mean of the contributors' inner-step counts, which rides in the
-same all-reduce, so every peer agrees on it.
+first ``step()`` (whose gradient is then dropped). A joiner thus waits for the members' next
+outer round, receives theta, and starts from it instead of training from its own initialization.
+At the start of a run this first round is the parity check of the initial states (and a joiner's
+repair); nobody has trained, so it reduces nothing
+(:func:`~isthmus.strategies.phased.nobody_trained`) and leaves theta as it is. The step counter
+advances by the mean of the contributors' inner-step counts, which rides in the same all-reduce,
+so every peer agrees on it.
 
 **Heterogeneous peers.** Outer gradients are weighted by the tokens each peer
 processed in the phase (``step(tokens=n)``; by default one per inner step, so inner steps count
