@@ -2,7 +2,9 @@
 
 :meth:`isthmus.comm.session.Session.begin` makes one; the session keeps what a round needs (the
 coordinator's verdict, the fault injector, whether this peer's state was just repaired) and the
-round asks it.
+round asks it. A round that needs no collective may be handed out before its epoch's group is
+connected (:mod:`isthmus.comm.ahead`): :attr:`Round.group` then waits for the connection
+(bounded) the first time it is read, and its rank and world come from the plan.
 """
 
 from __future__ import annotations
@@ -27,16 +29,44 @@ class RoundOwner(Protocol):
 
     def _commit(self, rnd: Round, ok: bool, error: str, cause: BaseException | None) -> bool: ...
 
+    def _take_group(self, plan: RoundPlan) -> Group: ...
+
 
 class Round:
-    """One formed round. Use :attr:`group` for collectives, then :meth:`commit` exactly once."""
+    """One formed round. Use :attr:`group` for collectives, then :meth:`commit` exactly once.
 
-    def __init__(self, session: RoundOwner, plan: RoundPlan, group: Group, started: float) -> None:
+    ``group`` None: the round was handed out ahead of its epoch's group (see the module
+    docstring)."""
+
+    def __init__(
+        self, session: RoundOwner, plan: RoundPlan, group: Group | None, started: float
+    ) -> None:
         self.session = session
         self.plan = plan
-        self.group = group
+        self._group = group
         self.started = started
+        self.setup_failed = False
+        """The group, connected ahead, could not be had: the attempt failed in its set-up."""
         self._done = False
+
+    @property
+    def group(self) -> Group:
+        """The group for this round's collectives. For a round handed out ahead of its group,
+        the first read waits for the connection (bounded by ``collective_timeout`` and the
+        probes that name a member not reached) and raises
+        :class:`~isthmus.comm.group.CollectiveError` when it failed or the epoch was aborted:
+        report the round failed (:meth:`Session.run_round` does) and begin again."""
+        if self._group is None:
+            try:
+                self._group = self.session._take_group(self.plan)
+            except Exception:
+                self.setup_failed = True
+                raise
+        return self._group
+
+    @group.setter
+    def group(self, g: Group) -> None:
+        self._group = g
 
     @property
     def number(self) -> int:
@@ -48,11 +78,13 @@ class Round:
 
     @property
     def rank(self) -> int:
-        return self.group.rank
+        if self._group is None:  # not connected yet: the plan says it
+            return self.plan.rank_of(self.session.peer_id or 0)
+        return self._group.rank
 
     @property
     def world(self) -> int:
-        return self.group.world
+        return len(self.plan.members) if self._group is None else self._group.world
 
     @property
     def resynced(self) -> bool:

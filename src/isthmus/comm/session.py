@@ -4,7 +4,8 @@ A :class:`Session` registers with the coordinator, keeps a heartbeat, and runs *
 
 1. :meth:`Session.begin` tells the coordinator this peer is ready and blocks (bounded) until the
    round forms. If the membership changed it builds a fresh process group for the new epoch on a
-   per-epoch store prefix; if the plan says this peer's state is stale (a joiner, a resumed peer,
+   per-epoch store prefix (for the run's first round, when it transfers nothing, behind the
+   round instead: :mod:`isthmus.comm.ahead`); if the plan says this peer's state is stale (a joiner, a resumed peer,
    a corrupted tensor) it receives the differing tensors from an in-sync peer and verifies them.
 2. The caller runs the round's collectives through :attr:`Round.group` (bounded, abortable).
 3. :meth:`Round.commit` reports success or failure; it returns True only when *every* member
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from isthmus.comm.ahead import ConnectsAhead, GroupAhead, connects_ahead
 from isthmus.comm.connect import Graveyard, Rendezvous, rendezvous
 from isthmus.comm.epoch import connect_epoch
 from isthmus.comm.faults import Fault, FaultInjector
@@ -86,7 +88,7 @@ def _default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Session(IslandDispatch, VoteAhead):
+class Session(IslandDispatch, VoteAhead, ConnectsAhead):
     """A peer's membership in one run. Create it, register shared state, run rounds, close.
 
     ``Session(config)`` connects and registers at once, so a wrong address or token fails here
@@ -133,6 +135,7 @@ class Session(IslandDispatch, VoteAhead):
         )
         self._stores: Rendezvous | None = None
         self._group: Group | None = None
+        self._ahead: GroupAhead | None = None  # the epoch's group connecting behind round 0
         self._in_round: RoundPlan | None = None  # from a round's go to this peer's report
         # Abandoned groups and connection attempts, held until torch is done with them.
         self._graveyard = Graveyard()
@@ -163,6 +166,7 @@ class Session(IslandDispatch, VoteAhead):
         self.restore_point = reply.restore
         self._carry_votes = msgs.VOTE_IN_BEGIN in reply.features  # one request per round
         self._fresh = True
+        self._drop_ahead("the peer registered again")
         self._set_group(None)
         # Each epoch gets a client of its own of this store (see isthmus.comm.connect).
         self._stores = rendezvous(
@@ -195,8 +199,11 @@ class Session(IslandDispatch, VoteAhead):
             with self._push_lock:
                 self._aborted_epochs.add(msg.epoch)
                 g = self._group
+            why = f"round {msg.round} aborted by the coordinator: {msg.reason}"
             if g is not None and g.name == f"epoch{msg.epoch}":
-                g.abort(f"round {msg.round} aborted by the coordinator: {msg.reason}")
+                g.abort(why)
+            if (ahead := self._ahead) is not None and ahead.epoch == msg.epoch:
+                ahead.abort(why)
         elif isinstance(msg, msgs.ProbePush):
             self.reach.on_push(msg)
         elif isinstance(msg, msgs.EvictedPush):  # the next request learns it and registers again
@@ -253,10 +260,24 @@ class Session(IslandDispatch, VoteAhead):
         self._graveyard.reap()
 
     def _group_for(self, plan: RoundPlan) -> Group:
+        """The group of ``plan``'s epoch: the one this peer holds, the one connected ahead
+        (waiting for what is left of it), or a new connection. Raises
+        :class:`CollectiveError` when connecting fails (naming the members not reached)."""
         name = f"epoch{plan.epoch}"
         g = self._group
         if g is not None and g.name == name and not g.aborted:
             return g
+        g = self._take_ahead(plan)  # connected behind round 0 (comm/ahead.py), if it was
+        if g is None:
+            g = self._connect(plan)
+        self._set_group(g)
+        if plan.epoch in self._aborted_epochs:
+            g.abort(f"epoch {plan.epoch} was aborted")
+        return g
+
+    def _connect(self, plan: RoundPlan, cancelled: Callable[[], bool] = lambda: False) -> Group:
+        """Connect ``plan``'s epoch (:func:`connect_epoch`; abandoned when the coordinator
+        aborts the epoch or ``cancelled()``) and settle whether it probes."""
         assert self._stores is not None
         g, agreed = connect_epoch(
             plan,
@@ -267,15 +288,13 @@ class Session(IslandDispatch, VoteAhead):
             backend=self._backend(),
             stats=self.stats,
             stores=self._stores,
-            aborted=lambda: plan.epoch in self._aborted_epochs,
+            aborted=lambda: plan.epoch in self._aborted_epochs or cancelled(),
             graveyard=self._graveyard,
             wishes=self.prober.wishes(plan),
             reach_source=self.reach.source,
         )
-        self.prober.agree(plan, agreed)
-        self._set_group(g)
-        if plan.epoch in self._aborted_epochs:
-            g.abort(f"epoch {plan.epoch} was aborted")
+        if not cancelled():  # an attempt nobody takes decides nothing
+            self.prober.agree(plan, agreed)
         return g
 
     # -- rounds ---------------------------------------------------------------------------------
@@ -298,6 +317,11 @@ class Session(IslandDispatch, VoteAhead):
             if plan is None:
                 continue  # evicted and registered again
             t0, self._in_round = time.monotonic(), plan
+            if connects_ahead(plan, backend=self._backend()):
+                # nothing in this round needs the group (comm/ahead.py): connect it behind
+                self._connect_ahead(plan)
+                self.rank, self.world = plan.rank_of(self.peer_id or 0), len(plan.members)
+                return Round(self, plan, None, t0)
             try:
                 group = self._group_for(plan)
                 fault = functools.partial(self._probe_fault, plan.round)
@@ -445,7 +469,10 @@ class Session(IslandDispatch, VoteAhead):
                 rnd.check_faults("commit")
             except CollectiveError as e:
                 ok, error = False, str(e)
-        return self._report_outcome(rnd.plan, ok=ok, error=error, t0=rnd.started, cause=cause)
+        stage = "setup" if rnd.setup_failed else "round"  # its group, connected ahead, failed
+        return self._report_outcome(
+            rnd.plan, ok=ok, error=error, t0=rnd.started, stage=stage, cause=cause
+        )
 
     def run_round(self, fn: Callable[[Round], T], *, pipelined: bool = False) -> T:
         """Run ``fn(round)`` until a round commits with it, and return its result.
@@ -530,6 +557,7 @@ class Session(IslandDispatch, VoteAhead):
                 self._tensorboard.close()
         self._client.close()
         self.reach.close()
+        self._drop_ahead("the session closed")
         self._set_group(None)
         # Cut groups go idle within milliseconds; give them that (bounded), so that none is left
         # for the interpreter's exit to destroy while it still works.
