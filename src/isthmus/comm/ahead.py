@@ -134,16 +134,17 @@ class GroupAhead:
             if why is not None:
                 self.abort(why)
                 raise CollectiveError(why)
+        with self._lock:
+            why, g = self._reason, self._group
+        if why is not None:  # abandoned: whatever the connection raised came of that
+            raise CollectiveError(why) from self._error
         if self._error is not None:
             if isinstance(self._error, CollectiveError):
                 raise self._error
             raise CollectiveError(
                 f"connecting the group of epoch {self.epoch} failed: {self._error}"
             ) from self._error
-        with self._lock:
-            why, g = self._reason, self._group
-        if why is not None or g is None:
-            raise CollectiveError(why or f"the group of epoch {self.epoch} was not connected")
+        assert g is not None
         return g
 
 
