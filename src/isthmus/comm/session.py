@@ -299,7 +299,9 @@ class Session(IslandDispatch, VoteAhead, ConnectsAhead):
 
     # -- rounds ---------------------------------------------------------------------------------
     def begin(self) -> Round:
-        """Block until the next round forms with this peer in it; return it.
+        """Block until the next round forms with this peer in it; return it. The run's first
+        round, when it transfers nothing, comes back before its epoch's group is connected
+        (:mod:`isthmus.comm.ahead`): its :attr:`Round.group` waits for the connection.
 
         Raises :class:`StateMismatch` if the coordinator refused this peer's shared state,
         :class:`RoundTimeout` if no round formed within ``round_timeout``, :class:`RoundFailed`
