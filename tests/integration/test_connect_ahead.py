@@ -1,7 +1,8 @@
 """The run's first round handed out before its epoch's group is connected (comm/ahead.py), with
 real peer processes: the round commits without the group, a group that cannot connect fails
-the next round's set-up with the connection's own error, and a member dying behind the first
-round leaves the survivors to form a new epoch and end bit-identical."""
+the next round's set-up with the connection's own error, a round 0 with a repair keeps its
+group at the begin, and a member dying behind the first round leaves the survivors to form a
+new epoch and end bit-identical."""
 
 from __future__ import annotations
 
@@ -31,17 +32,20 @@ def test_round_0_commits_without_the_group_and_a_failed_connection_fails_round_1
     assert "setting up round 1 failed" in c.log("a") + c.log("b")
 
 
-def test_a_member_killed_behind_round_0_leaves_the_survivors_in_parity(cluster):
+def test_a_member_killed_behind_round_0_and_a_repair_in_round_0_end_in_parity(cluster):
+    # c starts from other weights: its round 0 transfers (a repair), so every member connects
+    # that round's group at the begin, as before; b dies in the first phase, behind round 0.
     c = cluster(start_peers=3)
     job = {**DILOCO, "steps": 9}
     c.spawn("a", **job)
-    c.spawn("b", **job, faults=["kill@step:step=1"])  # after round 0, in the first phase
-    c.spawn("c", **job)
+    c.spawn("b", **job, faults=["kill@step:step=1"])
+    c.spawn("c", **job, seed=1)
     codes = c.wait()
     assert codes == {"a": 0, "b": -signal.SIGKILL, "c": 0}
-    fa = c.final("a")
+    fa, fc = c.final("a"), c.final("c")
     assert fa["step"] == 9
-    assert fa["rounds"][0]["round"] == 0 and fa["rounds"][0]["outcome"] == "committed"
-    assert fa["rounds"][0]["world"] == 3
+    first = fc["rounds"][0]
+    assert (first["round"], first["outcome"], first["world"]) == (0, "committed", 3)
+    assert first["resynced"] and not fa["rounds"][0]["resynced"]
     assert fa["rounds"][-1]["outcome"] == "committed" and fa["rounds"][-1]["world"] == 2
     assert_bitwise_equal(c.state("a"), c.state("c"))
