@@ -16,7 +16,8 @@ When: :class:`LinkProber` is the session's side. Every member states in the epoc
 probe (probing is on, the epoch has at least :data:`~isthmus.coordinator.ring.ORDERED_FROM`
 members, and it has not probed this very member set yet) and whether its probing is off. The
 epoch's first round probes when one member wants it and none has it off, so every member
-decides alike. A member set is probed once: a later epoch of the same members (after an aborted
+decides alike (the run's first round, when its group connects behind it, leaves that to the next
+round of the epoch, the first to take the group: :mod:`isthmus.comm.ahead`). A member set is probed once: a later epoch of the same members (after an aborted
 round, or the coordinator reordering the ring by the new rates) does not probe again.
 
 What happens on failure: every wait is bounded by the group's timeout, and a peer that dies or
@@ -162,7 +163,7 @@ class LinkProber:
         self.owner = owner
         self.table = LinkTable()
         self._probed: frozenset[int] | None = None  # the member set last probed (or tried)
-        self._due: int | None = None  # the epoch whose first round probes
+        self._due: int | None = None  # the epoch whose first round (that has the group) probes
         self._warned = False
         self.failures = 0
         self.seconds = 0.0
