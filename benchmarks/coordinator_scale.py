@@ -218,6 +218,7 @@ def client_main(
             beats = (
                 sum(p.heartbeats for p in peers) - beats_before,
                 sum(getattr(p, "infos_in_begins", 0) for p in peers),
+                sum(getattr(p, "lists_sent", 0) for p in peers),
             )
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
@@ -321,12 +322,13 @@ def measure(
     evicted = failed = framed = 0
     failure_kinds: dict[str, int] = {}
     t_rounds = time.monotonic()
-    round_beats = carried = 0
+    round_beats = carried = lists = 0
     for a in pipes:
-        kind, (per_peer, (ev, fails), sent, kinds, (hb, infos)) = a.recv()
+        kind, (per_peer, (ev, fails), sent, kinds, (hb, infos, full)) = a.recv()
         assert kind == "rounds"
         round_beats += hb
         carried += infos
+        lists += full
         evicted += ev
         failed += fails
         framed += sent
@@ -409,6 +411,7 @@ def measure(
         * (statistics.median(cpu) - idle_frac * statistics.median(wall)),
         "heartbeats_per_round": round_beats / committed,
         "infos_in_begins_per_round": carried / committed,
+        "hash_lists_per_round": lists / committed,
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "cpu_us_per_heartbeat": 1e6 * (c1 - c0) / max(1, b1 - b0),

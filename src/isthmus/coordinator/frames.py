@@ -22,7 +22,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from isthmus.coordinator.protocol import Begin, Commit, Decision, Heartbeat, Push, Vote
+from isthmus.coordinator.protocol import (
+    MAX_DIGEST,
+    Begin,
+    Commit,
+    Decision,
+    Heartbeat,
+    Push,
+    Vote,
+)
 from isthmus.coordinator.wire import WireError, decode, encode
 
 __all__ = [
@@ -156,13 +164,17 @@ def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
             return None
         peer, nonce, revision = b.get("peer"), b.get("nonce"), b.get("revision")
         run, hashes, prev = b.get("run"), b.get("hashes"), b.get("prev")
-        info = b.get("info")
+        info, digest = b.get("info"), b.get("digest")
         if (
             type(peer) is not int
             or type(nonce) is not str
             or type(revision) is not int
             or (run is not None and type(run) is not str)
             or (info is not None and type(info) is not dict)
+            or (
+                digest is not None
+                and (type(digest) is not str or not 0 < len(digest) <= MAX_DIGEST)
+            )
             or b.get("schema") is not None
         ):
             return None
@@ -188,6 +200,7 @@ def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
                 hashes=hashes,
                 prev=vote,
                 info=None if info is None else dict(info),
+                digest=digest,
             ),
         )
     if kind == "commit":

@@ -286,11 +286,15 @@ class Membership(RunState):
         revision: int,
         hashes: dict[str, str] | None,
         schema: list[TensorSpec] | None,
+        digest: str | None = None,
         explain: bool = True,
     ) -> Decision:
         """A peer is ready for the next round (``nonce`` names this attempt; re-asking with the
         same nonce is idempotent, a new nonce from a member of the running round abandons it).
-        ``explain=False``: a ``wait`` answer carries no reason (see :meth:`poll_begin`)."""
+        ``digest``: the :func:`.parity.state_digest` of its hashes, sent instead of them; the
+        parity check asks for the list itself (a ``hashes`` answer) only where the digests
+        disagree (:func:`.forming.try_form`). ``explain=False``: a ``wait`` answer carries no
+        reason (see :meth:`poll_begin`)."""
         p = self.roster.active(pid)
         if p is None:
             return self.gone(pid)
@@ -328,7 +332,9 @@ class Membership(RunState):
             )
             self.restore_point = None
         if hashes is not None:
-            p.hashes = dict(hashes)
+            p.hashes, p.digest = dict(hashes), None
+        elif digest is not None:
+            p.hashes, p.digest = None, digest
         if p.ready_nonce != nonce:
             p.ready_nonce = nonce
             p.ready_since = now
@@ -388,7 +394,7 @@ class Membership(RunState):
                     f"the run is over: its last members left after round {self.revision - 1} "
                     f"and no peer holding its state is here",
                 )
-        if p.hashes is None and p.ready_nonce and self._hashes_needed(ready):
+        if p.hashes is None and p.digest is None and p.ready_nonce and self._hashes_needed(ready):
             return Decision("hashes", "send state hashes for the parity check")
         return Decision("wait", self._waiting_reason(now) if explain else "")
 

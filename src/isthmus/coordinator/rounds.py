@@ -250,6 +250,7 @@ class Rounds:
                 revision=msg.revision,
                 hashes=msg.hashes,
                 schema=None if msg.schema is None else list(msg.schema),
+                digest=msg.digest,
                 explain=False,
             )
         self._mutated()
