@@ -76,6 +76,9 @@ REASON_TTL = 0.25
 MAX_SILENT = 64
 """At most this many entries of a heartbeat's ``transfer.silent`` are read."""
 
+_WAIT = Decision("wait", "")
+"""A ``wait`` without its reason (decisions are immutable: every such answer is this one)."""
+
 
 class Membership(RunState):
     """The coordinator's state and the requests that change it. Methods take ``now`` (seconds,
@@ -314,7 +317,7 @@ class Membership(RunState):
         r = self.phase.round
         if r is not None and pid in r.nonces:
             if r.nonces[pid] == nonce:
-                return Decision("go", plan=r.plan)
+                return r.go
             # A new attempt from a member means it gave up on the running round.
             self.abort(now, f"peer {pid} ({p.name}) abandoned round {r.plan.round}")
         p.revision = revision
@@ -359,7 +362,7 @@ class Membership(RunState):
             return self.gone(pid)
         r = self.phase.round
         if r is not None and r.nonces.get(pid) == nonce:
-            return Decision("go", plan=r.plan)
+            return r.go
         if p.ready_nonce != nonce:
             return Decision("wait", "this begin attempt was superseded")
         stop = self.streak.stop()
@@ -396,7 +399,7 @@ class Membership(RunState):
                 )
         if p.hashes is None and p.digest is None and p.ready_nonce and self._hashes_needed(ready):
             return Decision("hashes", "send state hashes for the parity check")
-        return Decision("wait", self._waiting_reason(now) if explain else "")
+        return Decision("wait", self._waiting_reason(now)) if explain else _WAIT
 
     def _hashes_needed(self, ready: list[int] | None) -> bool:
         """:func:`.forming.hashes_needed` over the ready peers (``ready``, or listed here),
@@ -476,7 +479,7 @@ class Membership(RunState):
         if r is None or (r.plan.epoch, r.plan.round) != key:
             return Decision("aborted", f"round {round} of epoch {epoch} is not running")
         if not explain:
-            return Decision("wait", "")
+            return _WAIT
         waiting = [m for m in r.plan.members if m not in r.reports]
         return Decision("wait", f"waiting for commit reports from peers {waiting}")
 

@@ -130,6 +130,7 @@ class Rounds:
         self.hub = hub
         self.poll_s = poll_s
         self._go: tuple[msgs.RoundPlan, tuple[str, str], str] | None = None  # the last go, encoded
+        self._voted_go: tuple[msgs.Decision, msgs.Decision] | None = None  # a go, with prev
         self._held = HeldTable()
         self._sends: list[Awaitable[None]] = []  # answers' frames not yet sent
         self._waker: asyncio.Task[None] | None = None
@@ -256,7 +257,7 @@ class Rounds:
         self._mutated()
 
         def done(d: msgs.Decision) -> None:
-            self._finish(ask, d if msg.prev is None else dataclasses.replace(d, prev="committed"))
+            self._finish(ask, d if msg.prev is None else self._voted_answer(d))
 
         if d.kind != "wait":
             done(d)
@@ -268,6 +269,17 @@ class Rounds:
             ask,
             done,
         )
+
+    def _voted_answer(self, d: msgs.Decision) -> msgs.Decision:
+        """``d`` answering a begin whose vote committed (``prev="committed"``); the round's
+        ``go``, the same decision for every member, is made so once."""
+        cached = self._voted_go
+        if cached is not None and cached[0] is d:
+            return cached[1]
+        out = dataclasses.replace(d, prev="committed")
+        if isinstance(d, msgs.Go):
+            self._voted_go = (d, out)
+        return out
 
     def _commit(self, msg: msgs.Commit, ask: _Ask) -> None:
         if (stale := self.hub.stale_run(msg.run)) is not None:
