@@ -23,9 +23,12 @@ Figures (per counted round): formation latency, from the last member's begin sen
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
 received (with the vote in the begin: from the last carrying begin sent to the last answer
 that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
-CPU time (user + system of its whole process, sampled in the process at every commit), the
-part of it spent in the cyclic garbage collector (``gc_ms_per_round``; ``gc_by_generation``:
-passes and seconds of each generation over the whole run); and its RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
+CPU time (user + system of its whole process, sampled in the process at every commit; each
+counted round's in ``cpu_ms_by_round``), the part of it spent in the cyclic garbage collector
+(``gc_ms_per_round``; ``gc_by_generation``: passes and seconds of each generation over the
+whole run); the begins that carried the full list of hashes rather than its digest
+(``hash_lists_per_round``: every begin's list where the coordinator does not list
+``hash-digest``, else the first begins' and those asked); and its RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
 round ``--warmup`` on (the counted rounds only: not the registrations nor the first rounds) and
 writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
@@ -402,6 +405,7 @@ def measure(
             "p99": 1e3 * _pct(cpu, 0.99),
             "mean": 1e3 * statistics.mean(cpu),
         },
+        "cpu_ms_by_round": [round(1e3 * c, 1) for c in cpu],
         "gc_ms_per_round": {
             "median": 1e3 * statistics.median(gc_cpu) if gc_cpu else None,
             "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
