@@ -39,6 +39,10 @@ Answer = Callable[[msgs.Decision], "Awaitable[None] | None"]
 answer awaits it through :meth:`Rounds.flush`."""
 
 
+def _spent(_: object) -> None:
+    """What an answered ask's ``answer`` and ``fail`` become (see :meth:`Rounds._finish`)."""
+
+
 class _Ask:
     """One begin or commit in progress: what takes its answer, where it is held (if it is), and
     whether its asker has gone (a cancelled HTTP request, a closed socket)."""
@@ -216,6 +220,9 @@ class Rounds:
             return
         ask.gone = True  # answered once
         sent = ask.answer(d)
+        # The asker's closures may hold the ask itself (a frame's answer forgets its ask): a
+        # cycle that only the garbage collector would free, a thousand of them a round
+        ask.answer, ask.fail = _spent, _spent
         if sent is not None:
             self._sends.append(sent)
 
