@@ -23,9 +23,12 @@ Figures (per counted round): formation latency, from the last member's begin sen
 member's ``go`` received; commit latency, from the last commit sent to the last ``committed``
 received (with the vote in the begin: from the last carrying begin sent to the last answer
 that the round committed, which is also the next round's formation); the round's wall time (last ``committed`` to last ``committed``); the coordinator's
-CPU time (user + system of its whole process, sampled in the process at every commit), the
-part of it spent in the cyclic garbage collector (``gc_ms_per_round``; ``gc_by_generation``:
-passes and seconds of each generation over the whole run); and its RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
+CPU time (user + system of its whole process, sampled in the process at every commit; each
+counted round's in ``cpu_ms_by_round``), the part of it spent in the cyclic garbage collector
+(``gc_ms_per_round``; ``gc_by_generation``: passes and seconds of each generation over the
+whole run); the begins that carried the full list of hashes rather than its digest
+(``hash_lists_per_round``: every begin's list where the coordinator does not list
+``hash-digest``, else the first begins' and those asked); and its RSS at the end. ``--profile DIR`` runs the coordinator under cProfile from the commit of
 round ``--warmup`` on (the counted rounds only: not the registrations nor the first rounds) and
 writes
 ``DIR/coordinator-<n>.pstats`` (and the top functions by cumulative time on stdout).
@@ -218,6 +221,7 @@ def client_main(
             beats = (
                 sum(p.heartbeats for p in peers) - beats_before,
                 sum(getattr(p, "infos_in_begins", 0) for p in peers),
+                sum(getattr(p, "lists_sent", 0) for p in peers),
             )
             lost = (sum(p.evictions for p in peers), sum(p.failures for p in peers))
             assert not carry or all(p.carries() for p in peers), "vote-in-begin not listed"
@@ -261,7 +265,8 @@ def measure(
 ) -> dict[str, Any]:
     port = _free_port()
     out = Path(f"/tmp/coordinator-scale-{os.getpid()}-{n}.json")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    path = [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     server = subprocess.Popen(
         [
             sys.executable,
@@ -321,12 +326,13 @@ def measure(
     evicted = failed = framed = 0
     failure_kinds: dict[str, int] = {}
     t_rounds = time.monotonic()
-    round_beats = carried = 0
+    round_beats = carried = lists = 0
     for a in pipes:
-        kind, (per_peer, (ev, fails), sent, kinds, (hb, infos)) = a.recv()
+        kind, (per_peer, (ev, fails), sent, kinds, (hb, infos, full)) = a.recv()
         assert kind == "rounds"
         round_beats += hb
         carried += infos
+        lists += full
         evicted += ev
         failed += fails
         framed += sent
@@ -400,6 +406,7 @@ def measure(
             "p99": 1e3 * _pct(cpu, 0.99),
             "mean": 1e3 * statistics.mean(cpu),
         },
+        "cpu_ms_by_round": [round(1e3 * c, 1) for c in cpu],
         "gc_ms_per_round": {
             "median": 1e3 * statistics.median(gc_cpu) if gc_cpu else None,
             "mean": 1e3 * statistics.mean(gc_cpu) if gc_cpu else None,
@@ -409,6 +416,7 @@ def measure(
         * (statistics.median(cpu) - idle_frac * statistics.median(wall)),
         "heartbeats_per_round": round_beats / committed,
         "infos_in_begins_per_round": carried / committed,
+        "hash_lists_per_round": lists / committed,
         "heartbeats_per_s": hb_rate,
         "idle_cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "cpu_us_per_heartbeat": 1e6 * (c1 - c0) / max(1, b1 - b0),

@@ -14,7 +14,9 @@ request per round, as a peer with ``pipeline_commit`` sends it), every message e
 codec (``coordinator/wire.py``). With :attr:`SwarmConfig.info_in_begin` (and a coordinator that
 lists ``info-in-begin``) a begin frame sent half an interval or more after the last heartbeat
 carries the heartbeat's info, and the next heartbeat goes one interval after it, as a real
-peer's client does. The peers of one process share the decoding of a round's reply: every
+peer's client does. With :attr:`SwarmConfig.hash_digest` (and a coordinator that lists
+``hash-digest``) a begin carries the digest of its hashes in their place, and the list only
+when that attempt is answered ``hashes``, as a real peer's client does. The peers of one process share the decoding of a round's reply: every
 member gets the same decision text, which hundreds of peers on one loop would otherwise decode
 hundreds of times (on a thousand machines each would decode it once, in parallel). Every peer of a swarm holds the same "state" (the same hashes),
 so parity always agrees. One process holds hundreds of them on one event loop and one HTTP
@@ -54,11 +56,29 @@ source of a release from before frames (the benchmark's "before" rows)."""
 INFO_IN_BEGIN = "info-in-begin"
 """``coordinator/protocol.py``'s feature, named here for the same reason."""
 
+HASH_DIGEST = "hash-digest"
+"""``coordinator/protocol.py``'s feature, named here for the same reason."""
+
 _REPLY = re.compile(r'\{"type":"reply","id":(-?\d+),"status":200,"decision":')
 """The head of a reply the coordinator wrote with a decision (``frames.reply_text``)."""
 
 _DECIDED: dict[str, msgs.Decision] = {}
 """Decision text -> its decoded decision, shared by the peers of this process (a few kept)."""
+
+
+_DIGESTS: dict[tuple[tuple[str, str], ...], str] = {}
+"""A list of hashes -> its digest (every peer of a swarm holds the same list)."""
+
+
+def _digest(hashes: dict[str, str]) -> str:
+    """``parity.state_digest`` of ``hashes``, worked out once per list for this process."""
+    from isthmus.coordinator.parity import state_digest
+
+    key = tuple(hashes.items())
+    d = _DIGESTS.get(key)
+    if d is None:
+        d = _DIGESTS[key] = state_digest(hashes)
+    return d
 
 
 def _decision(text: str) -> msgs.Decision:
@@ -95,6 +115,10 @@ class SwarmConfig:
     """Carry the heartbeat's info in a begin frame where the coordinator lists
     ``info-in-begin`` and half an interval passed since the last info (the next heartbeat
     then goes one interval after the begin), as a real peer's client does."""
+    hash_digest: bool = True
+    """Send the digest of the hashes in their place where the coordinator lists
+    ``hash-digest`` (the list when that attempt is answered ``hashes``), as a real peer's
+    client does."""
 
     def schema(self) -> tuple[msgs.TensorSpec, ...]:
         return tuple(
@@ -173,6 +197,30 @@ class ProtoPeer:
     """Monotonic time at which the last info went (a heartbeat, or a begin carrying it)."""
     infos_in_begins: int = 0
     """Heartbeat infos sent inside begins."""
+    lists_sent: int = 0
+    """Begins that carried the full list of hashes (not its digest)."""
+    _full_for: str = ""
+    """The begin attempt (nonce) whose digest was answered ``hashes``: it sends the list."""
+
+    async def _ask_begin(self, msg: msgs.Begin) -> msgs.Decision:
+        """A begin, its hashes as their digest where the coordinator takes it (as
+        ``coordinator/client.py`` sends them)."""
+        digested = (
+            self.config.hash_digest
+            and HASH_DIGEST in self.features
+            and msg.hashes is not None
+            and msg.schema is None
+            and msg.nonce != self._full_for
+        )
+        if digested:
+            assert msg.hashes is not None
+            msg = dataclasses.replace(msg, hashes=None, digest=_digest(msg.hashes))
+        elif msg.hashes is not None:
+            self.lists_sent += 1
+        d = await self._ask("/v1/begin", msg)
+        if digested and isinstance(d, msgs.SendHashes):
+            self._full_for = msg.nonce
+        return d
 
     async def _post(self, path: str, message: Any) -> dict[str, Any]:
         if time.monotonic() > self.deadline:
@@ -360,7 +408,7 @@ class ProtoPeer:
             msg = dataclasses.replace(msg, prev=msgs.Vote(epoch=plan.epoch, round=plan.round))
             while True:
                 self.votes.append(("begin", plan.epoch, plan.round))
-                d = await self._ask("/v1/begin", msg)
+                d = await self._ask_begin(msg)
                 if d.prev == "committed":
                     self._settled("committed")
                     if isinstance(d, msgs.Go) and d.plan is not None:
@@ -379,7 +427,7 @@ class ProtoPeer:
                     raise ProtocolError(f"{self.name}: begin with a vote answered {d}")
                 return await self.begin()
         while True:
-            d = await self._ask("/v1/begin", msg)
+            d = await self._ask_begin(msg)
             msg = dataclasses.replace(msg, schema=None, hashes=None)
             if isinstance(d, msgs.SendHashes):
                 msg = dataclasses.replace(msg, hashes=self.config.hashes())

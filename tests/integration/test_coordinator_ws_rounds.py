@@ -8,6 +8,7 @@ refused without closing the socket. Checks behaviour, never time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -185,3 +186,68 @@ def test_a_coordinator_without_frames_is_asked_over_http(coord: Coordinator) -> 
     finally:
         a.client.close()
         b.client.close()
+
+
+def test_begins_carry_a_digest_and_send_lists_only_where_the_states_differ() -> None:
+    """Three real clients (one of them acting as an older peer, which sends lists): a round in
+    which everyone holds one state asks for no list; a round with a corrupt peer asks for its
+    list and one list of the majority, and repairs it as the check over every list would."""
+    cfg = CoordinatorConfig(
+        token=TOKEN, port=0, poll_s=5.0, membership=MembershipConfig(start_peers=3)
+    )
+    coord = Coordinator(cfg).start()
+    peers = [_Peer(coord, n) for n in ("a", "b", "c")]
+    a, b, c = peers
+    good = {"w": "00"}
+
+    def begin(p: _Peer, revision: int, hashes: dict[str, str]) -> msgs.Decision:
+        # as the session does: schema on the first begin, the hashes again when asked
+        msg = msgs.Begin(
+            peer=p.reg.peer_id,
+            run=p.reg.run_id,
+            nonce=f"{p.reg.peer_id}-{revision}",
+            revision=revision,
+            schema=SCHEMA if revision == 0 else None,
+            hashes=hashes,
+        )
+        while True:
+            d = p.client.call("/v1/begin", msg, msgs.Decision, read_timeout=10)
+            msg = dataclasses.replace(msg, schema=None, hashes=None)
+            if isinstance(d, msgs.SendHashes):
+                msg = dataclasses.replace(msg, hashes=hashes)
+            elif not isinstance(d, msgs.Wait):
+                return d
+
+    def round_of(revision: int, states: dict[str, dict[str, str]]) -> msgs.RoundPlan:
+        with ThreadPoolExecutor(3) as pool:
+            go = list(pool.map(lambda p: begin(p, revision, states[p.reg.peer_id]), peers))
+            assert all(isinstance(d, msgs.Go) for d in go), go
+            plan = go[0].plan
+            assert plan is not None
+            done = list(pool.map(lambda p: p.commit(plan), peers))
+        assert all(isinstance(d, msgs.Committed) for d in done), done
+        return plan
+
+    def asked() -> list[dict[str, Any]]:
+        return [e for e in coord.events() if e["kind"] == "hash_lists"]
+
+    try:
+        assert msgs.HASH_DIGEST in a.reg.features
+        c.client.features = tuple(f for f in c.client.features if f != msgs.HASH_DIGEST)
+        same = {p.reg.peer_id: good for p in peers}
+        assert round_of(0, same).transfers == ()  # first begins: lists, with the schema
+        assert round_of(1, same).transfers == () and asked() == []  # digests agree
+        bad = {**same, b.reg.peer_id: {"w": "XX"}}
+        plan = round_of(2, bad)
+        (t,) = plan.transfers
+        assert (t.dst, t.names) == (b.reg.peer_id, ("w",)) and plan.expected == {"w": "00"}
+        (e,) = asked()
+        # b's list, and one list of the majority: c sent its list already (an older peer)
+        assert e["peers"] == [b.reg.peer_id] and e["count"] == 1
+        assert coord.status()["counters"]["parity_failures"] == 1
+        assert round_of(3, same).transfers == ()  # repaired: one state again
+        assert len(asked()) == 1
+    finally:
+        for p in peers:
+            p.client.close()
+        coord.stop()

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from isthmus.coordinator import frames
 from isthmus.coordinator import protocol as p
 from isthmus.coordinator.frames import (
     BadFrame,
@@ -191,3 +192,39 @@ def test_the_direct_reading_takes_and_gives_exactly_what_the_codec_does(base: An
         assert got == _generic(raw), raw  # and read_uplink answers as the codec alone would
     assert _read_common(base) is not None  # the common shapes take the direct way
     assert taken > 3
+
+
+TRICKY = (
+    '{"type":"hb","info":{"a":1,"a":2}}',  # a repeated key: the last one counts
+    '{"type":"hb","info":{"big":123456789012345678901234567890,"neg":-9223372036854775809}}',
+    '{"type":"hb","info":{"x":1e400,"y":NaN,"z":-Infinity}}',  # what only json takes
+    '{"type":"hb","info":{"s":"\\ud800 \\u00e9 \\ud83d\\ude00","f":0.1,"g":-0.0,"e":1.5e-7}}',
+    '{"type":"begin","id":18446744073709551616,"begin":{"peer":1,"nonce":"n","revision":0}}',
+    '{"type":"begin","id":3,"begin":{"peer":1,"nonce":"1234567890123456789012","revision":0}}',
+    ' {"type" : "commit" , "id":4,"commit":{"peer":1,"epoch":2,"round":3,"ok":true}} ',
+    '\ufeff{"type":"hb"}',
+    '{"type":"hb",}',
+    '{"type":"hb"',
+    "[1, 2",
+    "",
+)
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_the_fast_parser_reads_every_frame_as_the_standard_one(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where orjson is installed the frames are read with it, only where it reads them as the
+    json module does: the same message, or the same error (json's own words)."""
+    pytest.importorskip("orjson")
+
+    def read(fast: Any) -> Any:
+        monkeypatch.setattr(frames, "_fast", fast)
+        try:
+            return ("ok", repr(frames.read_uplink(text)))
+        except frames.BadFrame as e:
+            return ("bad", str(e), e.id)
+
+    import orjson
+
+    assert read(orjson.loads) == read(None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -27,14 +28,18 @@ from typing import Any, TypeVar
 import aiohttp
 
 from isthmus.coordinator.frames import MAX_FRAME_BYTES, WS_ROUNDS, Downlink, RoundReply
+from isthmus.coordinator.parity import state_digest
 from isthmus.coordinator.protocol import (
+    HASH_DIGEST,
     INFO_IN_BEGIN,
+    Begin,
     Decision,
     Heartbeat,
     HeartbeatLost,
     Push,
     Register,
     Registered,
+    SendHashes,
 )
 from isthmus.coordinator.tls import format_fingerprint, normalize_fingerprint
 from isthmus.coordinator.wire import (
@@ -157,6 +162,7 @@ class CoordinatorClient:
         self._info_at = -math.inf
         self.infos_in_begins = 0
         """Heartbeat infos sent inside begins (each one a heartbeat left out)."""
+        self._full_for: str | None = None  # the begin attempt (nonce) asked for its full list
 
     # -- loop helpers ---------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float) -> Any:
@@ -279,7 +285,15 @@ class CoordinatorClient:
         coordinator answers 429 or 5xx, the same message is sent again as an HTTP request (a
         begin and a commit may be asked twice: the same nonce, the same vote). A reply of 400
         or 403 raises :class:`CoordinatorError` with the coordinator's message, as the HTTP
-        answer would."""
+        answer would.
+
+        A begin's hashes go as their digest where the coordinator takes it
+        (:data:`~.protocol.HASH_DIGEST`), unless the begin carries its schema (a first begin)
+        or the coordinator answered this attempt's digest ``hashes``: the caller then sends
+        the hashes again, as after any ``hashes`` answer, and they go as the full list."""
+        digested: str | None = None
+        if isinstance(message, Begin) and answer is Decision:
+            message, digested = self._digested(message)
         body = encode(message)
         kind = _FRAMES.get(path) if answer is Decision else None
         if kind is not None and WS_ROUNDS in self.features and self._ws is not None:
@@ -288,12 +302,27 @@ class CoordinatorClient:
         else:
             reply = self.post(path, body, read_timeout=read_timeout)
         try:
-            return decode(answer, reply)
+            out = decode(answer, reply)
         except WireError as e:
             raise CoordinatorError(
                 f"the coordinator at {self.base} answered {path} with a malformed "
                 f"{answer.__name__}: {e}"
             ) from None
+        if digested is not None and isinstance(out, SendHashes):
+            self._full_for = digested  # its digest disagreed: this attempt sends the list
+        return out
+
+    def _digested(self, msg: Begin) -> tuple[Begin, str | None]:
+        """``msg`` with the digest of its hashes in their place, and its nonce; or ``msg`` as
+        it is and None (see :meth:`call`)."""
+        if (
+            msg.hashes is None
+            or msg.schema is not None
+            or HASH_DIGEST not in self.features
+            or msg.nonce == self._full_for
+        ):
+            return msg, None
+        return dataclasses.replace(msg, hashes=None, digest=state_digest(msg.hashes)), msg.nonce
 
     async def _ask(
         self, path: str, kind: str, body: dict[str, Any], read_timeout: float

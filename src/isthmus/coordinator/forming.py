@@ -25,7 +25,13 @@ is not held for the members left out.
 from __future__ import annotations
 
 from isthmus.coordinator.isolation import plan_reach, sit_out
-from isthmus.coordinator.parity import canonical, repairs
+from isthmus.coordinator.parity import (
+    canonical,
+    lists_from_digests,
+    lists_wanted,
+    repairs,
+    state_digest,
+)
 from isthmus.coordinator.peers import PeerState
 from isthmus.coordinator.phase import Phase, Round
 from isthmus.coordinator.protocol import RoundPlan, Transfer
@@ -171,9 +177,42 @@ def try_form(s: RunState, now: float, *, quick: bool = False) -> None:
     if not voters:
         return  # no peer holds the run's state; wait (bounded by the clients' timeouts)
     need_hashes = hashes_needed(s, ready)
-    if need_hashes and any(s.peers[p].hashes is None for p in ready):
-        return  # waiting peers are told to send hashes by poll_begin
+    if need_hashes:
+        if any(s.peers[p].hashes is None and s.peers[p].digest is None for p in ready):
+            return  # waiting peers are told to send hashes by poll_begin
+        if _want_lists(s, now, ready, voters):
+            return  # as above: those peers are asked for their full lists
     form(s, now, ready, voters, need_hashes)
+
+
+def digests(s: RunState, ready: list[int]) -> dict[int, str]:
+    """Each ready peer's :func:`.parity.state_digest`: the one its begin carried, or that of
+    the list it sent (worked out once, kept with the list)."""
+    out = {}
+    for pid in ready:
+        p = s.peers[pid]
+        if p.digest is None and p.hashes is not None:
+            p.digest = state_digest(p.hashes)
+        out[pid] = p.digest or ""
+    return out
+
+
+def _want_lists(s: RunState, now: float, ready: list[int], voters: list[int]) -> bool:
+    """Whether a parity check over the ready peers' digests still needs some full lists
+    (:func:`.parity.lists_wanted`); those peers' digests are forgotten, so that their waiting
+    begins are answered ``hashes`` (:meth:`~.membership.Membership.poll_begin`) and they send
+    the list (the ``hash_lists`` event names them, and moves the run's stamp). Peers that sent
+    lists (older peers, or asked before) need nothing more."""
+    full = [p for p in ready if s.peers[p].hashes is not None]
+    if len(full) == len(ready):
+        return False
+    wanted = lists_wanted(ready, voters, digests(s, ready), full)
+    for pid in wanted:
+        s.peers[pid].digest = None
+    if wanted:
+        why = "the ready peers' state digests differ: their full lists decide the vote"
+        s.note(now, "hash_lists", peers=wanted[:NAMED], count=len(wanted), reason=why)
+    return bool(wanted)
 
 
 def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: bool) -> None:
@@ -196,23 +235,32 @@ def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: 
     transfers: list[Transfer] = []
     expected: dict[str, str] = {}
     if checked:
-        hashes = {pid: s.peers[pid].hashes or {} for pid in ready}
-        names = [t.name for t in s.schema or []]
-        s.canonical = canonical(names, voters, hashes)
+        lists = {pid: s.peers[pid].hashes for pid in ready if s.peers[pid].hashes is not None}
         s.counters["parity_checks"] += 1
-        transfers, wrong_by_peer = repairs(s.canonical, ready, voters, hashes)
+        if len(lists) < len(ready) and len(set(digests(s, ready).values())) == 1:
+            # every ready peer holds the same state (one digest): nothing to vote or repair
+            s.canonical = next(iter(lists.values()), None)
+            wrong_by_peer = {}
+        else:
+            if len(lists) < len(ready):
+                lists = lists_from_digests(ready, digests(s, ready), lists)
+            hashes = {pid: lists.get(pid) or {} for pid in ready}
+            names = [t.name for t in s.schema or []]
+            s.canonical = canonical(names, voters, hashes)
+            transfers, wrong_by_peer = repairs(s.canonical, ready, voters, hashes)
         for pid, wrong in wrong_by_peer.items():
             if pid in voters and s.started:
                 s.counters["parity_failures"] += 1
                 s.note(now, "parity_failure", peer=pid, tensors=list(wrong)[:20])
             s.counters["resyncs"] += 1
-            expected.update({n: s.canonical[n] for n in wrong})
+            expected.update({n: s.canonical[n] for n in wrong})  # type: ignore[index]
     # in_sync: holds the canonical state of the run's revision. Repaired peers become in sync
     # only when the round commits (the transfer might not complete).
     dsts = {t.dst for t in transfers}
     stale = tuple(p for p in ready if s.peers[p].uncounted and p not in dsts)
+    voting = set(voters)
     for pid in ready:
-        s.peers[pid].in_sync = pid in voters and pid not in dsts
+        s.peers[pid].in_sync = pid in voting and pid not in dsts
         if pid in dsts:
             s.peers[pid].uncounted = True  # until this round commits
     # ranks follow names, then ids (registration order is a race): a restarted or resumed
@@ -237,6 +285,6 @@ def form(s: RunState, now: float, ready: list[int], voters: list[int], checked: 
     s.phase.to(Phase.RUNNING, Round(plan, now, nonces))
     for pid in members:
         s.peers[pid].ready_nonce = None
-        s.peers[pid].hashes = None
+        s.peers[pid].hashes = s.peers[pid].digest = None
     if transfers:
         s.note(now, "resync", transfers=[t.to_json() for t in transfers])

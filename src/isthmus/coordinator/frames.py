@@ -11,18 +11,28 @@ frames from a peer form the union :class:`Uplink` (a :class:`~.protocol.Heartbea
 them), the frames to it the union :class:`Downlink` (every :class:`~.protocol.Push`, and the
 replies).
 
-:func:`read_uplink` decodes a frame's text and says, for a malformed one, what is wrong and
-which ``id`` it named (if any); :func:`reply_text` writes a reply, with a decision's JSON
+:func:`read_uplink` decodes a frame's text (with orjson where it reads the text exactly as the
+standard ``json`` module does, else with ``json``) and says, for a malformed one, what is wrong
+and which ``id`` it named (if any); :func:`reply_text` writes a reply, with a decision's JSON
 already encoded (the coordinator encodes a round's ``go`` once for all its members).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from isthmus.coordinator.protocol import Begin, Commit, Decision, Heartbeat, Push, Vote
+from isthmus.coordinator.protocol import (
+    MAX_DIGEST,
+    Begin,
+    Commit,
+    Decision,
+    Heartbeat,
+    Push,
+    Vote,
+)
 from isthmus.coordinator.wire import WireError, decode, encode
 
 __all__ = [
@@ -37,6 +47,28 @@ __all__ = [
     "read_uplink",
     "reply_text",
 ]
+
+try:
+    from orjson import loads as _fast
+except ImportError:  # an environment installed before the dependency: the standard parser
+    _fast = None
+
+_LONG_NUMBER = re.compile(r"[0-9]{19}")
+"""Nineteen digits in a row: maybe an integer past 64 bits, which the fast parser would read as
+a float (the standard one as an integer)."""
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)``, by the fast parser where it gives the same: a text it refuses (NaN,
+    a number out of a double's range, a lone surrogate, malformed JSON) or one with a long run
+    of digits is read by the standard parser, whose error says what is wrong."""
+    if _fast is not None and _LONG_NUMBER.search(text) is None:
+        try:
+            return _fast(text)
+        except ValueError:
+            pass
+    return json.loads(text)
+
 
 WS_ROUNDS = "ws-rounds"
 """The feature of a coordinator that takes begin and commit as websocket frames."""
@@ -122,7 +154,7 @@ def read_uplink(text: str) -> Heartbeat | BeginFrame | CommitFrame:
     JSON, an unknown ``type``, a field missing or mistyped, named by its path) with the ``id``
     the frame named where it named an integer one."""
     try:
-        raw: Any = json.loads(text)
+        raw: Any = _loads(text)
     except ValueError as e:
         raise BadFrame(f"frame is not JSON: {e}") from None
     frame = _read_common(raw)
@@ -156,13 +188,17 @@ def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
             return None
         peer, nonce, revision = b.get("peer"), b.get("nonce"), b.get("revision")
         run, hashes, prev = b.get("run"), b.get("hashes"), b.get("prev")
-        info = b.get("info")
+        info, digest = b.get("info"), b.get("digest")
         if (
             type(peer) is not int
             or type(nonce) is not str
             or type(revision) is not int
             or (run is not None and type(run) is not str)
             or (info is not None and type(info) is not dict)
+            or (
+                digest is not None
+                and (type(digest) is not str or not 0 < len(digest) <= MAX_DIGEST)
+            )
             or b.get("schema") is not None
         ):
             return None
@@ -188,6 +224,7 @@ def _read_common(raw: Any) -> Heartbeat | BeginFrame | CommitFrame | None:
                 hashes=hashes,
                 prev=vote,
                 info=None if info is None else dict(info),
+                digest=digest,
             ),
         )
     if kind == "commit":

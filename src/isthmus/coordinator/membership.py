@@ -76,6 +76,9 @@ REASON_TTL = 0.25
 MAX_SILENT = 64
 """At most this many entries of a heartbeat's ``transfer.silent`` are read."""
 
+_WAIT = Decision("wait", "")
+"""A ``wait`` without its reason (decisions are immutable: every such answer is this one)."""
+
 
 class Membership(RunState):
     """The coordinator's state and the requests that change it. Methods take ``now`` (seconds,
@@ -286,11 +289,15 @@ class Membership(RunState):
         revision: int,
         hashes: dict[str, str] | None,
         schema: list[TensorSpec] | None,
+        digest: str | None = None,
         explain: bool = True,
     ) -> Decision:
         """A peer is ready for the next round (``nonce`` names this attempt; re-asking with the
         same nonce is idempotent, a new nonce from a member of the running round abandons it).
-        ``explain=False``: a ``wait`` answer carries no reason (see :meth:`poll_begin`)."""
+        ``digest``: the :func:`.parity.state_digest` of its hashes, sent instead of them; the
+        parity check asks for the list itself (a ``hashes`` answer) only where the digests
+        disagree (:func:`.forming.try_form`). ``explain=False``: a ``wait`` answer carries no
+        reason (see :meth:`poll_begin`)."""
         p = self.roster.active(pid)
         if p is None:
             return self.gone(pid)
@@ -310,7 +317,7 @@ class Membership(RunState):
         r = self.phase.round
         if r is not None and pid in r.nonces:
             if r.nonces[pid] == nonce:
-                return Decision("go", plan=r.plan)
+                return r.go
             # A new attempt from a member means it gave up on the running round.
             self.abort(now, f"peer {pid} ({p.name}) abandoned round {r.plan.round}")
         p.revision = revision
@@ -328,7 +335,9 @@ class Membership(RunState):
             )
             self.restore_point = None
         if hashes is not None:
-            p.hashes = dict(hashes)
+            p.hashes, p.digest = dict(hashes), None
+        elif digest is not None:
+            p.hashes, p.digest = None, digest
         if p.ready_nonce != nonce:
             p.ready_nonce = nonce
             p.ready_since = now
@@ -353,7 +362,7 @@ class Membership(RunState):
             return self.gone(pid)
         r = self.phase.round
         if r is not None and r.nonces.get(pid) == nonce:
-            return Decision("go", plan=r.plan)
+            return r.go
         if p.ready_nonce != nonce:
             return Decision("wait", "this begin attempt was superseded")
         stop = self.streak.stop()
@@ -388,9 +397,9 @@ class Membership(RunState):
                     f"the run is over: its last members left after round {self.revision - 1} "
                     f"and no peer holding its state is here",
                 )
-        if p.hashes is None and p.ready_nonce and self._hashes_needed(ready):
+        if p.hashes is None and p.digest is None and p.ready_nonce and self._hashes_needed(ready):
             return Decision("hashes", "send state hashes for the parity check")
-        return Decision("wait", self._waiting_reason(now) if explain else "")
+        return Decision("wait", self._waiting_reason(now)) if explain else _WAIT
 
     def _hashes_needed(self, ready: list[int] | None) -> bool:
         """:func:`.forming.hashes_needed` over the ready peers (``ready``, or listed here),
@@ -470,7 +479,7 @@ class Membership(RunState):
         if r is None or (r.plan.epoch, r.plan.round) != key:
             return Decision("aborted", f"round {round} of epoch {epoch} is not running")
         if not explain:
-            return Decision("wait", "")
+            return _WAIT
         waiting = [m for m in r.plan.members if m not in r.reports]
         return Decision("wait", f"waiting for commit reports from peers {waiting}")
 

@@ -1,17 +1,29 @@
 """Parity as pure functions: who votes on the state of a round, the canonical state by majority
 vote, and who must be repaired from whom. :class:`~isthmus.coordinator.membership.Membership`
 calls these when a round forms; :func:`canonical` and :func:`repairs` see only the peers' hashes
-(peer id -> tensor name -> hash)."""
+(peer id -> tensor name -> hash). :func:`state_digest` folds one peer's hashes into one value,
+which a begin may carry instead of the list (:data:`~.protocol.HASH_DIGEST`), and
+:func:`lists_wanted` says whose full lists a vote over such digests still needs.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from isthmus.coordinator.peers import Peer
 from isthmus.coordinator.protocol import Transfer
 
-__all__ = ["Hashes", "canonical", "repairs", "voters"]
+__all__ = [
+    "Hashes",
+    "canonical",
+    "lists_from_digests",
+    "lists_wanted",
+    "repairs",
+    "state_digest",
+    "voters",
+]
 
 Hashes = Mapping[int, Mapping[str, str]]
 """Each peer's per-tensor hashes."""
@@ -94,3 +106,65 @@ def repairs(
             by_src.setdefault(src, []).append(n)
         transfers.extend(Transfer(s, pid, tuple(ns)) for s, ns in sorted(by_src.items()))
     return transfers, wrong_by_peer
+
+
+def state_digest(hashes: Mapping[str, str]) -> str:
+    """One value for a peer's whole list of hashes: BLAKE2b (16 bytes, as 32 hex digits) over
+    every ``(name, hash)`` pair in name order, each part as its UTF-8 bytes after their length
+    (4 bytes, big-endian). Two lists have the same digest exactly when they name the same
+    tensors with the same hashes (in any order), short of a collision of BLAKE2b."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, value in sorted(hashes.items()):
+        for part in (name.encode(), value.encode()):
+            h.update(len(part).to_bytes(4, "big"))
+            h.update(part)
+    return h.hexdigest()
+
+
+def lists_wanted(
+    ready: Sequence[int], voters: Sequence[int], digests: Mapping[int, str], full: Iterable[int]
+) -> list[int]:
+    """The ready peers whose full lists a parity check still needs when ``digests`` (peer id ->
+    :func:`state_digest` of its state, for every ready peer) are known and ``full`` hold their
+    lists too; empty when the check can be planned exactly as over every list:
+
+    * every ready peer has the same digest: they all hold one state, which is the canonical
+      one, and nobody is repaired (no list is needed at all);
+    * else, when more than half of the ``voters`` share one digest (the majority state: it
+      wins every tensor's vote, as :func:`canonical` counts them), the lists of the peers that
+      differ from it, and one list of that state (the lowest voter id holding it) unless a
+      peer holding it already sent one: the others holding it have that same list;
+    * else (no majority state), every ready peer's list (the vote is per tensor).
+    """
+    have = set(full)
+    first = digests[ready[0]] if ready else None
+    if all(digests[p] == first for p in ready):
+        return []
+    counts = Counter(digests[v] for v in voters)
+    top, n = counts.most_common(1)[0] if counts else ("", 0)
+    if 2 * n <= len(voters):
+        return [p for p in ready if p not in have]
+    wanted = [p for p in ready if digests[p] != top and p not in have]
+    holders = [p for p in ready if digests[p] == top]
+    if not any(p in have for p in holders):
+        wanted.append(min(v for v in voters if digests[v] == top))
+    return sorted(wanted)
+
+
+def lists_from_digests(
+    ready: Sequence[int], digests: Mapping[int, str], lists: Mapping[int, Mapping[str, str]]
+) -> dict[int, Mapping[str, str]]:
+    """Every ready peer's list for :func:`canonical` and :func:`repairs`: its own where it
+    sent one, else that of a peer with the same digest (the same state). A peer with neither
+    is left out (it then counts as holding no tensor)."""
+    by_digest: dict[str, Mapping[str, str]] = {}
+    for p, row in lists.items():
+        by_digest.setdefault(digests[p], row)
+    out: dict[int, Mapping[str, str]] = {}
+    for p in ready:
+        row = lists.get(p)
+        if row is None:
+            row = by_digest.get(digests[p])
+        if row is not None:
+            out[p] = row
+    return out

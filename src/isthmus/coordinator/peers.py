@@ -113,6 +113,8 @@ class Peer:
     reason: str = ""
     revision: int | None = None
     hashes: dict[str, str] | None = None
+    # the state digest its begin carried instead of hashes (or that of its hashes, once known)
+    digest: str | None = None
     ready_nonce: str | None = None  # the begin attempt this peer is waiting with
     ready_since: float | None = None  # when that attempt began
     in_sync: bool = False  # holds the canonical state of the run's current revision

@@ -22,9 +22,10 @@ each member was admitted with, and the members' reports so far); no other phase 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
-from isthmus.coordinator.protocol import RoundPlan
+from isthmus.coordinator.protocol import Go, RoundPlan
 
 __all__ = ["TRANSITIONS", "IllegalTransition", "Phase", "Round", "RunPhase"]
 
@@ -64,6 +65,12 @@ class Round:
     reports: dict[int, bool] = field(default_factory=dict)
     succeeded: int = 0
     """How many members have reported success (kept so that no report scans the members)."""
+
+    @functools.cached_property
+    def go(self) -> Go:
+        """The answer to a member's begin: go with :attr:`plan` (one immutable decision for
+        every member, made once)."""
+        return Go(plan=self.plan)
 
     def has(self, pid: int) -> bool:
         """Whether ``pid`` is a member of this round."""

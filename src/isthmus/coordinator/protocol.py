@@ -26,7 +26,9 @@ from isthmus.coordinator.shapes import decode_shape
 from isthmus.coordinator.wire import UNVERSIONED, WireError, decode, encode
 
 __all__ = [
+    "HASH_DIGEST",
     "INFO_IN_BEGIN",
+    "MAX_DIGEST",
     "VOTE_IN_BEGIN",
     "AbortPush",
     "Aborted",
@@ -416,6 +418,14 @@ INFO_IN_BEGIN = "info-in-begin"
 """The feature of a coordinator that records :attr:`Begin.info` as a heartbeat's info: a peer
 that sends it there may leave out the heartbeat it stands for."""
 
+HASH_DIGEST = "hash-digest"
+"""The feature of a coordinator that takes :attr:`Begin.digest` for the hashes: a peer sends
+one digest of its hashes where it would send them, and the whole list only when the answer to
+that begin asks for hashes (the digests disagree)."""
+
+MAX_DIGEST = 128
+"""The longest :attr:`Begin.digest` taken (a digest is 32 characters)."""
+
 
 @dataclass(frozen=True)
 class Vote:
@@ -445,6 +455,16 @@ class Begin:
     """What this peer's next :class:`Heartbeat` would carry, recorded as that heartbeat before
     the vote and the begin are looked at (only to a coordinator listing
     :data:`INFO_IN_BEGIN`; the peer then sends its next heartbeat one interval after this)."""
+    digest: str | None = None
+    """In place of ``hashes`` (only to a coordinator listing :data:`HASH_DIGEST`): the
+    :func:`~.parity.state_digest` of the hashes this peer would send; answered ``hashes`` when
+    the parity check needs the list itself. At most :data:`MAX_DIGEST` characters."""
+
+    def __post_init__(self) -> None:
+        if self.digest is not None and not 0 < len(self.digest) <= MAX_DIGEST:
+            raise ValueError(
+                f"digest: expected 1 to {MAX_DIGEST} characters, got {len(self.digest)}"
+            )
 
 
 @dataclass(frozen=True)

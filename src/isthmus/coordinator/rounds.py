@@ -39,6 +39,10 @@ Answer = Callable[[msgs.Decision], "Awaitable[None] | None"]
 answer awaits it through :meth:`Rounds.flush`."""
 
 
+def _spent(_: object) -> None:
+    """What an answered ask's ``answer`` and ``fail`` become (see :meth:`Rounds._finish`)."""
+
+
 class _Ask:
     """One begin or commit in progress: what takes its answer, where it is held (if it is), and
     whether its asker has gone (a cancelled HTTP request, a closed socket)."""
@@ -130,6 +134,7 @@ class Rounds:
         self.hub = hub
         self.poll_s = poll_s
         self._go: tuple[msgs.RoundPlan, tuple[str, str], str] | None = None  # the last go, encoded
+        self._voted_go: tuple[msgs.Decision, msgs.Decision] | None = None  # a go, with prev
         self._held = HeldTable()
         self._sends: list[Awaitable[None]] = []  # answers' frames not yet sent
         self._waker: asyncio.Task[None] | None = None
@@ -215,6 +220,9 @@ class Rounds:
             return
         ask.gone = True  # answered once
         sent = ask.answer(d)
+        # The asker's closures may hold the ask itself (a frame's answer forgets its ask): a
+        # cycle that only the garbage collector would free, a thousand of them a round
+        ask.answer, ask.fail = _spent, _spent
         if sent is not None:
             self._sends.append(sent)
 
@@ -250,12 +258,13 @@ class Rounds:
                 revision=msg.revision,
                 hashes=msg.hashes,
                 schema=None if msg.schema is None else list(msg.schema),
+                digest=msg.digest,
                 explain=False,
             )
         self._mutated()
 
         def done(d: msgs.Decision) -> None:
-            self._finish(ask, d if msg.prev is None else dataclasses.replace(d, prev="committed"))
+            self._finish(ask, d if msg.prev is None else self._voted_answer(d))
 
         if d.kind != "wait":
             done(d)
@@ -267,6 +276,17 @@ class Rounds:
             ask,
             done,
         )
+
+    def _voted_answer(self, d: msgs.Decision) -> msgs.Decision:
+        """``d`` answering a begin whose vote committed (``prev="committed"``); the round's
+        ``go``, the same decision for every member, is made so once."""
+        cached = self._voted_go
+        if cached is not None and cached[0] is d:
+            return cached[1]
+        out = dataclasses.replace(d, prev="committed")
+        if isinstance(d, msgs.Go):
+            self._voted_go = (d, out)
+        return out
 
     def _commit(self, msg: msgs.Commit, ask: _Ask) -> None:
         if (stale := self.hub.stale_run(msg.run)) is not None:

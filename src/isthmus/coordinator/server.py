@@ -132,9 +132,13 @@ class Coordinator:
             limits=config.limits,
         )
         self.rounds.on_info = self.peer_sockets.record
-        self.features: tuple[str, ...] = (msgs.VOTE_IN_BEGIN, msgs.INFO_IN_BEGIN)
-        """What :class:`~.protocol.Registered` lists: the vote and a heartbeat's info in the
-        begin, and begin and commit as websocket frames where a frame of
+        self.features: tuple[str, ...] = (
+            msgs.VOTE_IN_BEGIN,
+            msgs.INFO_IN_BEGIN,
+            msgs.HASH_DIGEST,
+        )
+        """What :class:`~.protocol.Registered` lists: the vote, a heartbeat's info and a digest
+        of the hashes in the begin, and begin and commit as websocket frames where a frame of
         :data:`~.frames.MAX_FRAME_BYTES` fits the websocket's message bound."""
         if config.limits.max_ws_message_bytes >= MAX_FRAME_BYTES:
             self.features += (WS_ROUNDS,)

@@ -33,6 +33,7 @@ import importlib.resources
 import json
 import logging
 import socket
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -236,11 +237,14 @@ class Dashboard:
         m = self.source.membership
         now = self.now()
         r = m.phase.round
-        running, ready = None, []
+        running: tuple[int, int, float] | None = None
+        ready: Iterable[tuple[str, float | None]] = ()
         if r is not None:
             running = (r.plan.epoch, r.plan.round, r.started_at)
-            ready = [(m.peers[p].name, m.peers[p].ready_since) for p in r.plan.members]
-        world = len(m.expected())
+            # read by the view only for a round it has not seen: this runs at every change
+            ready = ((m.peers[p].name, m.peers[p].ready_since) for p in r.plan.members)
+        live = m.roster.live
+        world = sum(1 for p in m.members if p in live)  # len(m.expected()), without its list
         events = self._new_events(m.events)
         for outcome, seconds in self.view.update(
             now, world=world, running=running, ready_since=ready, events=events
