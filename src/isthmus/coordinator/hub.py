@@ -137,8 +137,11 @@ class Hub:
     @staticmethod
     async def send_text(ws: web.WebSocketResponse, text: str) -> None:
         """Send the frame ``text`` on ``ws``; a peer that has gone is not an error."""
-        with contextlib.suppress(Exception):
+        # a thousand members' answers a round: a plain try costs less than a suppress context
+        try:  # noqa: SIM105
             await ws.send_str(text)
+        except Exception:
+            pass
 
     async def disconnect(self, pid: int, msg: dict[str, Any]) -> None:
         """Send ``msg`` to peer ``pid``'s heartbeat socket, if open, and close it (bounded: a
