@@ -121,6 +121,8 @@ def test_a_reply_with_its_decision_spliced_in_reads_back_as_that_decision() -> N
     reply = decode(RoundReply, json.loads(text))
     assert reply == RoundReply(id=12, status=200, decision=go)
     assert json.loads(reply_text(12, go)) == json.loads(text)
+    # the bytes the coordinator sends each member are that text's, byte for byte
+    assert frames.reply_frame(12, json.dumps(encode(go)).encode()) == text.encode()
     refused = decode(Downlink, json.loads(reply_text(-1, status=400, error="bad frame: x")))
     assert refused == RoundReply(id=-1, status=400, error="bad frame: x")
 

@@ -133,7 +133,8 @@ class Rounds:
     def __init__(self, hub: Hub, poll_s: float) -> None:
         self.hub = hub
         self.poll_s = poll_s
-        self._go: tuple[msgs.RoundPlan, tuple[str, str], str] | None = None  # the last go, encoded
+        # the last go, encoded (as text and as UTF-8)
+        self._go: tuple[msgs.RoundPlan, tuple[str, str], str, bytes] | None = None
         self._voted_go: tuple[msgs.Decision, msgs.Decision] | None = None  # a go, with prev
         self._held = HeldTable()
         self._sends: list[Awaitable[None]] = []  # answers' frames not yet sent
@@ -406,10 +407,22 @@ class Rounds:
     def text(self, d: msgs.Decision) -> str:
         """``d`` as JSON text. Every member is sent the same plan, which names every member:
         a ``go`` is encoded once per round (and ``prev``) rather than once per member."""
+        go = self._go_encoded(d)
+        return json.dumps(wire.encode(d)) if go is None else go[0]
+
+    def utf8(self, d: msgs.Decision) -> bytes:
+        """:meth:`text` as UTF-8 (a round's ``go`` encoded once, as :meth:`text`)."""
+        go = self._go_encoded(d)
+        return json.dumps(wire.encode(d)).encode() if go is None else go[1]
+
+    def _go_encoded(self, d: msgs.Decision) -> tuple[str, bytes] | None:
+        """``d``'s text and bytes where it is a ``go`` with a plan, encoded at its first ask;
+        else None."""
         if isinstance(d, msgs.Go) and d.plan is not None:
             cached = self._go
             key = (d.reason, d.prev)
             if cached is None or cached[0] is not d.plan or cached[1] != key:
-                cached = self._go = (d.plan, key, json.dumps(wire.encode(d)))
-            return cached[2]
-        return json.dumps(wire.encode(d))
+                text = json.dumps(wire.encode(d))
+                cached = self._go = (d.plan, key, text, text.encode())
+            return cached[2], cached[3]
+        return None
