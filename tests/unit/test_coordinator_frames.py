@@ -121,6 +121,8 @@ def test_a_reply_with_its_decision_spliced_in_reads_back_as_that_decision() -> N
     reply = decode(RoundReply, json.loads(text))
     assert reply == RoundReply(id=12, status=200, decision=go)
     assert json.loads(reply_text(12, go)) == json.loads(text)
+    # the bytes the coordinator sends each member are that text's, byte for byte
+    assert frames.reply_frame(12, json.dumps(encode(go)).encode()) == text.encode()
     refused = decode(Downlink, json.loads(reply_text(-1, status=400, error="bad frame: x")))
     assert refused == RoundReply(id=-1, status=400, error="bad frame: x")
 
@@ -184,6 +186,7 @@ def test_the_direct_reading_takes_and_gives_exactly_what_the_codec_does(base: An
             taken += 1
             assert fast == _generic(raw), raw
             assert type(fast) is type(_generic(raw))
+            assert repr(fast) == repr(_generic(raw))
         text = json.dumps(raw)
         try:
             got: Any = read_uplink(text)
@@ -201,6 +204,8 @@ TRICKY = (
     '{"type":"hb","info":{"s":"\\ud800 \\u00e9 \\ud83d\\ude00","f":0.1,"g":-0.0,"e":1.5e-7}}',
     '{"type":"begin","id":18446744073709551616,"begin":{"peer":1,"nonce":"n","revision":0}}',
     '{"type":"begin","id":3,"begin":{"peer":1,"nonce":"1234567890123456789012","revision":0}}',
+    '{"type":"hb","info":{"f":0.12345678901234567890,"g":1234567890123456789e-5,"n":"\u0661\u0662"}}',
+    '{"type":"hb","info":{"n":"\u00e9\u00e9 1234567890123456789 \u0663"}}',
     ' {"type" : "commit" , "id":4,"commit":{"peer":1,"epoch":2,"round":3,"ok":true}} ',
     '\ufeff{"type":"hb"}',
     '{"type":"hb",}',

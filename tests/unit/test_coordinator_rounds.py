@@ -6,12 +6,14 @@ and an abandoned request is never answered."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from isthmus.coordinator import protocol as p
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.membership import Membership, MembershipConfig
 from isthmus.coordinator.rounds import HeldTable, Rounds, _Ask, _Held
+from isthmus.coordinator.wire import encode
 
 SCHEMA = (p.TensorSpec("w", (2,), "torch.float32"),)
 
@@ -90,6 +92,12 @@ def test_one_waker_answers_a_round_and_votes_go_on_to_their_begins() -> None:
         nxt = got[pids[0]][0].plan
         assert nxt is not None and nxt.round == plan.round + 1
         assert hub.membership.revision == 1 and len(rounds._held) == 0
+        # every member's go is encoded once, the same as text and as bytes
+        go = got[pids[0]][0]
+        assert rounds.utf8(go) is rounds.utf8(got[pids[1]][0])
+        assert rounds.utf8(go) == rounds.text(go).encode() == json.dumps(encode(go)).encode()
+        wait = p.Decision("wait", "x")
+        assert rounds.utf8(wait) == rounds.text(wait).encode()
 
     asyncio.run(main())
 

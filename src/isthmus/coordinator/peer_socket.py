@@ -39,7 +39,14 @@ from aiohttp import WSMsgType, web
 from isthmus.coordinator import protocol as msgs
 from isthmus.coordinator import wire
 from isthmus.coordinator.auth import Identity
-from isthmus.coordinator.frames import BadFrame, BeginFrame, CommitFrame, read_uplink, reply_text
+from isthmus.coordinator.frames import (
+    BadFrame,
+    BeginFrame,
+    CommitFrame,
+    read_uplink,
+    reply_frame,
+    reply_text,
+)
 from isthmus.coordinator.gate import BadRequest, Gate
 from isthmus.coordinator.hub import Hub
 from isthmus.coordinator.limits import Limits
@@ -54,10 +61,10 @@ _INTERNAL = "internal error (see the coordinator log)"
 _REMOVED = "removed by the coordinator"
 
 
-def _fits(transport: asyncio.BaseTransport | None, text: str) -> bool:
-    """Whether writing the frame ``text`` on ``transport`` leaves it below its pause mark, so
-    that aiohttp's send cannot wait for the peer: the write buffer is empty (not paused) and
-    the frame with its header fits under the high-water mark."""
+def _fits(transport: asyncio.BaseTransport | None, size: int) -> bool:
+    """Whether writing a frame of ``size`` bytes on ``transport`` leaves it below its pause
+    mark, so that aiohttp's send cannot wait for the peer: the write buffer is empty (not
+    paused) and the frame with its header fits under the high-water mark."""
     if transport is None or transport.is_closing():
         return True  # the send fails at once
     try:
@@ -66,7 +73,6 @@ def _fits(transport: asyncio.BaseTransport | None, text: str) -> bool:
         high = transport.get_write_buffer_limits()[1]  # type: ignore[attr-defined]
     except (AttributeError, NotImplementedError):
         return False
-    size = len(text) if text.isascii() else 4 * len(text)
     return size + 14 <= high
 
 
@@ -229,11 +235,11 @@ class PeerSockets:
         def answer(d: msgs.Decision) -> Awaitable[None] | None:
             asks.discard(ask)
             try:
-                text = reply_text(fid, decision_json=self.rounds.text(d))
+                data = reply_frame(fid, self.rounds.utf8(d))
             except Exception:  # an answer that does not encode is a bug: the peer is told
                 log.exception("error answering a %s frame of peer %d", kind, pid)
-                text = reply_text(fid, status=500, error=_INTERNAL)
-            return self._send(ws, transport, text)
+                data = reply_text(fid, status=500, error=_INTERNAL).encode()
+            return self._send(ws, transport, data)
 
         def fail(e: BaseException) -> None:
             asks.discard(ask)
@@ -249,15 +255,15 @@ class PeerSockets:
         return None
 
     def _send(
-        self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None, text: str
+        self, ws: web.WebSocketResponse, transport: asyncio.BaseTransport | None, data: bytes
     ) -> Awaitable[None] | None:
-        """The sending of ``text`` on ``ws``: to await in turn with other answers where the
-        write cannot wait for the peer to read (the frame fits the socket's empty write buffer
-        below its pause mark), else on a task of its own (a peer that does not read holds up
-        only its own answers)."""
-        if _fits(transport, text):
-            return self.hub.send_text(ws, text)
-        self._spawn(self.hub.send_text(ws, text))
+        """The sending of the text frame ``data`` (UTF-8) on ``ws``: to await in turn with
+        other answers where the write cannot wait for the peer to read (the frame fits the
+        socket's empty write buffer below its pause mark), else on a task of its own (a peer
+        that does not read holds up only its own answers)."""
+        if _fits(transport, len(data)):
+            return self.hub.send_utf8(ws, data)
+        self._spawn(self.hub.send_utf8(ws, data))
         return None
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -133,12 +133,15 @@ class Rounds:
     def __init__(self, hub: Hub, poll_s: float) -> None:
         self.hub = hub
         self.poll_s = poll_s
-        self._go: tuple[msgs.RoundPlan, tuple[str, str], str] | None = None  # the last go, encoded
+        # the last go, encoded (as text and as UTF-8)
+        self._go: tuple[msgs.RoundPlan, tuple[str, str], str, bytes] | None = None
         self._voted_go: tuple[msgs.Decision, msgs.Decision] | None = None  # a go, with prev
         self._held = HeldTable()
         self._sends: list[Awaitable[None]] = []  # answers' frames not yet sent
         self._waker: asyncio.Task[None] | None = None
         self._changed = False  # an answer changed the membership during the waker's pass
+        self._passing = False  # the waker's pass is answering held questions
+        self._pass_mutated = False  # and one of its answers changed the membership
         self.on_info: Callable[[int, dict[str, Any]], object] | None = None
         """Records a begin's :attr:`~.protocol.Begin.info` as peer ``peer``'s heartbeat (the
         server sets it to its sockets' recorder); without it the info is ignored."""
@@ -235,9 +238,6 @@ class Rounds:
         if msg.prev is None:
             self._begin_now(msg, ask)
             return
-        vote = msgs.Commit(
-            peer=msg.peer, epoch=msg.prev.epoch, round=msg.prev.round, ok=True, run=msg.run
-        )
 
         def voted(v: msgs.Decision) -> None:
             if isinstance(v, msgs.Committed):
@@ -245,7 +245,7 @@ class Rounds:
             else:
                 self._finish(ask, v)  # aborted, evicted, or still undecided (wait): no begin
 
-        self._vote(vote, ask, voted)
+        self._vote(msg.peer, msg.prev.epoch, msg.prev.round, True, "", (), ask, voted)
 
     def _begin_now(self, msg: msgs.Begin, ask: _Ask) -> None:
         pid, nonce, hub = msg.peer, msg.nonce, self.hub
@@ -292,20 +292,41 @@ class Rounds:
         if (stale := self.hub.stale_run(msg.run)) is not None:
             self._finish(ask, msgs.Evicted(reason=stale))
             return
-        self._vote(msg, ask, lambda d: self._finish(ask, d))
+        self._vote(
+            msg.peer,
+            msg.epoch,
+            msg.round,
+            msg.ok,
+            msg.error,
+            msg.unreached,
+            ask,
+            lambda d: self._finish(ask, d),
+        )
 
-    def _vote(self, msg: msgs.Commit, ask: _Ask, then: Callable[[msgs.Decision], None]) -> None:
-        epoch, rnd, hub = msg.epoch, msg.round, self.hub
+    def _vote(
+        self,
+        peer: int,
+        epoch: int,
+        rnd: int,
+        ok: bool,
+        error: str,
+        unreached: tuple[msgs.Unreached, ...],
+        ask: _Ask,
+        then: Callable[[msgs.Decision], None],
+    ) -> None:
+        """Peer ``peer``'s commit of round ``rnd`` of ``epoch`` (a commit's fields, or a
+        begin's vote), then ``then`` with its decision, now or when held no longer."""
+        hub = self.hub
         m = hub.membership
         with hub.lock:
             d = m.commit(
-                msg.peer,
+                peer,
                 hub.now(),
                 epoch=epoch,
                 round=rnd,
-                ok=msg.ok,
-                error=msg.error[:2000],
-                unreached=msg.unreached[:64],
+                ok=ok,
+                error=error[:2000],
+                unreached=unreached[:64],
                 explain=False,
             )
         self._mutated()
@@ -321,8 +342,11 @@ class Rounds:
         )
 
     def _mutated(self) -> None:
-        self.hub.mutated()
         self._changed = True
+        if self._passing:  # the pass tells the hub once, at its end
+            self._pass_mutated = True
+        else:
+            self.hub.mutated()
 
     # -- holding ----------------------------------------------------------------------------------
     def _hold(
@@ -360,24 +384,45 @@ class Rounds:
             await self.hub.changed(max(0.0, first - loop.time()))
 
     def _pass(self, now: float) -> None:
+        """Answer the held questions decided at ``now``. The answers' changes to the membership
+        (a committed vote going on to its begin, a thousand of them when a round commits) are
+        told to the hub once, after the pass: nothing else runs on the loop in between."""
         with self.hub.lock:
             done = self._held.decide(now)
-        for held, d in done:
-            held.ask.slot = -1
-            try:
-                held.then(d)
-            except Exception as e:  # as in _run
-                log.exception("error answering a held request")
-                held.ask.fail(e)
+        self._passing, self._pass_mutated = True, False
+        try:
+            for held, d in done:
+                held.ask.slot = -1
+                try:
+                    held.then(d)
+                except Exception as e:  # as in _run
+                    log.exception("error answering a held request")
+                    held.ask.fail(e)
+        finally:
+            self._passing = False
+            if self._pass_mutated:
+                self.hub.mutated()
 
     # -- encoding ---------------------------------------------------------------------------------
     def text(self, d: msgs.Decision) -> str:
         """``d`` as JSON text. Every member is sent the same plan, which names every member:
         a ``go`` is encoded once per round (and ``prev``) rather than once per member."""
+        go = self._go_encoded(d)
+        return json.dumps(wire.encode(d)) if go is None else go[0]
+
+    def utf8(self, d: msgs.Decision) -> bytes:
+        """:meth:`text` as UTF-8 (a round's ``go`` encoded once, as :meth:`text`)."""
+        go = self._go_encoded(d)
+        return json.dumps(wire.encode(d)).encode() if go is None else go[1]
+
+    def _go_encoded(self, d: msgs.Decision) -> tuple[str, bytes] | None:
+        """``d``'s text and bytes where it is a ``go`` with a plan, encoded at its first ask;
+        else None."""
         if isinstance(d, msgs.Go) and d.plan is not None:
             cached = self._go
             key = (d.reason, d.prev)
             if cached is None or cached[0] is not d.plan or cached[1] != key:
-                cached = self._go = (d.plan, key, json.dumps(wire.encode(d)))
-            return cached[2]
-        return json.dumps(wire.encode(d))
+                text = json.dumps(wire.encode(d))
+                cached = self._go = (d.plan, key, text, text.encode())
+            return cached[2], cached[3]
+        return None
