@@ -61,7 +61,6 @@ def test_only_the_first_round_without_transfers_over_gloo_of_several_members_goe
     assert not connects_ahead(plan(transfers=(moved,)), backend="gloo")  # a joiner's repair
     assert not connects_ahead(plan(members=(3,)), backend="gloo")  # a group of one: no wait
     assert not connects_ahead(plan(), backend="nccl")
-    assert not connects_ahead(plan(), backend="gloo", island=True)
 
 
 def test_a_connected_group_is_handed_to_the_waiter():
@@ -220,7 +219,7 @@ class Session:
     def __init__(self, result: Any) -> None:
         self.result, self.taken = result, 0
 
-    def _take_group(self, plan: RoundPlan) -> Any:
+    def _group_for(self, plan: RoundPlan) -> Any:
         self.taken += 1
         if isinstance(self.result, BaseException):
             raise self.result

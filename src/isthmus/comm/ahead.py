@@ -45,17 +45,12 @@ __all__ = ["ConnectsAhead", "GroupAhead", "connects_ahead"]
 log = logging.getLogger("isthmus.session")
 
 
-def connects_ahead(plan: RoundPlan, *, backend: str, island: bool = False) -> bool:
+def connects_ahead(plan: RoundPlan, *, backend: str) -> bool:
     """Whether the round of ``plan`` is handed out before its epoch's group is connected: the
-    run's first round, with no transfers, over Gloo, of at least two members, outside islands.
-    Decided from the plan (and settings every member of a run shares), so alike everywhere."""
-    return (
-        plan.round == 0
-        and not plan.transfers
-        and len(plan.members) > 1
-        and backend == "gloo"
-        and not island
-    )
+    run's first round, with no transfers, over Gloo, of at least two members. Decided from the
+    plan (and settings every member of a run shares), so alike everywhere. (An island's ranks
+    never ask: :class:`~isthmus.comm.island.IslandSession` begins its rounds its own way.)"""
+    return plan.round == 0 and not plan.transfers and len(plan.members) > 1 and backend == "gloo"
 
 
 class GroupAhead:
@@ -213,9 +208,3 @@ class ConnectsAhead:
             self.name, plan.round, epoch, ahead.connected_s or 0.0, time.monotonic() - t0,
         )  # fmt: skip
         return g
-
-    def _take_group(self, plan: RoundPlan) -> Group:
-        """For a round handed out ahead of its group (:attr:`Round.group
-        <isthmus.comm.round.Round.group>`): the group, once connected. Raises
-        :class:`CollectiveError` when the attempt failed or the epoch was aborted."""
-        return self._group_for(plan)

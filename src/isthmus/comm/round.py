@@ -29,7 +29,7 @@ class RoundOwner(Protocol):
 
     def _commit(self, rnd: Round, ok: bool, error: str, cause: BaseException | None) -> bool: ...
 
-    def _take_group(self, plan: RoundPlan) -> Group: ...
+    def _group_for(self, plan: RoundPlan) -> Group: ...
 
 
 class Round:
@@ -58,15 +58,11 @@ class Round:
         report the round failed (:meth:`Session.run_round` does) and begin again."""
         if self._group is None:
             try:
-                self._group = self.session._take_group(self.plan)
+                self._group = self.session._group_for(self.plan)
             except Exception:
                 self.setup_failed = True
                 raise
         return self._group
-
-    @group.setter
-    def group(self, g: Group) -> None:
-        self._group = g
 
     @property
     def number(self) -> int:
